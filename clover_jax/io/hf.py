@@ -1,0 +1,174 @@
+"""Hugging Face <-> clover_jax Llama weights, torch-free.
+
+One mapping table serves import and export. HF stores `nn.Linear.weight` as `[out, in]`; clover_jax
+stores `[in, ...]` kernels split by head (`wq [D, N, H]`), stacked over layers (`[L, ...]`).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Callable, Iterable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from clover_jax.models.config import LlamaConfig
+from clover_jax.models.llama import Llama
+
+_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+
+
+def _layer_table(c: LlamaConfig):
+    """HF per-layer suffix -> (our name, to_ours(np [out,in]) , to_hf(np ours))."""
+    D, N, K, H = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
+    t = {
+        "input_layernorm.weight": ("attn_norm", lambda w: w, lambda w: w),
+        "post_attention_layernorm.weight": ("mlp_norm", lambda w: w, lambda w: w),
+        "self_attn.q_proj.weight": ("wq", lambda w: w.T.reshape(D, N, H), lambda w: w.reshape(D, N * H).T),
+        "self_attn.k_proj.weight": ("wk", lambda w: w.T.reshape(D, K, H), lambda w: w.reshape(D, K * H).T),
+        "self_attn.v_proj.weight": ("wv", lambda w: w.T.reshape(D, K, H), lambda w: w.reshape(D, K * H).T),
+        "self_attn.o_proj.weight": ("wo", lambda w: w.T.reshape(N, H, D), lambda w: w.reshape(N * H, D).T),
+        "mlp.gate_proj.weight": ("w_gate", lambda w: w.T, lambda w: w.T),
+        "mlp.up_proj.weight": ("w_up", lambda w: w.T, lambda w: w.T),
+        "mlp.down_proj.weight": ("w_down", lambda w: w.T, lambda w: w.T),
+    }
+    if c.attention_bias:
+        t["self_attn.q_proj.bias"] = ("bq", lambda b: b.reshape(N, H), lambda b: b.reshape(-1))
+        t["self_attn.k_proj.bias"] = ("bk", lambda b: b.reshape(K, H), lambda b: b.reshape(-1))
+        t["self_attn.v_proj.bias"] = ("bv", lambda b: b.reshape(K, H), lambda b: b.reshape(-1))
+    if c.attention_out_bias:
+        t["self_attn.o_proj.bias"] = ("bo", lambda b: b, lambda b: b)
+    if c.mlp_bias:
+        for hf_name, ours in (("gate_proj", "b_gate"), ("up_proj", "b_up"), ("down_proj", "b_down")):
+            t[f"mlp.{hf_name}.bias"] = (ours, lambda b: b, lambda b: b)
+    return t
+
+
+def hf_to_params(config: LlamaConfig, tensors: Callable[[str], np.ndarray], keys: Iterable[str],
+                 source: str = "checkpoint") -> dict:
+    """Builds our nested param dict (numpy) from HF-named tensors, returned lazily by `tensors(name)`."""
+    keys = set(keys)
+    table = _layer_table(config)
+    L = config.num_hidden_layers
+
+    def need(name):
+        if name not in keys:
+            raise KeyError(f"{source}: missing tensor {name!r}")
+        return np.asarray(tensors(name))
+
+    layers = {}
+    for suffix, (ours, to_ours, _) in table.items():
+        stacked = [to_ours(need(f"model.layers.{i}.{suffix}")) for i in range(L)]
+        layers[ours] = np.stack(stacked)
+    params = {
+        "embed": need("model.embed_tokens.weight"),
+        "final_norm": need("model.norm.weight"),
+        "layers": layers,
+    }
+    if not config.tie_word_embeddings:
+        params["lm_head"] = need("lm_head.weight").T
+    expected = {params["embed"].shape == (config.vocab_size, config.hidden_size)}
+    if not all(expected):
+        raise ValueError(f"{source}: embed_tokens has shape {params['embed'].shape}, config says "
+                         f"({config.vocab_size}, {config.hidden_size})")
+    return params
+
+
+def params_to_hf(config: LlamaConfig, params: dict) -> dict[str, np.ndarray]:
+    """Our nested param dict (arrays) -> HF-named numpy tensors (torch layouts)."""
+    out = {"model.embed_tokens.weight": np.asarray(params["embed"]),
+           "model.norm.weight": np.asarray(params["final_norm"])}
+    for suffix, (ours, _, to_hf) in _layer_table(config).items():
+        stacked = np.asarray(params["layers"][ours])
+        for i in range(config.num_hidden_layers):
+            out[f"model.layers.{i}.{suffix}"] = np.ascontiguousarray(to_hf(stacked[i]))
+    if not config.tie_word_embeddings:
+        out["lm_head.weight"] = np.ascontiguousarray(np.asarray(params["lm_head"]).T)
+    return out
+
+
+def model_from_params(config: LlamaConfig, params: dict, *, param_dtype=jnp.float32, dtype=jnp.float32,
+                      shardings=None, remat: bool = False) -> Llama:
+    """Creates a Llama from a nested numpy param dict without materialising random weights.
+
+    `shardings`, if given, is a pytree matching the model state of `NamedSharding`s: each array is
+    placed on its target sharding as it is converted.
+    """
+    abstract = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0), param_dtype=param_dtype,
+                                            dtype=dtype, remat=remat))
+    graphdef, state = nnx.split(abstract)
+    flat = dict(nnx.to_flat_state(state))
+    shard_flat = dict(nnx.to_flat_state(shardings)) if shardings is not None else {}
+    new_leaves = {}
+    for path, var in flat.items():
+        node = params
+        for p in path:
+            if p not in node:
+                raise KeyError(f"weights have no entry for {'.'.join(map(str, path))}")
+            node = node[p]
+        arr = np.asarray(node)
+        if arr.shape != var.shape:
+            raise ValueError(f"{'.'.join(map(str, path))}: weight shape {arr.shape} != model shape {var.shape}")
+        arr = arr.astype(jnp.dtype(param_dtype))
+        sh = shard_flat.get(path)
+        value = jax.device_put(arr, sh.value if hasattr(sh, "value") else sh) if sh is not None else jnp.asarray(arr)
+        new_leaves[path] = var.replace(value)
+    state = nnx.from_flat_state(new_leaves)
+    return nnx.merge(graphdef, state)
+
+
+def model_params(model: Llama) -> dict:
+    """The model's params as a nested dict of arrays (`embed`, `layers.wq`, ...)."""
+    return nnx.to_pure_dict(nnx.state(model, nnx.Param))
+
+
+# --------------------------------------------------------------------------- safetensors directories
+def _safetensors_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = sorted({path / f for f in weight_map.values()})
+    elif (path / "model.safetensors").is_file():
+        files = [path / "model.safetensors"]
+    else:
+        files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json found")
+    for f in files:
+        if not f.is_file():
+            raise FileNotFoundError(f"{path}: index names {f.name}, which does not exist")
+    return files
+
+
+def read_safetensors_dir(path: str | Path):
+    """Returns `(getter(name) -> np.ndarray, keys)` over every safetensors file of a model folder."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    where = {}
+    handles = {}
+    for f in _safetensors_files(path):
+        h = safe_open(str(f), framework="numpy")
+        handles[f] = h
+        for k in h.keys():
+            where[k] = f
+
+    def get(name):
+        return handles[where[name]].get_tensor(name)
+
+    return get, list(where)
+
+
+def load_hf_dir(path: str | Path, *, param_dtype=jnp.float32, dtype=jnp.float32, shardings=None):
+    """Loads `config.json` + safetensors weights from a transformers model folder (no torch)."""
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"model folder not found: {path}")
+    config = LlamaConfig.from_json_file(path / "config.json")
+    get, keys = read_safetensors_dir(path)
+    params = hf_to_params(config, get, keys, source=str(path))
+    return config, model_from_params(config, params, param_dtype=param_dtype, dtype=dtype, shardings=shardings)

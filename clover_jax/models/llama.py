@@ -1,0 +1,226 @@
+"""Flax NNX Llama-family decoder: RMSNorm, RoPE (HF rotate-half layout), GQA attention with an
+explicit mask, SwiGLU MLP, layers stacked on a leading `L` axis and run with `lax.scan`.
+
+Axis alphabet: B batch, T query tokens, S cache positions, D model, N query heads, K kv heads,
+H head dim, F MLP width, V vocab, L layers.
+
+Attention of T new tokens sees two sources, each with its own boolean mask:
+  * the cache (`cache_mask [B, T, S]`): what is already stored for the row;
+  * the new tokens themselves (`self_mask [B, T, T]`): causal for prefill/decode, the ancestor
+    mask for a speculative tree.
+The forward returns the new tokens' keys/values so the caller decides where they go in the cache.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from clover_jax.models.config import LlamaConfig, rope_inv_freq
+
+NEG_INF = -1e30  # finite, so a fully masked row gives a uniform (never NaN) softmax
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm in float32, cast back to the input dtype (as transformers' LlamaRMSNorm)."""
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (weight.astype(jnp.float32) * xf).astype(x.dtype)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
+    """Rotates `x [B, T, N, H]` at integer `positions [B, T]` (rotate-half layout), in float32."""
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq[None, None, :]  # [B, T, H/2]
+    cos = jnp.cos(angles)[:, :, None, :]
+    sin = jnp.sin(angles)[:, :, None, :]
+    xf = x.astype(jnp.float32)
+    x1, x2 = jnp.split(xf, 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+def _param(rngs: nnx.Rngs, shape, dtype, scale: float | None = None, init: str = "normal"):
+    if init == "ones":
+        return nnx.Param(jnp.ones(shape, dtype))
+    if init == "zeros":
+        return nnx.Param(jnp.zeros(shape, dtype))
+    return nnx.Param((jax.random.normal(rngs.params(), shape, jnp.float32) * scale).astype(dtype))
+
+
+class DecoderStack(nnx.Module):
+    """`num_layers` Llama decoder layers with weights stacked on a leading `L` axis."""
+
+    def __init__(self, config: LlamaConfig, num_layers: int | None = None, *, rngs: nnx.Rngs,
+                 param_dtype=jnp.float32, dtype=jnp.float32, remat: bool = False,
+                 init_std: float = 0.02):
+        c = config
+        n_layers = c.num_hidden_layers if num_layers is None else num_layers
+        L, D, N, K, H, F = (n_layers, c.hidden_size, c.num_attention_heads, c.num_key_value_heads,
+                            c.head_dim, c.intermediate_size)
+        self.config = config
+        self.num_layers = n_layers
+        self.dtype = dtype
+        self.remat = remat
+        p = lambda shape, **kw: _param(rngs, shape, param_dtype, init_std, **kw)  # noqa: E731
+        self.attn_norm = p((L, D), init="ones")
+        self.wq = p((L, D, N, H))
+        self.wk = p((L, D, K, H))
+        self.wv = p((L, D, K, H))
+        self.wo = p((L, N, H, D))
+        if c.attention_bias:
+            self.bq = p((L, N, H), init="zeros")
+            self.bk = p((L, K, H), init="zeros")
+            self.bv = p((L, K, H), init="zeros")
+        if c.attention_out_bias:
+            self.bo = p((L, D), init="zeros")
+        self.mlp_norm = p((L, D), init="ones")
+        self.w_gate = p((L, D, F))
+        self.w_up = p((L, D, F))
+        self.w_down = p((L, F, D))
+        if c.mlp_bias:
+            self.b_gate = p((L, F), init="zeros")
+            self.b_up = p((L, F), init="zeros")
+            self.b_down = p((L, D), init="zeros")
+
+    def layer_params(self) -> dict[str, jax.Array]:
+        names = ["attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down"]
+        if self.config.attention_bias:
+            names += ["bq", "bk", "bv"]
+        if self.config.attention_out_bias:
+            names += ["bo"]
+        if self.config.mlp_bias:
+            names += ["b_gate", "b_up", "b_down"]
+        return {n: getattr(self, n)[...] for n in names}
+
+    def __call__(self, x: jax.Array, positions: jax.Array, self_mask: jax.Array,
+                 cache_k: jax.Array | None = None, cache_v: jax.Array | None = None,
+                 cache_mask: jax.Array | None = None):
+        """Runs the stack.
+
+        Args:
+          x: `[B, T, D]` inputs.
+          positions: `[B, T]` RoPE positions.
+          self_mask: `[B, T, T]` which new tokens each new token attends to.
+          cache_k, cache_v: optional `[L, B, S, K, H]` cached keys/values (read only).
+          cache_mask: `[B, T, S]` which cache slots each new token attends to.
+
+        Returns:
+          `(y [B, T, D], new_k [L, B, T, K, H], new_v [L, B, T, K, H])`.
+        """
+        c = self.config
+        rope_len = cache_k.shape[2] + x.shape[1] if cache_k is not None else x.shape[1]
+        inv_freq = jnp.asarray(rope_inv_freq(c, rope_len), jnp.float32)  # [H/2]
+        eps = c.rms_norm_eps
+        dtype = self.dtype
+        use_cache = cache_k is not None
+
+        def layer(h, xs):
+            lp, ck, cv = xs
+            lp = {k: v.astype(dtype) if k not in ("attn_norm", "mlp_norm") else v for k, v in lp.items()}
+            a = rms_norm(h, lp["attn_norm"], eps)
+            q = jnp.einsum("BTD,DNH->BTNH", a, lp["wq"])
+            k = jnp.einsum("BTD,DKH->BTKH", a, lp["wk"])
+            v = jnp.einsum("BTD,DKH->BTKH", a, lp["wv"])
+            if c.attention_bias:
+                q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
+            q = apply_rope(q, positions, inv_freq)
+            k = apply_rope(k, positions, inv_freq)
+            attn = _attention(q, k, v, self_mask, ck, cv, cache_mask, c.num_key_value_heads)
+            o = jnp.einsum("BTNH,NHD->BTD", attn, lp["wo"])
+            h = h + (o + lp["bo"] if c.attention_out_bias else o)
+            m = rms_norm(h, lp["mlp_norm"], eps)
+            gate = jnp.einsum("BTD,DF->BTF", m, lp["w_gate"])
+            up = jnp.einsum("BTD,DF->BTF", m, lp["w_up"])
+            if c.mlp_bias:
+                gate, up = gate + lp["b_gate"], up + lp["b_up"]
+            down = jnp.einsum("BTF,FD->BTD", jax.nn.silu(gate) * up, lp["w_down"])
+            h = h + (down + lp["b_down"] if c.mlp_bias else down)
+            return h, (k, v)
+
+        if self.remat:
+            layer = jax.checkpoint(layer)
+        xs = (self.layer_params(), cache_k if use_cache else None, cache_v if use_cache else None)
+        y, (new_k, new_v) = jax.lax.scan(layer, x.astype(dtype), xs)
+        return y, new_k, new_v
+
+
+def _attention(q, k, v, self_mask, ck, cv, cache_mask, num_kv_heads):
+    """GQA attention of new queries over (cache ++ new keys); softmax in float32.
+
+    q: [B, T, N, H]; k, v: [B, T, K, H]; ck, cv: [B, S, K, H] or None.
+    """
+    b, t, n, h = q.shape
+    g = n // num_kv_heads
+    qg = q.reshape(b, t, num_kv_heads, g, h) * (h ** -0.5)  # [B, T, K, G, H]
+    s_new = jnp.einsum("BTKGH,BSKH->BKGTS", qg, k).astype(jnp.float32)
+    s_new = jnp.where(self_mask[:, None, None], s_new, NEG_INF)
+    if ck is None:
+        p = jax.nn.softmax(s_new, axis=-1).astype(v.dtype)
+        out = jnp.einsum("BKGTS,BSKH->BTKGH", p, v)
+    else:
+        s_old = jnp.einsum("BTKGH,BSKH->BKGTS", qg, ck.astype(q.dtype)).astype(jnp.float32)
+        s_old = jnp.where(cache_mask[:, None, None], s_old, NEG_INF)
+        p = jax.nn.softmax(jnp.concatenate([s_old, s_new], axis=-1), axis=-1).astype(v.dtype)
+        s = ck.shape[1]
+        out = (jnp.einsum("BKGTS,BSKH->BTKGH", p[..., :s], cv.astype(v.dtype))
+               + jnp.einsum("BKGTS,BSKH->BTKGH", p[..., s:], v))
+    return out.reshape(b, t, n, h)
+
+
+class Llama(nnx.Module):
+    """Llama-family causal LM. `__call__` returns (logits, pre-norm last hidden state, new K, new V)."""
+
+    def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs, param_dtype=jnp.float32,
+                 dtype=jnp.float32, remat: bool = False):
+        c = config
+        self.config = config
+        self.dtype = dtype
+        self.embed = _param(rngs, (c.vocab_size, c.hidden_size), param_dtype, 0.02)  # [V, D]
+        self.layers = DecoderStack(c, rngs=rngs, param_dtype=param_dtype, dtype=dtype, remat=remat)
+        self.final_norm = _param(rngs, (c.hidden_size,), param_dtype, init="ones")
+        if not c.tie_word_embeddings:
+            self.lm_head = _param(rngs, (c.hidden_size, c.vocab_size), param_dtype, 0.02)  # [D, V]
+
+    def lm_head_matrix(self) -> jax.Array:
+        """The output projection `[D, V]` (the transposed embedding when tied)."""
+        if self.config.tie_word_embeddings:
+            return self.embed[...].T
+        return self.lm_head[...]
+
+    def embed_tokens(self, tokens: jax.Array) -> jax.Array:
+        return jnp.take(self.embed[...], tokens, axis=0).astype(self.dtype)
+
+    def forward_hidden(self, tokens, positions, self_mask, cache=None, cache_mask=None):
+        """Pre-final-norm hidden states `[B, T, D]` and new K/V `[L, B, T, K, H]`."""
+        x = self.embed_tokens(tokens)
+        ck = cv = None
+        if cache is not None:
+            ck, cv = cache.k, cache.v
+            if cache_mask is None:
+                raise ValueError("cache_mask [B, T, S] is required when a cache is given")
+        return self.layers(x, positions, self_mask, ck, cv, cache_mask)
+
+    def logits(self, hidden_prenorm: jax.Array) -> jax.Array:
+        """float32 logits `[..., V]` from pre-norm hidden states `[..., D]`."""
+        h = rms_norm(hidden_prenorm, self.final_norm[...], self.config.rms_norm_eps)
+        w = self.lm_head_matrix().astype(self.dtype)
+        return jnp.einsum("...D,DV->...V", h, w).astype(jnp.float32)
+
+    def __call__(self, tokens, positions=None, self_mask=None, cache=None, cache_mask=None):
+        b, t = tokens.shape
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        if self_mask is None:
+            self_mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
+        hidden, new_k, new_v = self.forward_hidden(tokens, positions, self_mask, cache, cache_mask)
+        return self.logits(hidden), hidden, new_k, new_v
+
+
+def init_llama(config: LlamaConfig, seed: int = 0, **kw) -> Llama:
+    return Llama(config, rngs=nnx.Rngs(params=seed), **kw)
+
+
+def count_params(module: nnx.Module) -> int:
+    return int(sum(np.prod(x.shape) for x in jax.tree.leaves(nnx.state(module, nnx.Param))))
