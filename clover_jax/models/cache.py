@@ -47,8 +47,8 @@ class KVCache:
         """
         num_layers, batch, t = new_k.shape[:3]
         b_idx = jnp.broadcast_to(jnp.arange(batch)[:, None], (batch, t))  # [B, T]
-        k = self.k.at[:, b_idx, slots].set(new_k.astype(self.k.dtype).transpose(1, 2, 0, 3, 4), mode="drop")
-        v = self.v.at[:, b_idx, slots].set(new_v.astype(self.v.dtype).transpose(1, 2, 0, 3, 4), mode="drop")
+        k = self.k.at[:, b_idx, slots].set(new_k.astype(self.k.dtype), mode="drop")
+        v = self.v.at[:, b_idx, slots].set(new_v.astype(self.v.dtype), mode="drop")
         return self.replace(k=k, v=v)
 
     def append(self, new_k: jax.Array, new_v: jax.Array, num_valid: jax.Array | None = None) -> "KVCache":

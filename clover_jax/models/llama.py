@@ -63,6 +63,7 @@ class DecoderStack(nnx.Module):
         self.num_layers = n_layers
         self.dtype = dtype
         self.remat = remat
+        self.scan_unroll = 1  # layers per scan iteration; decoding can set it higher (see decoding/)
         p = lambda shape, **kw: _param(rngs, shape, param_dtype, init_std, **kw)  # noqa: E731
         self.attn_norm = p((L, D), init="ones")
         self.wq = p((L, D, N, H))
@@ -142,7 +143,7 @@ class DecoderStack(nnx.Module):
         if self.remat:
             layer = jax.checkpoint(layer)
         xs = (self.layer_params(), cache_k if use_cache else None, cache_v if use_cache else None)
-        y, (new_k, new_v) = jax.lax.scan(layer, x.astype(dtype), xs)
+        y, (new_k, new_v) = jax.lax.scan(layer, x.astype(dtype), xs, unroll=self.scan_unroll)
         return y, new_k, new_v
 
 

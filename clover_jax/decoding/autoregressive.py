@@ -1,0 +1,121 @@
+"""Plain autoregressive generation: prefill + `lax.while_loop` over decode steps, in one jitted call.
+
+Batch rows have their own prompt lengths (right padding) and stop on their own (EOS or
+`max_new_tokens`, which is traced so a new value does not recompile). Prompts are padded to a
+length bucket so prompts of similar length share one compilation.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx, struct
+
+from clover_jax.decoding.sampling import next_token
+from clover_jax.models.cache import KVCache, causal_mask, prefix_mask
+from clover_jax.models.llama import Llama
+
+
+@struct.dataclass
+class DecodeOutput:
+    tokens: jax.Array  # [B, S] prompt then generated tokens (row b valid up to `lengths[b]`)
+    prompt_lengths: jax.Array  # [B]
+    lengths: jax.Array  # [B] prompt + generated
+    num_generated: jax.Array  # [B]
+    steps: jax.Array  # [] base-model forward passes after the prefill (decode phase)
+    row_steps: jax.Array  # [B] decode forwards each row took part in before it stopped
+
+
+@struct.dataclass
+class _ARState:
+    step: jax.Array
+    tokens: jax.Array  # [B, S]
+    lengths: jax.Array  # [B] tokens written so far (the last one is not yet in the cache)
+    cache: KVCache
+    done: jax.Array  # [B]
+    row_steps: jax.Array  # [B]
+    key: jax.Array
+
+
+def prefill(model: Llama, prompt: jax.Array, prompt_lengths: jax.Array, cache: KVCache):
+    """Runs the prompt `[B, T]` (right padded) through the model into an empty cache.
+
+    Returns (last-position logits [B, V], pre-norm hidden [B, T, D], cache with lengths = prompt_lengths).
+    """
+    b, t = prompt.shape
+    valid = jnp.arange(t)[None, :] < prompt_lengths[:, None]  # [B, T]
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    hidden, new_k, new_v = model.forward_hidden(prompt, positions, causal_mask(valid))
+    cache = cache.append(new_k, new_v, num_valid=prompt_lengths)
+    last = jnp.take_along_axis(hidden, (prompt_lengths - 1)[:, None, None], axis=1)[:, 0]  # [B, D]
+    return model.logits(last), hidden, cache
+
+
+def is_eos(tokens: jax.Array, eos_ids: jax.Array) -> jax.Array:
+    return jnp.any(tokens[..., None] == eos_ids, axis=-1)
+
+
+def _ar_generate(graphdef, state, prompt, prompt_lengths, max_new_tokens, eos_ids, sampling, key, *,
+                 cache_size: int, greedy: bool, cache_dtype):
+    model = nnx.merge(graphdef, state)
+    c = model.config
+    b, t = prompt.shape
+    cache = KVCache.init(c.num_hidden_layers, b, cache_size, c.num_key_value_heads, c.head_dim, cache_dtype)
+    logits, _, cache = prefill(model, prompt, prompt_lengths, cache)
+    key, sub = jax.random.split(key)
+    first = next_token(sub, logits, sampling, greedy)  # [B]
+    tokens = jnp.zeros((b, cache_size), jnp.int32)
+    tokens = tokens.at[:, :t].set(prompt, mode="drop")
+    rows = jnp.arange(b)
+    tokens = tokens.at[rows, prompt_lengths].set(first, mode="drop")
+    limit = prompt_lengths + max_new_tokens  # [B] final length bound per row
+    done = is_eos(first, eos_ids) | (prompt_lengths + 1 >= limit)
+    st = _ARState(step=jnp.zeros((), jnp.int32), tokens=tokens, lengths=prompt_lengths + 1, cache=cache,
+                  done=done, row_steps=jnp.zeros((b,), jnp.int32), key=key)
+
+    def cond(s: _ARState):
+        # `lengths < cache_size` keeps the next write in range (also checked on the host before the call)
+        return ~jnp.all(s.done) & jnp.all(s.done | (s.lengths < cache_size))
+
+    def body(s: _ARState):
+        last = jnp.take_along_axis(s.tokens, (s.lengths - 1)[:, None], axis=1)  # [B, 1]
+        pos = s.cache.lengths[:, None]  # [B, 1]
+        self_mask = jnp.ones((b, 1, 1), bool)
+        hidden, nk, nv = model.forward_hidden(last, pos, self_mask, s.cache,
+                                              prefix_mask(s.cache.lengths, 1, cache_size))
+        active = ~s.done
+        cache = s.cache.append(nk, nv, num_valid=active.astype(jnp.int32))
+        key, sub = jax.random.split(s.key)
+        tok = next_token(sub, model.logits(hidden[:, 0]), sampling, greedy)
+        write_at = jnp.where(active, s.lengths, cache_size)  # inactive rows: dropped write
+        tokens = s.tokens.at[rows, write_at].set(tok, mode="drop")
+        lengths = s.lengths + active
+        done = s.done | (active & (is_eos(tok, eos_ids) | (lengths >= limit)))
+        return _ARState(step=s.step + 1, tokens=tokens, lengths=lengths, cache=cache, done=done,
+                        row_steps=s.row_steps + active, key=key)
+
+    st = jax.lax.while_loop(cond, body, st)
+    return DecodeOutput(tokens=st.tokens, prompt_lengths=prompt_lengths, lengths=st.lengths,
+                        num_generated=st.lengths - prompt_lengths, steps=st.step, row_steps=st.row_steps)
+
+
+@functools.lru_cache(maxsize=None)
+def _jitted(graphdef, cache_size: int, greedy: bool, cache_dtype):
+    fn = functools.partial(_ar_generate, graphdef, cache_size=cache_size, greedy=greedy, cache_dtype=cache_dtype)
+    return jax.jit(fn)
+
+
+def ar_generate(model: Llama, prompt, prompt_lengths, *, max_new_tokens, cache_size: int, sampling=None,
+                key=None, eos_ids=None, cache_dtype=None) -> DecodeOutput:
+    """Jitted autoregressive generation on padded prompts. Inputs are validated by `clover_jax.api`."""
+    from clover_jax.decoding.sampling import SamplingParams
+
+    sampling = sampling or SamplingParams()
+    graphdef, state = nnx.split(model)
+    eos = jnp.asarray(list(eos_ids if eos_ids is not None else model.config.eos_token_ids) or [-1], jnp.int32)
+    key = jax.random.key(0) if key is None else key
+    fn = _jitted(graphdef, int(cache_size), sampling.greedy, jnp.dtype(cache_dtype or model.dtype))
+    return fn(state, jnp.asarray(prompt, jnp.int32), jnp.asarray(prompt_lengths, jnp.int32),
+              jnp.asarray(max_new_tokens, jnp.int32), eos, sampling.arrays(), key)

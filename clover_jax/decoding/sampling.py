@@ -1,0 +1,85 @@
+"""Logit warping (temperature, top-k, top-p) and sampling, shared by autoregressive decoding and
+speculative verification, so both draw from exactly the same distribution.
+
+All sampling parameters are traced arrays (a new temperature does not recompile); only `greedy`
+(a Python bool) changes the program.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """temperature 0 means greedy. top_k 0 and top_p 1.0 disable those filters."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def arrays(self) -> dict[str, jax.Array]:
+        return {"temperature": jnp.asarray(max(self.temperature, 1e-6), jnp.float32),
+                "top_k": jnp.asarray(self.top_k, jnp.int32),
+                "top_p": jnp.asarray(self.top_p, jnp.float32)}
+
+
+def warp_probs(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """Probabilities `[..., V]` (float32) after temperature, top-k and top-p (nucleus) filtering.
+
+    Ties at the top-k / top-p boundary are all kept (a threshold on the value), which keeps the
+    result a deterministic function of the logits.
+    """
+    x = logits.astype(jnp.float32) / temperature
+    v = x.shape[-1]
+    sorted_x = jnp.sort(x, axis=-1)[..., ::-1]  # descending
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, v), v)
+    kth = jnp.take_along_axis(sorted_x, jnp.broadcast_to(k - 1, x.shape[:-1])[..., None].astype(jnp.int32), -1)
+    x = jnp.where(x >= kth, x, -jnp.inf)
+    sorted_x = jnp.where(jnp.arange(v) < k, sorted_x, -jnp.inf)
+    sorted_p = jax.nn.softmax(sorted_x, axis=-1)
+    cum_before = jnp.cumsum(sorted_p, axis=-1) - sorted_p  # mass strictly above each sorted entry
+    keep_sorted = cum_before < top_p  # always keeps the first
+    # the smallest kept value is the threshold
+    thresh = jnp.min(jnp.where(keep_sorted, sorted_x, jnp.inf), axis=-1, keepdims=True)
+    x = jnp.where(x >= thresh, x, -jnp.inf)
+    return jax.nn.softmax(x, axis=-1)
+
+
+def sample_from_probs(key: jax.Array, probs: jax.Array) -> jax.Array:
+    """One token per row from `probs [..., V]` by inverse CDF on a single uniform per row."""
+    u = jax.random.uniform(key, probs.shape[:-1], jnp.float32)
+    return sample_with_uniform(u, probs)
+
+
+def sample_with_uniform(u: jax.Array, probs: jax.Array) -> jax.Array:
+    """Inverse-CDF sample with explicit uniforms `u [...]` in [0, 1); probs need not be normalised."""
+    cdf = jnp.cumsum(probs.astype(jnp.float32), axis=-1)
+    total = cdf[..., -1:]
+    idx = jnp.sum(cdf <= u[..., None] * total, axis=-1)
+    # never pick a zero-probability token past the end because of rounding
+    last_nonzero = probs.shape[-1] - 1 - jnp.argmax(jnp.flip(probs > 0, -1), axis=-1)
+    return jnp.minimum(idx, last_nonzero).astype(jnp.int32)
+
+
+def next_token(key: jax.Array, logits: jax.Array, params: dict[str, jax.Array] | None, greedy: bool) -> jax.Array:
+    """Greedy argmax, or a sample from the warped distribution."""
+    if greedy:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    probs = warp_probs(logits, params["temperature"], params["top_k"], params["top_p"])
+    return sample_from_probs(key, probs)

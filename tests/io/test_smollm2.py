@@ -1,0 +1,59 @@
+"""The real SmolLM2-135M-Instruct: our GGUF loader and generation vs transformers' own GGUF loader."""
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import jax.numpy as jnp  # noqa: E402
+
+from clover_jax.api import encode_prompts, generate  # noqa: E402
+
+pytestmark = [pytest.mark.slow, pytest.mark.torch]
+
+
+def test_config_and_tokenizer(smollm):
+    c = smollm.config
+    assert (c.num_hidden_layers, c.hidden_size, c.num_attention_heads, c.num_key_value_heads) == (30, 576, 9, 3)
+    assert c.vocab_size == 49152 and c.tie_word_embeddings and c.rope_theta == 100000.0
+    tok = smollm.tokenizer
+    assert tok.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>", "<|endoftext|>"]) == [1, 2, 0]
+    assert tok.eos_token_id == 2
+
+
+def test_tokenizer_matches_transformers_gguf_tokenizer(smollm):
+    import transformers
+
+    from clover_jax.io.loader import resolve_model_path
+
+    path = resolve_model_path("smollm2-135m-instruct")
+    ref = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    texts = ["Hello world!", "  leading spaces and\ttabs\n\nnewlines", "naïve café – 東京 🙂", "x=1; y = [2,3]",
+             "<|im_start|>user\nhi<|im_end|>"]
+    for t in texts:
+        assert smollm.tokenizer.encode(t) == ref.encode(t), t
+    msgs = [{"role": "user", "content": "What is 2+2?"}]
+    assert encode_prompts(smollm.tokenizer, ["What is 2+2?"]) == [
+        list(ref.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)["input_ids"])]
+
+
+def test_logits_match_transformers(smollm, smollm_torch, chat_prompts):
+    ids = encode_prompts(smollm.tokenizer, chat_prompts[:2])
+    for p in ids:
+        with torch.no_grad():
+            ref = smollm_torch(torch.tensor([p])).logits[0].numpy()
+        logits, *_ = smollm.model(jnp.asarray([p]))
+        np.testing.assert_allclose(np.asarray(logits[0]), ref, atol=1e-3, rtol=0)
+        assert (np.asarray(logits[0]).argmax(-1) == ref.argmax(-1)).all()
+
+
+def test_greedy_generation_matches_transformers(smollm, smollm_torch, chat_prompts):
+    """Our jitted greedy loop emits exactly transformers' greedy `generate` tokens (64 new tokens)."""
+    ids = encode_prompts(smollm.tokenizer, chat_prompts)
+    ours = generate(smollm, ids, max_new_tokens=64)  # one batch, different prompt lengths
+    for i, p in enumerate(ids):
+        with torch.no_grad():
+            ref = smollm_torch.generate(torch.tensor([p]), max_new_tokens=64, do_sample=False,
+                                        eos_token_id=2, pad_token_id=2)[0, len(p):].tolist()
+        assert ours.token_ids[i] == ref, f"prompt {i}: {smollm.tokenizer.decode(ours.token_ids[i])!r}"
+    assert "Paris" in ours.texts[0]
