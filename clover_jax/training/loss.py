@@ -150,7 +150,7 @@ def kd_loss(outputs: jax.Array, teacher_hidden: jax.Array, tokens: jax.Array, lo
     masks, lbl = [], cor
     for i in range(nh):
         if i > 0:
-            lbl = _shift(cor, i)  # prod_{j<=i} cor[t+j]
+            lbl = lbl & _shift(cor, i)  # prod_{j<=i} cor[t+j]
         masks.append(base_masks[i] & lbl if cfg.label_mask else base_masks[i])
     m = jnp.stack(masks)  # [nh, B, T]
 

@@ -58,6 +58,7 @@ _train = jax.jit(lambda h, b, f, tok, valid: h.train_outputs(b, f, tok, valid))
 _commit = jax.jit(lambda h, b, c, f, y, n: h.commit(b, c, f, y, n))
 _step = jax.jit(lambda h, b, s, tok: h.step(b, s, tok))
 _head0 = jax.jit(lambda h, s: h.head0(s))
+_logits = jax.jit(lambda h, b, o: h.logits(b, o))
 
 
 def _data(b, t, seed):
@@ -118,7 +119,7 @@ def test_dims_mismatch_is_a_clear_error(head):
 
 
 def test_shapes(base, head):
-    b, t = 2, 6
+    b, t = 3, 8  # the shapes of the tests below, so the compiled functions are shared
     f, tokens, y = _data(b, t, 0)
     out = _train(head, base, f, tokens, jnp.ones((b, t), bool))
     assert out.shape == (HCFG.num_heads, b, t, D)
@@ -126,14 +127,14 @@ def test_shapes(base, head):
         np.testing.assert_array_equal(np.asarray(out[i, :, t - i:]), 0)
     cache = head.init_cache(b, 16)
     assert cache.k.shape == (HCFG.num_aug_layers, b, 16, CFG.num_key_value_heads, CFG.head_dim)
-    state, cache = _commit(head, base, cache, f, y, jnp.array([t, 3]))
-    assert state.shape == (b, D) and np.asarray(cache.lengths).tolist() == [t, 3]
-    states = jnp.broadcast_to(state[:, None], (b, 4, D))  # [B, E, D]
-    o0 = head.head0(states)
-    s1, o1 = head.step(base, states, jnp.zeros((b, 4), jnp.int32))
-    assert o0.shape == s1.shape == o1.shape == (b, 4, D)
-    lg = head.logits(base, o1)
-    assert lg.shape == (b, 4, V) and lg.dtype == jnp.float32
+    state, cache = _commit(head, base, cache, f, y, jnp.array([t, 3, 0]))
+    assert state.shape == (b, D) and np.asarray(cache.lengths).tolist() == [t, 3, 0]
+    states = jnp.broadcast_to(state[:, None], (b, t, D))  # [B, E, D]
+    o0 = _head0(head, states)
+    s1, o1 = _step(head, base, states, tokens)
+    assert o0.shape == s1.shape == o1.shape == (b, t, D)
+    lg = _logits(head, base, o1)
+    assert lg.shape == (b, t, V) and lg.dtype == jnp.float32
 
 
 # ----------------------------------------------------------------------------- inference == training
@@ -182,10 +183,10 @@ def test_commit_in_chunks_equals_one_call_and_padding_is_isolated(base, head):
 
 def test_inference_recurrence_matches_teacher_forcing(base, head):
     """commit one position at a time -> s^0_t; head0 / step chains reproduce train_outputs o^i_t."""
-    b, t = 2, 8
+    b, t = 3, 8
     f, tokens, y = _data(b, t, 2)
     out = np.asarray(_train(head, base, f, tokens, jnp.ones((b, t), bool)))  # [nh, B, T, D]
-    cache, states = head.init_cache(b, 12), []
+    cache, states = head.init_cache(b, 16), []
     for p in range(t):
         s, cache = _commit(head, base, cache, f[:, p:p + 1], y[:, p:p + 1], jnp.ones((b,), jnp.int32))
         states.append(s)
@@ -197,7 +198,7 @@ def test_inference_recurrence_matches_teacher_forcing(base, head):
         np.testing.assert_allclose(np.asarray(o[:, :t - i]), out[i, :, :t - i], atol=3e-5, rtol=3e-5,
                                    err_msg=f"head {i}")
     # logits of head 0 through the frozen lm_head
-    lg = head.logits(base, jnp.asarray(out[0]))
+    lg = _logits(head, base, jnp.asarray(out[0]))
     np.testing.assert_allclose(np.asarray(lg), out[0] @ np.asarray(base.lm_head_matrix()), atol=1e-4)
 
 

@@ -78,8 +78,9 @@ def _inputs(seed):
     h = rng.randn(B, T, D)
     p = _softmax(h @ w)
     tokens = rng.randint(0, V, (B, T))
-    teacher_next = p.argmax(-1)[:, :-1]  # make ~half the data tokens the teacher's choice
-    tokens[:, 1:] = np.where(rng.rand(B, T - 1) < 0.6, teacher_next, tokens[:, 1:])
+    ranked = np.argsort(-p, axis=-1)[:, :-1]  # the base's candidates for x_{t+1}
+    pick = rng.rand(B, T - 1)  # data tokens: 40% the base's first choice, 30% its second, 30% random
+    tokens[:, 1:] = np.where(pick < 0.4, ranked[..., 0], np.where(pick < 0.7, ranked[..., 1], tokens[:, 1:]))
     h_next = np.stack([np.pad(h[:, 1 + i:], ((0, 0), (0, 1 + i), (0, 0)))[:, :T] for i in range(NH)])
     near = rng.rand(NH, B, T, 1) < 0.6  # outputs close to the target at ~60% of positions
     outputs = np.where(near, h_next + 0.3 * rng.randn(NH, B, T, D), 1.5 * rng.randn(NH, B, T, D))

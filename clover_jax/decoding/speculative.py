@@ -1,0 +1,183 @@
+"""Speculative decoding: prefill, then draft -> verify -> accept -> compact in one `lax.while_loop`.
+
+Per step and per batch row (rows accept different lengths; there is no batch minimum):
+  * the drafter proposes a tree of U tokens under the root (the last generated token, not cached);
+  * one base forward runs the U tokens at positions `length + depth` under the tree mask, their K/V
+    written to the U slots after the row's length;
+  * acceptance picks the longest valid path (greedy argmax match, or lossless tree sampling) and
+    a bonus token;
+  * the accepted path's K/V are compacted to contiguous slots; the drafter consumes the accepted
+    nodes' hidden states; the bonus token becomes the next root.
+Greedy output equals plain greedy decoding token for token; sampling preserves the base model's
+(warped) distribution.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+from flax import nnx, struct
+
+from clover_jax.decoding import verify
+from clover_jax.decoding.autoregressive import DecodeOutput, is_eos, prefill
+from clover_jax.decoding.sampling import SamplingParams, next_token, warp_probs
+from clover_jax.models.cache import KVCache, prefix_mask
+
+
+@struct.dataclass
+class SpecStats:
+    accept_hist: jax.Array  # [B, Dmax+1] steps that accepted n drafts, n = 0..Dmax
+    row_steps: jax.Array  # [B]
+
+
+@struct.dataclass
+class _SpecState:
+    step: jax.Array
+    tokens: jax.Array  # [B, S] prompt + generated; tokens[b, lengths[b]-1] is the root (not cached)
+    lengths: jax.Array  # [B]
+    cache: KVCache
+    head_state: object
+    done: jax.Array  # [B]
+    accept_hist: jax.Array  # [B, Dmax+1]
+    row_steps: jax.Array  # [B]
+    key: jax.Array
+
+
+def _accept(proposal, logits, key, sampling, greedy: bool, sampled_drafts: bool):
+    if greedy:
+        return verify.greedy_accept(proposal.tokens, logits, proposal.buffers)
+    p = warp_probs(logits, sampling["temperature"], sampling["top_k"], sampling["top_p"])
+    u_accept, u_sample = verify.draw_uniforms(key, logits.shape[0], proposal.buffers)
+    if sampled_drafts:
+        return verify.sample_accept_sampled(proposal.tokens, p, proposal.draft_probs, proposal.buffers,
+                                            u_accept, u_sample)
+    return verify.sample_accept_topk(proposal.tokens, p, proposal.buffers, u_accept, u_sample)
+
+
+def _spec_generate(base_graph, base_state, head_graph, head_state_params, prompt, prompt_lengths, max_new_tokens,
+                   eos_ids, sampling, key, *, drafter, cache_size: int, greedy: bool, cache_dtype):
+    base = nnx.merge(base_graph, base_state)
+    head = nnx.merge(head_graph, head_state_params)
+    c = base.config
+    b, t = prompt.shape
+    u, dmax = drafter.num_nodes, drafter.max_depth
+    rows = jnp.arange(b)
+
+    cache = KVCache.init(c.num_hidden_layers, b, cache_size, c.num_key_value_heads, c.head_dim, cache_dtype)
+    logits, hidden, cache = prefill(base, prompt, prompt_lengths, cache)
+    key, sub = jax.random.split(key)
+    root = next_token(sub, logits, sampling, greedy)  # [B]
+    # the head reads (f_t, x_{t+1}) pairs: the prompt shifted by one, then the root
+    y_prompt = jnp.concatenate([prompt[:, 1:], jnp.zeros((b, 1), prompt.dtype)], axis=1)
+    y_prompt = y_prompt.at[rows, prompt_lengths - 1].set(root)
+    hs = drafter.start(head, base, drafter.init_state(head, base, b, cache_size), hidden, y_prompt, prompt_lengths)
+
+    tokens = jnp.zeros((b, cache_size), jnp.int32).at[:, :t].set(prompt, mode="drop")
+    tokens = tokens.at[rows, prompt_lengths].set(root, mode="drop")
+    limit = prompt_lengths + max_new_tokens
+    done = is_eos(root, eos_ids) | (prompt_lengths + 1 >= limit)
+    st = _SpecState(step=jnp.zeros((), jnp.int32), tokens=tokens, lengths=prompt_lengths + 1, cache=cache,
+                    head_state=hs, done=done, accept_hist=jnp.zeros((b, dmax + 1), jnp.int32),
+                    row_steps=jnp.zeros((b,), jnp.int32), key=key)
+
+    def cond(s: _SpecState):
+        room = s.cache.lengths + u <= cache_size  # the tree's K/V must fit after each row's prefix
+        return ~jnp.all(s.done) & jnp.all(s.done | room)
+
+    def body(s: _SpecState):
+        key, k_draft, k_acc = jax.random.split(s.key, 3)
+        root = jnp.take_along_axis(s.tokens, (s.lengths - 1)[:, None], axis=1)[:, 0]  # [B]
+        prop = drafter.propose(head, base, s.head_state, root, k_draft)
+        buf = prop.buffers
+        depth = buf.depth if buf.depth.ndim == 2 else jnp.broadcast_to(buf.depth, (b, u))
+        tree_mask = buf.mask if buf.mask.ndim == 3 else jnp.broadcast_to(buf.mask, (b, u, u))
+        length = s.cache.lengths
+        positions = length[:, None] + depth  # [B, U]
+        hidden, nk, nv = base.forward_hidden(prop.tokens, positions, tree_mask, s.cache,
+                                             prefix_mask(length, u, cache_size))
+        cache = s.cache.write(nk, nv, length[:, None] + jnp.arange(u)[None, :])
+        logits = base.logits(hidden)  # [B, U, V]
+        acc = _accept(prop, logits, k_acc, sampling, greedy, drafter.sampled_drafts)
+        active = ~s.done
+        n = jnp.where(active, acc.num_accepted, 0)  # accepted drafts per row
+        nodes = acc.accepted_nodes  # [B, Dmax+1], root first
+        # base cache: compact root + accepted drafts to contiguous slots
+        cache = cache.gather_to_prefix(length[:, None] + nodes, jnp.where(active, n + 1, 0))
+        # new tokens after the root: accepted drafts then the bonus token
+        drafts = jnp.take_along_axis(prop.tokens, nodes, axis=1)  # [B, Dmax+1] (entry 0 = root)
+        i = jnp.arange(dmax + 1)[None, :]
+        new = jnp.where(i < n[:, None], jnp.roll(drafts, -1, axis=1), acc.next_token[:, None])
+        new = jnp.where(i <= n[:, None], new, 0)  # [B, Dmax+1]: n drafts, bonus, then padding
+        # stop at the first EOS among them and at the length limit
+        eos_at = jnp.where(is_eos(new, eos_ids) & (i <= n[:, None]), i, dmax + 1).min(axis=1)
+        num_new = jnp.minimum(jnp.minimum(n + 1, eos_at + 1), limit - s.lengths)
+        num_new = jnp.where(active, num_new, 0)
+        write_at = jnp.where(i < num_new[:, None], s.lengths[:, None] + i, cache_size)
+        tokens = s.tokens.at[rows[:, None], write_at].set(new, mode="drop")
+        lengths = s.lengths + num_new
+        done = s.done | (active & ((eos_at <= n) | (lengths >= limit)))
+        # the head consumes (f, next token) for the root and the accepted drafts
+        f_new = jnp.take_along_axis(hidden, nodes[..., None], axis=1)  # [B, Dmax+1, D]
+        hs = drafter.commit(head, base, s.head_state, f_new, new, jnp.where(active, n + 1, 0))
+        hist = s.accept_hist + (jax.nn.one_hot(n, dmax + 1, dtype=jnp.int32) * active[:, None])
+        return _SpecState(step=s.step + 1, tokens=tokens, lengths=lengths, cache=cache, head_state=hs, done=done,
+                          accept_hist=hist, row_steps=s.row_steps + active, key=key)
+
+    st = jax.lax.while_loop(cond, body, st)
+    out = DecodeOutput(tokens=st.tokens, prompt_lengths=prompt_lengths, lengths=st.lengths,
+                       num_generated=st.lengths - prompt_lengths, steps=st.step, row_steps=st.row_steps)
+    return out, SpecStats(accept_hist=st.accept_hist, row_steps=st.row_steps)
+
+
+@functools.lru_cache(maxsize=None)
+def _jitted(base_graph, head_graph, drafter, cache_size: int, greedy: bool, cache_dtype):
+    def fn(base_state, head_params, *args):
+        return _spec_generate(base_graph, base_state, head_graph, head_params, *args, drafter=drafter,
+                              cache_size=cache_size, greedy=greedy, cache_dtype=cache_dtype)
+
+    return jax.jit(fn)
+
+
+@functools.lru_cache(maxsize=32)
+def drafter_for(head_type: type, tree_key) -> object:
+    from clover_jax.decoding.tree import get_tree
+    from clover_jax.heads.clover2 import Clover2Head
+    from clover_jax.heads.clover2_draft import Clover2Drafter
+
+    if issubclass(head_type, Clover2Head):
+        return Clover2Drafter(get_tree(tree_key))
+    raise TypeError(f"no drafter for head type {head_type.__name__}")
+
+
+def spec_generate(base, head, prompt, prompt_lengths, *, max_new_tokens: int, cache_size: int | None,
+                  sampling: SamplingParams, key, tree=None, eos_ids=None, drafter=None):
+    """Runs the jitted speculative loop; returns (DecodeOutput, stats dict, seconds)."""
+    import numpy as np
+
+    from clover_jax.api import plan_cache
+
+    drafter = drafter or drafter_for(type(head), tree or "clover2-26")
+    drafter.check(head, base)
+    lens = np.asarray(prompt_lengths)
+    cache_size = plan_cache(lens, max_new_tokens, drafter.num_nodes, cache_size, None)
+    base_graph, base_state = nnx.split(base)
+    head_graph, head_params = nnx.split(head)
+    eos = jnp.asarray(list(eos_ids if eos_ids is not None else base.config.eos_token_ids) or [-1], jnp.int32)
+    fn = _jitted(base_graph, head_graph, drafter, int(cache_size), sampling.greedy, jnp.dtype(base.dtype))
+    t0 = time.perf_counter()
+    out, st = fn(base_state, head_params, jnp.asarray(prompt, jnp.int32), jnp.asarray(lens, jnp.int32),
+                 jnp.asarray(max_new_tokens, jnp.int32), eos, sampling.arrays(), key)
+    out = jax.block_until_ready(out)
+    seconds = time.perf_counter() - t0
+    hist = np.asarray(st.accept_hist)
+    steps = hist.sum()
+    tau = float((hist * (np.arange(hist.shape[1]) + 1)).sum() / steps) if steps else float("nan")
+    # acceptance rate of depth d given depth d-1 accepted (the n-alpha of the EAGLE papers)
+    reach = hist[:, ::-1].cumsum(1)[:, ::-1].sum(0)  # steps that accepted >= n drafts
+    alpha = [float(reach[d] / reach[d - 1]) if reach[d - 1] else float("nan") for d in range(1, hist.shape[1])]
+    stats = {"tau": tau, "accept_hist": hist.sum(0).tolist(), "accept_rate_per_depth": alpha,
+             "row_tau": ((hist * (np.arange(hist.shape[1]) + 1)).sum(1) / np.maximum(hist.sum(1), 1)).tolist()}
+    return out, stats, seconds

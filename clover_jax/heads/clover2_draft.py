@@ -1,0 +1,95 @@
+"""Clover-2 drafting over a static tree: the `Drafter` the speculative loop uses with a Clover2Head.
+
+State: the Augmenting Block's KV cache and s^0 (the block's output at the last committed position).
+Drafting, per step (drafters.md §2.4 / §10.5): head 0 gives the top-k children of the root; then, depth
+by depth, only the tree nodes that have children are expanded: `s = AD2(s_parent, E[token])`,
+`o = head_norm(FCout [s; E[token]])`, top-k of `W_lm o`. The tree tokens are gathered from the
+per-depth top-k with the tree's `draft_index`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from clover_jax.decoding.tree import TreeBuffers, TreeSpec, build_buffers
+from clover_jax.heads.clover2 import Clover2Head, check_compatible
+from clover_jax.heads.protocol import Proposal
+from clover_jax.models.cache import KVCache
+
+
+@struct.dataclass
+class Clover2State:
+    cache: KVCache  # Augmenting-Block cache [A_layers, B, S, K, H]
+    s0: jax.Array  # [B, D]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Clover2Drafter:
+    """Static drafting plan for one tree (hashable by identity; build once per tree)."""
+
+    spec: TreeSpec
+    sampled_drafts: bool = False
+
+    def __post_init__(self):
+        object.__setattr__(self, "buffers", build_buffers(self.spec))
+
+    @property
+    def num_nodes(self) -> int:
+        return self.spec.num_nodes
+
+    @property
+    def max_depth(self) -> int:
+        return self.spec.max_depth
+
+    def check(self, head: Clover2Head, base) -> None:
+        check_compatible(head, base.config)
+        if self.max_depth > head.cfg.num_heads:
+            raise ValueError(f"tree {self.spec.name!r} is {self.max_depth} drafts deep but the head has only "
+                             f"{head.cfg.num_heads} heads; use a shallower tree or a head with more heads")
+        if self.spec.top_k > base.config.vocab_size:
+            raise ValueError(f"tree top_k={self.spec.top_k} exceeds the vocabulary ({base.config.vocab_size})")
+
+    def init_state(self, head: Clover2Head, base, batch: int, cache_size: int) -> Clover2State:
+        return Clover2State(cache=head.init_cache(batch, cache_size),
+                            s0=jnp.zeros((batch, base.config.hidden_size), head.cfg.dtype))
+
+    def start(self, head, base, state: Clover2State, f_prompt, y_prompt, lengths) -> Clover2State:
+        s0, cache = head.commit(base, state.cache, f_prompt, y_prompt, lengths)
+        return Clover2State(cache=cache, s0=s0)
+
+    def commit(self, head, base, state: Clover2State, f_new, y_new, num_new) -> Clover2State:
+        s0, cache = head.commit(base, state.cache, f_new, y_new, num_new)
+        active = num_new > 0
+        return Clover2State(cache=cache, s0=jnp.where(active[:, None], s0, state.s0))
+
+    def propose(self, head: Clover2Head, base, state: Clover2State, root: jax.Array, key) -> Proposal:
+        buf: TreeBuffers = self.buffers
+        k = self.spec.top_k
+        b = root.shape[0]
+        num_expand = np.asarray(buf.num_expand)
+        emax = buf.expand_nodes.shape[1]
+        # step 0: the root is the only expanded node
+        logits0 = head.logits(base, head.head0(state.s0))  # [B, V]
+        top0 = jax.lax.top_k(logits0, k)[1].astype(jnp.int32)  # [B, k]
+        per_step = [jnp.pad(top0[:, None, :], ((0, 0), (0, emax - 1), (0, 0)))]  # each [B, E, k]
+        prev_states = state.s0[:, None, :]  # states of the nodes expanded at the previous step [B, E_prev, D]
+        prev_top = top0[:, None, :]  # [B, E_prev, k]
+        for s in range(1, self.max_depth):
+            e = int(num_expand[s])
+            slots = np.asarray(buf.expand_parent_slot[s, :e])  # parent's slot among step s-1 expansions
+            ranks = np.asarray(buf.expand_rank[s, :e])
+            tokens = prev_top[:, slots, ranks]  # [B, e] the expanded nodes' own tokens
+            parent_states = prev_states[:, slots]  # [B, e, D]
+            new_states, o = head.step(base, parent_states, tokens)
+            top = jax.lax.top_k(head.logits(base, o), k)[1].astype(jnp.int32)  # [B, e, k]
+            per_step.append(jnp.pad(top, ((0, 0), (0, emax - e), (0, 0))))
+            prev_states, prev_top = new_states, top
+        cand = jnp.concatenate([root[:, None], jnp.stack(per_step, 1).reshape(b, -1)], axis=1)
+        tree_tokens = cand[:, np.asarray(buf.draft_index)]  # [B, U]
+        tree_tokens = tree_tokens.at[:, 0].set(root)
+        return Proposal(tokens=tree_tokens, buffers=jax.tree.map(jnp.asarray, buf))

@@ -1,0 +1,51 @@
+"""The contract between the speculative decode loop and a draft head.
+
+The loop (`clover_jax.decoding.speculative`) knows a head only through a `Drafter`: a static,
+hashable Python object (configuration and tree) whose methods are pure functions of
+`(head params module, base model, explicit state)`. A new head type (Medusa, EAGLE, ReDrafter,
+dynamic trees) is a new `Drafter`, not a change to the loop.
+
+Per decoding step the loop calls:
+  1. `propose(head, base, state, root, key)` -> `Proposal`: the tree tokens `[B, U]` (node 0 is the
+     root) and the tree buffers (`TreeBuffers`, shared `[U, ...]` or per row `[B, U, ...]`).
+  2. verifies the tree with one base forward, accepts a path per row;
+  3. `commit(head, base, state, f_new, y_new, num_new)` with the accepted nodes' pre-norm hidden
+     states `[B, A, D]`, the token following each (`y_new [B, A]`, the last one is the new root) and
+     the count per row.
+Before the loop, `start(...)` consumes the prompt the same way `commit` consumes accepted tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import jax
+from flax import struct
+
+from clover_jax.decoding.tree import TreeBuffers
+
+
+@struct.dataclass
+class Proposal:
+    tokens: jax.Array  # [B, U] tree tokens, node 0 = the root
+    buffers: TreeBuffers  # shared [U, ...] or per row [B, U, ...]
+    draft_probs: jax.Array | None = None  # [B, U, V] draft distribution per node, for sampled drafts
+
+
+class Drafter(Protocol):
+    """What the decode loop needs from a draft head (see module docstring)."""
+
+    num_nodes: int  # U, static
+    max_depth: int  # deepest draft, static
+    sampled_drafts: bool  # True: drafts sampled from draft_probs (acceptance rule (a)); False: top-k
+
+    def init_state(self, head: Any, base: Any, batch: int, cache_size: int) -> Any: ...
+
+    def start(self, head, base, state, f_prompt: jax.Array, y_prompt: jax.Array, lengths: jax.Array) -> Any: ...
+
+    def propose(self, head, base, state, root: jax.Array, key: jax.Array) -> Proposal: ...
+
+    def commit(self, head, base, state, f_new: jax.Array, y_new: jax.Array, num_new: jax.Array) -> Any: ...
+
+    def check(self, head, base) -> None:
+        """Raises a clear error if this head cannot draft for this base model."""
