@@ -203,6 +203,7 @@ class Clover2Head(nnx.Module):
         Returns:
           `(new_state [..., D], o [..., D])`.
         """
+        check_compatible(self, base.config)
         return self._step_embedded(state, self.embed(base, tokens))
 
     def logits(self, base: Llama, o: jax.Array) -> jax.Array:

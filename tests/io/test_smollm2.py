@@ -57,3 +57,17 @@ def test_greedy_generation_matches_transformers(smollm, smollm_torch, chat_promp
                                         eos_token_id=2, pad_token_id=2)[0, len(p):].tolist()
         assert ours.token_ids[i] == ref, f"prompt {i}: {smollm.tokenizer.decode(ours.token_ids[i])!r}"
     assert "Paris" in ours.texts[0]
+
+
+def test_speculative_greedy_equals_autoregressive_random_head(smollm, chat_prompts):
+    """Real model, randomly initialised Clover-2 head (most drafts rejected): identical tokens,
+    batch 1 and a batch of 4 prompts of different lengths."""
+    from clover_jax.heads.clover2 import Clover2Config, init_from_base
+
+    head = init_from_base(smollm.model, Clover2Config(), seed=0)
+    ids = encode_prompts(smollm.tokenizer, chat_prompts)
+    ar = generate(smollm, ids, max_new_tokens=48)
+    sp = generate(smollm, ids, max_new_tokens=48, mode="speculative", head=head)
+    assert sp.token_ids == ar.token_ids
+    one = generate(smollm, ids[:1], max_new_tokens=48, mode="speculative", head=head)
+    assert one.token_ids[0] == ar.token_ids[0]

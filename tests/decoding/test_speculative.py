@@ -1,0 +1,114 @@
+"""Speculative decoding: exactness (greedy), losslessness (sampling), compilation, bad input."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from clover_jax.api import generate
+from clover_jax.decoding import speculative
+from clover_jax.decoding.tree import TreeSpecError
+from clover_jax.heads.clover2 import Clover2Config, init_from_base
+from clover_jax.models.cache import CacheOverflowError
+from clover_jax.models.config import LlamaConfig
+from clover_jax.models.llama import init_llama
+
+CFG = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=8, eos_token_ids=(2,))
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    base = init_llama(CFG, seed=0)
+    return base, init_from_base(base, Clover2Config())
+
+
+def _prompts(n, seed=0, lo=2, hi=20):
+    rng = np.random.RandomState(seed)
+    return [rng.randint(3, 64, rng.randint(lo, hi)).tolist() for _ in range(n)]
+
+
+@pytest.mark.parametrize("tree", ["clover2-26", "chain-4", "medusa-63"])
+def test_greedy_equals_autoregressive_tiny(tiny, tree):
+    base, head = tiny
+    prompts = _prompts(4)
+    ar = generate(base, prompts, max_new_tokens=40, cache_size=160)
+    sp = generate(base, prompts, max_new_tokens=40, cache_size=160, mode="speculative", head=head, tree=tree)
+    assert sp.token_ids == ar.token_ids
+    assert sp.steps <= ar.steps
+
+
+
+
+def test_greedy_equals_autoregressive_up_to_cache_end(tiny):
+    base, head = tiny
+    prompts = _prompts(3, seed=5)
+    u = 26
+    longest = max(len(p) for p in prompts)
+    size = longest + 24 + u  # exactly what prompt + max_new + tree needs
+    ar = generate(base, prompts, max_new_tokens=24, cache_size=size)
+    sp = generate(base, prompts, max_new_tokens=24, cache_size=size, mode="speculative", head=head)
+    assert sp.token_ids == ar.token_ids
+    with pytest.raises(CacheOverflowError, match="slots for the draft tree"):
+        generate(base, prompts, max_new_tokens=24, cache_size=size - 1, mode="speculative", head=head)
+
+
+def test_one_compile_per_bucket(tiny):
+    base, head = tiny
+    prompts = _prompts(2, seed=1)
+    generate(base, prompts, max_new_tokens=8, cache_size=96, mode="speculative", head=head)
+    drafter = speculative.drafter_for(type(head), "clover2-26")
+    fn = speculative._jitted(nnx.split(base)[0], nnx.split(head)[0], drafter, 96, True, jnp.dtype(jnp.float32))
+    n = fn._cache_size()
+    generate(base, _prompts(2, seed=2), max_new_tokens=17, cache_size=96, mode="speculative", head=head)
+    assert fn._cache_size() == n
+
+
+def test_bad_input(tiny):
+    base, head = tiny
+    with pytest.raises(TreeSpecError):
+        generate(base, [[5, 6, 7]], max_new_tokens=4, mode="speculative", head=head, tree="chain-0")
+    with pytest.raises(TreeSpecError, match="known"):
+        generate(base, [[5, 6, 7]], max_new_tokens=4, mode="speculative", head=head, tree="no-such-tree")
+    with pytest.raises(ValueError, match="needs a draft head"):
+        generate(base, [[5, 6, 7]], max_new_tokens=4, mode="speculative")
+    other = init_llama(LlamaConfig(vocab_size=64, hidden_size=48, intermediate_size=48, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=12), seed=0)
+    with pytest.raises(ValueError, match="hidden_size"):
+        generate(other, [[5, 6, 7]], max_new_tokens=4, mode="speculative", head=head)
+    with pytest.raises(ValueError, match="drafts deep"):
+        generate(base, [[5, 6, 7]], max_new_tokens=4, mode="speculative", head=head, tree="chain-7")
+
+
+def _first_tokens(result, n):
+    return np.array([t[:n] for t in result.token_ids])
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.8])
+def test_sampling_is_lossless(top_p):
+    """Distribution of generated tokens 2..3 (which pass through tree acceptance) under speculative
+    sampling vs plain sampling, over many rows with independent randomness: chi-square homogeneity."""
+    cfg = LlamaConfig(vocab_size=12, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                      num_key_value_heads=1, head_dim=8, eos_token_ids=(99,))
+    base = init_llama(cfg, seed=1)
+    base.embed[...] = base.embed[...] * 40  # a peaked but not degenerate distribution
+    head = init_from_base(base, Clover2Config(num_heads=3))
+    rows = 3000
+    prompts = [[3, 5, 7]] * rows
+    kw = dict(max_new_tokens=3, cache_size=64, temperature=1.0, top_p=top_p)
+    ar = _first_tokens(generate(base, prompts, seed=11, **kw), 3)
+    sp_res = generate(base, prompts, seed=12, mode="speculative", head=head, tree="chain-2", **kw)
+    sp = _first_tokens(sp_res, 3)
+    assert sp_res.stats["accept_hist"][1] + sp_res.stats["accept_hist"][2] > rows // 10, "too few drafts accepted"
+    for pos in (1, 2):
+        a = np.bincount(ar[:, pos], minlength=12)
+        s = np.bincount(sp[:, pos], minlength=12)
+        keep = (a + s) > 0
+        a, s = a[keep], s[keep]
+        exp_a = (a + s) * a.sum() / (a.sum() + s.sum())
+        exp_s = (a + s) * s.sum() / (a.sum() + s.sum())
+        chi2 = ((a - exp_a) ** 2 / exp_a).sum() + ((s - exp_s) ** 2 / exp_s).sum()
+        dof = keep.sum() - 1
+        pval = float(jax.scipy.special.gammaincc(dof / 2, chi2 / 2))
+        assert pval > 1e-3, f"position {pos}: chi2={chi2:.1f} dof={dof} p={pval:.2e}\nar={a}\nsp={s}"
