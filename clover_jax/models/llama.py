@@ -206,8 +206,9 @@ class Llama(nnx.Module):
     def logits(self, hidden_prenorm: jax.Array) -> jax.Array:
         """float32 logits `[..., V]` from pre-norm hidden states `[..., D]`."""
         h = rms_norm(hidden_prenorm, self.final_norm[...], self.config.rms_norm_eps)
-        w = self.lm_head_matrix().astype(self.dtype)
-        return jnp.einsum("...D,DV->...V", h, w).astype(jnp.float32)
+        if self.config.tie_word_embeddings:  # contract with the [V, D] table directly (no transpose copy)
+            return jnp.einsum("...D,VD->...V", h, self.embed[...].astype(self.dtype)).astype(jnp.float32)
+        return jnp.einsum("...D,DV->...V", h, self.lm_head[...].astype(self.dtype)).astype(jnp.float32)
 
     def __call__(self, tokens, positions=None, self_mask=None, cache=None, cache_mask=None):
         b, t = tokens.shape
