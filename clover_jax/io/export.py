@@ -1,0 +1,253 @@
+"""Export to / import from Hugging Face folders: base models (transformers LlamaForCausalLM layout) and
+Clover-2 heads (the reference implementation's parameter names and torch layouts, drafters.md §11).
+
+Folders are written to a temporary sibling and renamed into place, so a failure never leaves a
+partial folder behind, and an existing folder is only replaced when `overwrite=True`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from clover_jax.io.hf import _layer_table, params_to_hf, read_safetensors_dir
+from clover_jax.models.config import LlamaConfig
+
+DEFAULT_SHARD_BYTES = 2 * 1024**3
+HEAD_TYPE = "clover2"
+
+
+class ExportError(ValueError):
+    """A folder or checkpoint that cannot be exported or imported; the message names it."""
+
+
+# --------------------------------------------------------------------------- writing safetensors
+def write_safetensors(tensors: dict[str, np.ndarray], out_dir: Path, max_shard_bytes: int = DEFAULT_SHARD_BYTES):
+    """`model.safetensors`, or `model-0000i-of-0000n.safetensors` + index above `max_shard_bytes`."""
+    from safetensors.numpy import save_file
+
+    names = sorted(tensors)
+    shards: list[list[str]] = [[]]
+    size = 0
+    for n in names:
+        nbytes = tensors[n].nbytes
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(n)
+        size += nbytes
+    meta = {"format": "pt"}
+    if len(shards) == 1:
+        save_file({n: np.ascontiguousarray(tensors[n]) for n in names}, str(out_dir / "model.safetensors"), metadata=meta)
+        return
+    weight_map = {}
+    for i, shard in enumerate(shards, 1):
+        fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file({n: np.ascontiguousarray(tensors[n]) for n in shard}, str(out_dir / fname), metadata=meta)
+        weight_map.update({n: fname for n in shard})
+    total = int(sum(t.nbytes for t in tensors.values()))
+    (out_dir / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+
+
+class _AtomicDir:
+    """Context manager: yields a temp dir next to `out`, renamed to `out` on success, removed on error."""
+
+    def __init__(self, out: str | os.PathLike, overwrite: bool):
+        self.out = Path(out)
+        self.overwrite = overwrite
+
+    def __enter__(self) -> Path:
+        if self.out.exists() and not self.overwrite:
+            raise ExportError(f"{self.out} already exists (pass overwrite=True / --overwrite to replace it)")
+        self.out.parent.mkdir(parents=True, exist_ok=True)
+        self.tmp = Path(tempfile.mkdtemp(prefix=f".{self.out.name}.tmp", dir=self.out.parent))
+        return self.tmp
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is not None:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            return False
+        if self.out.exists():
+            old = self.out.with_name(f".{self.out.name}.old{os.getpid()}")
+            self.out.rename(old)
+            self.tmp.rename(self.out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            self.tmp.rename(self.out)
+        return False
+
+
+def _np(x) -> np.ndarray:
+    return np.asarray(jax.device_get(x), dtype=np.float32) if jnp.issubdtype(x.dtype, jnp.floating) else np.asarray(x)
+
+
+# --------------------------------------------------------------------------- base model
+def export_base(model, out_dir, *, tokenizer=None, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+                overwrite: bool = False, dtype=np.float32) -> Path:
+    """Writes a transformers `LlamaForCausalLM` folder: safetensors (+ index), config, generation config, tokenizer."""
+    config: LlamaConfig = model.config
+    params = jax.tree.map(_np, nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+    tensors = {k: v.astype(dtype) for k, v in params_to_hf(config, params).items()}
+    with _AtomicDir(out_dir, overwrite) as tmp:
+        write_safetensors(tensors, tmp, max_shard_bytes)
+        hf = config.to_hf_dict()
+        hf["torch_dtype"] = np.dtype(dtype).name
+        (tmp / "config.json").write_text(json.dumps(hf, indent=2))
+        eos = list(config.eos_token_ids)
+        gen = {"bos_token_id": config.bos_token_id, "eos_token_id": eos[0] if len(eos) == 1 else eos,
+               "pad_token_id": config.pad_token_id}
+        (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2))
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(tmp))
+    return Path(out_dir)
+
+
+# --------------------------------------------------------------------------- Clover-2 heads
+def _ad_names(prefix: str, ours: str):
+    out = {f"{prefix}.input_layernorm.weight": (f"{ours}_norm", False)}
+    for x in "qkv":
+        out[f"{prefix}.{x}.weight"] = (f"{ours}_w{x}", True)
+        out[f"{prefix}.{x}.bias"] = (f"{ours}_b{x}", False)
+    return out
+
+
+def head_name_table(num_aug_layers: int, base_config: LlamaConfig) -> dict[str, tuple[str, bool]]:
+    """Reference name -> (our flat param name, transpose?) for every exported head tensor but the embedding.
+
+    The Augmenting Block's layers use the HF Llama layer names (handled separately via `_layer_table`).
+    """
+    t = {}
+    t.update(_ad_names("clover_head_mlp_rnn", "ad1"))
+    t.update(_ad_names("clover_head_mlp_rnn2", "ad2"))
+    t["clover_norm.weight"] = ("aug_norm", False)
+    t["clover_head_mlp.weight"] = ("fc0_w", True)
+    t["clover_head_mlp.bias"] = ("fc0_b", False)
+    t["clover_head_mlp2.weight"] = ("fcout_w", True)
+    t["clover_head_mlp2.bias"] = ("fcout_b", False)
+    t["clover_head_norm.weight"] = ("head_norm", False)
+    return t
+
+
+def head_to_reference(head, base=None, include_embedding: bool = True) -> dict[str, np.ndarray]:
+    """The head's tensors under the reference Clover-2 names and torch `[out, in]` layouts."""
+    state = jax.tree.map(_np, nnx.to_pure_dict(nnx.state(head, nnx.Param)))
+    out = {ref: (state[ours].T if tr else state[ours]) for ref, (ours, tr) in
+           head_name_table(head.cfg.num_aug_layers, head.base_config).items()}
+    for suffix, (ours, _, to_hf) in _layer_table(head.aug.config).items():
+        for i in range(head.cfg.num_aug_layers):
+            out[f"layers.{i}.{suffix}"] = np.ascontiguousarray(to_hf(state["aug"][ours][i]))
+    if include_embedding:
+        if base is None:
+            raise ExportError("the embedding copy is read from the base model: pass base=...")
+        if head.cfg.embed_source == "lm_head":
+            emb = _np(base.lm_head_matrix()).T
+        else:
+            emb = _np(base.embed[...])
+        out["clover_embed_tokens.weight"] = np.ascontiguousarray(emb)
+    return {k: np.ascontiguousarray(v) for k, v in out.items()}
+
+
+def head_config_dict(head, base_name: str | None = None, extra: dict | None = None) -> dict:
+    c, b = head.cfg, head.base_config
+    return {
+        "head_type": HEAD_TYPE,
+        "architectures": ["Clover2Model"],
+        "num_heads": c.num_heads,
+        "num_layers": c.num_aug_layers,
+        "embed_source": c.embed_source,
+        "rope_theta": c.rope_theta,
+        "hidden_size": b.hidden_size,
+        "vocab_size": b.vocab_size,
+        "base_model": {"name_or_path": base_name, **b.to_hf_dict()},
+        **(extra or {}),
+    }
+
+
+def export_head(head, out_dir, *, base=None, base_name: str | None = None, include_embedding: bool = True,
+                model_card: str | None = None, extra_config: dict | None = None,
+                max_shard_bytes: int = DEFAULT_SHARD_BYTES, overwrite: bool = False) -> Path:
+    """Writes a hub-ready head folder: model.safetensors (+ index), config.json, README.md."""
+    tensors = head_to_reference(head, base, include_embedding)
+    with _AtomicDir(out_dir, overwrite) as tmp:
+        write_safetensors(tensors, tmp, max_shard_bytes)
+        (tmp / "config.json").write_text(json.dumps(head_config_dict(head, base_name, extra_config), indent=2))
+        (tmp / "README.md").write_text(model_card or default_model_card(head, base_name))
+    return Path(out_dir)
+
+
+def default_model_card(head, base_name: str | None) -> str:
+    c = head.cfg
+    return f"""---
+library_name: clover_jax
+tags: [speculative-decoding, clover-2, draft-head, jax]
+---
+# Clover-2 draft head for `{base_name or 'its base model'}`
+
+A Clover-2 draft head ({c.num_heads} heads, {c.num_aug_layers} augmenting layers) for speculative decoding with
+[clover_jax](https://github.com/). Tensors use the reference Clover-2 parameter names (torch `[out, in]` layouts).
+
+```python
+import clover_jax
+from clover_jax.io.export import import_head
+lm = clover_jax.load_model("{base_name or 'BASE_MODEL'}")
+head = import_head("THIS_FOLDER", lm.model)
+out = clover_jax.generate(lm, ["Hello!"], mode="speculative", head=head)
+```
+"""
+
+
+def import_head(path, base, *, dtype=None):
+    """Loads an exported head folder for `base`; a folder that is not a head or does not match the base is an error."""
+    from clover_jax.heads.clover2 import Clover2Config, Clover2Head, check_compatible
+
+    path = Path(path)
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise ExportError(f"{path}: no config.json: not a draft-head folder")
+    meta = json.loads(cfg_file.read_text())
+    if meta.get("head_type") != HEAD_TYPE:
+        raise ExportError(f"{path}: config.json has head_type={meta.get('head_type')!r}, expected {HEAD_TYPE!r} "
+                          "(is this a base-model folder?)")
+    bc = base.config
+    for key in ("hidden_size", "vocab_size"):
+        if meta.get(key) != getattr(bc, key):
+            raise ExportError(f"{path}: head {key}={meta.get(key)} does not match the base model's {getattr(bc, key)}")
+    cfg = Clover2Config(num_heads=int(meta["num_heads"]), num_aug_layers=int(meta["num_layers"]),
+                        embed_source=meta.get("embed_source", "lm_head"), rope_theta=meta.get("rope_theta"),
+                        **({"dtype": dtype, "param_dtype": dtype} if dtype is not None else {}))
+    get, keys = read_safetensors_dir(path)
+    keys = set(keys)
+    abstract = nnx.eval_shape(lambda: Clover2Head(bc, cfg, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(abstract)
+    pure = nnx.to_pure_dict(state)
+
+    def need(name):
+        if name not in keys:
+            raise ExportError(f"{path}: missing tensor {name!r}")
+        return np.asarray(get(name))
+
+    for ref, (ours, tr) in head_name_table(cfg.num_aug_layers, bc).items():
+        arr = need(ref)
+        pure[ours] = arr.T if tr else arr
+    for suffix, (ours, to_ours, _) in _layer_table(abstract.aug.config).items():
+        pure["aug"][ours] = np.stack([to_ours(need(f"layers.{i}.{suffix}")) for i in range(cfg.num_aug_layers)])
+
+    def place(abs_leaf, arr):
+        arr = np.asarray(arr)
+        if arr.shape != abs_leaf.shape:
+            raise ExportError(f"{path}: tensor shape {arr.shape} != expected {abs_leaf.shape}")
+        return jnp.asarray(arr, abs_leaf.dtype)
+
+    nnx.replace_by_pure_dict(state, jax.tree.map(place, nnx.to_pure_dict(state), pure))
+    head = nnx.merge(graphdef, state)
+    check_compatible(head, bc)
+    return head
