@@ -1,0 +1,164 @@
+"""Speculative vs autoregressive decoding (ours, same run), and transformers `generate` as the peer.
+
+  python bench/bench_spec.py --head runs/smollm2-clover2 --questions mt_bench --limit 80 \
+      --trees clover2-26 chain-4 small-10 --batch-size 1 --max-new-tokens 128 --out-dir artifacts/eval_mt
+
+Writes results.json, results.md and PNG plots (tau per category, accepted-length histogram, speedup vs tree
+size) to --out-dir and prints the markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+
+
+def load_questions(which: str, limit: int | None, category: str | None):
+    path = Path(which) if Path(which).is_file() else DATA / which / "question.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    if category:
+        rows = [r for r in rows if r.get("category") == category]
+    if limit:
+        # keep every category represented: take the first `limit / n_categories` of each
+        cats = sorted({r.get("category", "all") for r in rows})
+        per = max(1, limit // len(cats))
+        picked = []
+        for c in cats:
+            picked += [r for r in rows if r.get("category", "all") == c][:per]
+        rows = picked[:limit]
+    return [r["turns"][0] for r in rows], [r.get("category", "all") for r in rows]
+
+
+def plots(result: dict, out: Path, trees: list[str]):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    # tau per category
+    fig, ax = plt.subplots(figsize=(8, 4))
+    cats = sorted({r["category"] for r in result["per_prompt"]["ar"]})
+    width = 0.8 / max(len(trees), 1)
+    for j, t in enumerate(trees):
+        vals = []
+        for c in cats:
+            taus = [r["tau"] for r in result["per_prompt"][t] if r["category"] == c]
+            vals.append(float(np.mean(taus)) if taus else 0.0)
+        ax.bar(np.arange(len(cats)) + j * width, vals, width, label=t)
+    ax.set_xticks(np.arange(len(cats)) + width * (len(trees) - 1) / 2, cats, rotation=30, ha="right")
+    ax.set_ylabel("tau (tokens / base forward)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "tau_per_category.png", dpi=120)
+    plt.close(fig)
+    # accepted-length histogram
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for t in trees:
+        h = np.asarray(result["runs"][t]["accept_hist"], float)
+        ax.plot(np.arange(len(h)), h / h.sum(), marker="o", label=t)
+    ax.set_xlabel("drafts accepted per step")
+    ax.set_ylabel("fraction of steps")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "accept_hist.png", dpi=120)
+    plt.close(fig)
+    # speedup vs tree size
+    from clover_jax.decoding.tree import get_tree
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for t in trees:
+        n = get_tree(t).num_nodes
+        ax.scatter(n, result["runs"][t]["speedup_vs_ar"], label=t)
+        ax.scatter(n, result["runs"][t]["tau"], marker="x", color="gray")
+    ax.set_xlabel("tree size (tokens verified per step)")
+    ax.set_ylabel("speedup vs our AR (dots), tau (crosses)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "speedup_vs_tree_size.png", dpi=120)
+    plt.close(fig)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--head", required=True, help="training run dir or exported head folder")
+    ap.add_argument("--questions", default="mt_bench", help="mt_bench | spec_bench | path to question.jsonl")
+    ap.add_argument("--category")
+    ap.add_argument("--limit", type=int, default=0)
+    ap.add_argument("--trees", nargs="+", default=["clover2-26"])
+    ap.add_argument("--batch-size", type=int, default=1)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--peer", action="store_true", help="also time transformers + torch generate (greedy)")
+    ap.add_argument("--out-dir", default="artifacts/eval")
+    args = ap.parse_args()
+
+    from clover_jax.evaluation import evaluate
+    from clover_jax.heads.loading import load_head
+    from clover_jax.io.loader import load_model
+
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    loaded = load_model(args.model)
+    head = load_head(args.head, loaded.model)
+    prompts, cats = load_questions(args.questions, args.limit or None, args.category)
+    t0 = time.time()
+    result = evaluate(loaded, head, prompts, trees=args.trees, batch_size=args.batch_size,
+                      max_new_tokens=args.max_new_tokens, temperature=args.temperature, categories=cats)
+    result["wall_seconds"] = round(time.time() - t0, 1)
+    result["args"] = vars(args)
+    result["machine"] = f"{platform.machine()}, {os.cpu_count()} cores, {platform.platform()}"
+    result["date"] = time.strftime("%Y-%m-%d")
+    if args.peer and args.temperature == 0.0:
+        import torch
+        import transformers
+
+        from bench_ar import bench_transformers
+
+        from clover_jax.api import encode_prompts
+        from clover_jax.io.loader import resolve_model_path
+
+        torch.set_num_threads(os.cpu_count() or 2)
+        path = resolve_model_path(args.model)
+        ref = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                                dtype=torch.float32).eval()
+        ids = encode_prompts(loaded.tokenizer, prompts)
+        eos = loaded.config.eos_token_ids[0]
+        peer, _ = bench_transformers(ref, eos, ids, args.batch_size, args.max_new_tokens, eos)
+        result["runs"]["transformers"] = {"tokens_per_second": round(peer["tok_per_s"], 2), "tokens": peer["tokens"],
+                                          "seconds": round(peer["seconds"], 2)}
+    (out / "results.json").write_text(json.dumps(result, indent=1))
+    lines = [f"{len(prompts)} prompts ({args.questions}), batch {args.batch_size}, {args.max_new_tokens} new tokens, "
+             f"temperature {args.temperature}; {result['machine']}; {result['date']}", "",
+             "| run | tokens/s | tau | speedup vs our AR | speedup / tau | compile s | accept rate per depth |",
+             "|---|---|---|---|---|---|---|"]
+    for name, r in result["runs"].items():
+        rates = r.get("accept_rate_per_depth")
+        lines.append(f"| {name} | {r['tokens_per_second']:.1f} | {r.get('tau') or '-'} | {r.get('speedup_vs_ar', '-')} | "
+                     f"{r.get('speedup_over_tau') or '-'} | {r.get('compile_seconds', '-')} | "
+                     f"{', '.join(f'{x:.2f}' for x in rates) if rates else '-'} |")
+    if "transformers" in result["runs"]:
+        for t in args.trees:
+            ratio = result["runs"][t]["tokens_per_second"] / result["runs"]["transformers"]["tokens_per_second"]
+            lines.append(f"\n{t} vs transformers generate: {ratio:.2f}x")
+    if result["greedy_mismatches"] is not None:
+        lines.append(f"\ngreedy outputs differing from autoregressive: {result['greedy_mismatches']} "
+                     f"of {result['greedy_compared']}")
+    (out / "results.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    plots(result, out, args.trees)
+
+
+if __name__ == "__main__":
+    main()

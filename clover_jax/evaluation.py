@@ -1,0 +1,114 @@
+"""Evaluation harness: speculative vs autoregressive decoding on question sets, measured in the same run.
+
+For each prompt batch: our autoregressive loop, then the speculative loop for each tree; compile
+time is excluded from the timed calls (a warm-up per shape) and reported separately. tau counts the
+tokens generated per base forward in the decode phase, bonus token included.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Sequence
+
+import numpy as np
+
+from clover_jax.api import bucket_length, encode_prompts, generate, round_up
+from clover_jax.decoding.tree import get_tree
+
+
+@dataclasses.dataclass
+class RunStats:
+    name: str
+    tokens: int = 0
+    seconds: float = 0.0
+    compile_seconds: float = 0.0
+    steps: int = 0  # decode-phase base forwards summed over rows
+    accept_hist: np.ndarray | None = None  # steps that accepted n drafts
+    per_prompt: list[dict] = dataclasses.field(default_factory=list)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.seconds if self.seconds else float("nan")
+
+    @property
+    def tau(self) -> float | None:
+        if self.accept_hist is None or self.accept_hist.sum() == 0:
+            return None
+        h = self.accept_hist
+        return float((h * (np.arange(len(h)) + 1)).sum() / h.sum())
+
+    def accept_rates(self) -> list[float] | None:
+        """P(depth d accepted | depth d-1 accepted), d = 1..Dmax."""
+        if self.accept_hist is None:
+            return None
+        reach = self.accept_hist[::-1].cumsum()[::-1]
+        return [float(reach[d] / reach[d - 1]) if reach[d - 1] else float("nan") for d in range(1, len(reach))]
+
+    def summary(self) -> dict[str, Any]:
+        return {"name": self.name, "tokens": self.tokens, "seconds": round(self.seconds, 3),
+                "tokens_per_second": round(self.tokens_per_second, 2), "compile_seconds": round(self.compile_seconds, 2),
+                "tau": None if self.tau is None else round(self.tau, 3),
+                "accept_hist": None if self.accept_hist is None else self.accept_hist.tolist(),
+                "accept_rate_per_depth": self.accept_rates()}
+
+
+def evaluate(loaded, head, prompts: Sequence[str], *, trees: Sequence[str] = ("clover2-26",), batch_size: int = 1,
+             max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
+             categories: Sequence[str] | None = None, progress: bool = True) -> dict[str, Any]:
+    """Runs AR and speculative decoding (one run per tree) on the prompts; returns stats and mismatches."""
+    from tqdm.auto import tqdm
+
+    ids = encode_prompts(loaded.tokenizer, list(prompts))
+    runs = {"ar": RunStats("ar")} | {t: RunStats(t) for t in trees}
+    specs = {t: get_tree(t) for t in trees}
+    max_nodes = max([s.num_nodes for s in specs.values()] + [0])
+    warmed = set()
+    mismatches = 0
+    compared = 0
+    batches = range(0, len(ids), batch_size)
+    for start in tqdm(batches, desc="eval", disable=not progress):
+        chunk = ids[start:start + batch_size]
+        bucket = bucket_length(max(len(p) for p in chunk))
+        cache = round_up(bucket + max_new_tokens + max_nodes + 8, 256)
+        common = dict(cache_size=cache, temperature=temperature, top_p=top_p)
+        outs = {}
+        for name, run in runs.items():
+            kw = dict(common, mode="ar") if name == "ar" else dict(common, mode="speculative", head=head, tree=name)
+            key = (name, len(chunk), bucket)
+            if key not in warmed:
+                t0 = time.perf_counter()
+                generate(loaded.model, chunk, max_new_tokens=1, decode_text=False, **kw)
+                run.compile_seconds += time.perf_counter() - t0
+                warmed.add(key)
+            res = generate(loaded.model, chunk, max_new_tokens=max_new_tokens, seed=seed + start, decode_text=False,
+                           **kw)
+            run.tokens += res.num_generated
+            run.seconds += res.seconds
+            run.steps += sum(res.row_steps)
+            if name != "ar":
+                h = np.asarray(res.stats["accept_hist"])
+                run.accept_hist = h if run.accept_hist is None else run.accept_hist + h
+            for i, toks in enumerate(res.token_ids):
+                rec = {"index": start + i, "tokens": len(toks)}
+                if categories is not None:
+                    rec["category"] = categories[start + i]
+                if name != "ar":
+                    rec["tau"] = res.stats["row_tau"][i]
+                run.per_prompt.append(rec)
+            outs[name] = res.token_ids
+        if temperature == 0.0:
+            for name in trees:
+                for a, s in zip(outs["ar"], outs[name]):
+                    compared += 1
+                    mismatches += int(a != s)
+    result = {"runs": {k: v.summary() for k, v in runs.items()},
+              "greedy_mismatches": mismatches if temperature == 0.0 else None,
+              "greedy_compared": compared if temperature == 0.0 else None,
+              "per_prompt": {k: v.per_prompt for k, v in runs.items()}}
+    ar_tps = runs["ar"].tokens_per_second
+    for t in trees:
+        result["runs"][t]["speedup_vs_ar"] = round(runs[t].tokens_per_second / ar_tps, 3)
+        tau = runs[t].tau
+        result["runs"][t]["speedup_over_tau"] = round(runs[t].tokens_per_second / ar_tps / tau, 3) if tau else None
+    return result
