@@ -27,7 +27,7 @@ from clover_jax.models.config import ConfigError
 __all__ = [
     "ConfigError", "ModelConfig", "HeadConfig", "LossConfig", "DataConfig", "OptimConfig", "TrainConfig",
     "CheckpointConfig", "MeshConfig", "ExperimentConfig", "load_config", "config_to_dict", "save_config",
-    "apply_overrides", "source_kind", "add_config_arguments", "config_from_args",
+    "apply_overrides", "parse_override", "source_kind", "add_config_arguments", "config_from_args",
 ]
 
 DTYPES = Literal["float32", "bfloat16"]
@@ -197,7 +197,7 @@ class DataConfig(_Section):
     self_distill: bool = False  # replace assistant replies with the base model's own (first turn)
     self_distill_dir: Optional[str] = None  # None: <train.output_dir>/self_distill
     self_distill_max_new_tokens: int = 512
-    min_assistant_tokens: int = 1  # drop examples with fewer loss tokens than this (after truncation)
+    min_assistant_tokens: int = 1  # drop examples with fewer loss tokens (after truncation); 0 acts as 1
     system_prompt: Optional[str] = None  # prepended to conversations that have no system turn
 
     def _validate(self):
