@@ -141,3 +141,22 @@ def test_exported_smollm2_generates_same_text_in_transformers(tmp_path, smollm):
         want = ref.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False, pad_token_id=2)[0, len(ids):]
     ours = generate(smollm, [ids], max_new_tokens=32).token_ids[0]
     assert ours == want.tolist()[: len(ours)] and len(ours) >= min(32, len(want))
+
+
+def test_push_without_network_fails_fast_and_keeps_folder(tmp_path, base_and_head):
+    import time
+
+    from clover_jax.export import main
+
+    base, head = base_and_head
+    out = export_head(head, tmp_path / "h", base=base)
+    before = sorted(p.name for p in out.iterdir())
+    from clover_jax.export import push_to_hub
+
+    t0 = time.time()
+    with pytest.raises(ExportError, match="nothing was uploaded.*intact"):
+        push_to_hub(out, "someone/clover2-test", timeout=2.0)
+    assert time.time() - t0 < 30
+    assert sorted(p.name for p in out.iterdir()) == before
+    assert main(["head", "--checkpoint", str(tmp_path / "no-run"), "--out", str(tmp_path / "x")]) == 1
+    assert not (tmp_path / "x").exists()

@@ -1,0 +1,101 @@
+"""Export trained heads and base models as Hugging Face folders, optionally pushing them to the hub.
+
+  python -m clover_jax.export head --checkpoint runs/smollm2-135m-clover2 [--step N] --out exported/head
+  python -m clover_jax.export base --model smollm2-135m-instruct --out exported/smollm2
+  ... --push-to-hub USER/REPO   (needs network and a token; fails fast without, the local folder stays)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import sys
+from pathlib import Path
+
+from clover_jax.io.export import ExportError, export_base, export_head
+
+
+def push_to_hub(folder: Path, repo_id: str, private: bool = False, timeout: float = 5.0) -> str:
+    """Uploads `folder` to `repo_id`; a clear ExportError when the hub cannot be reached (folder untouched)."""
+    try:
+        socket.create_connection(("huggingface.co", 443), timeout=timeout).close()
+    except OSError as e:
+        raise ExportError(f"cannot reach huggingface.co ({e}); nothing was uploaded, the exported folder "
+                          f"{folder} is intact: push it later with this command or `huggingface-cli upload`") from None
+    from huggingface_hub import HfApi
+
+    api = HfApi()
+    try:
+        api.create_repo(repo_id, private=private, exist_ok=True)
+        api.upload_folder(folder_path=str(folder), repo_id=repo_id)
+    except Exception as e:  # noqa: BLE001 - hub errors come in many types; report them in one line
+        raise ExportError(f"upload of {folder} to {repo_id} failed: {type(e).__name__}: {e}; "
+                          f"the local folder is intact") from None
+    return f"https://huggingface.co/{repo_id}"
+
+
+def export_head_from_run(run_dir, out, *, step=None, model=None, include_embedding=True, overwrite=False) -> Path:
+    from clover_jax.io.export import default_model_card
+    from clover_jax.io.loader import load_model
+    from clover_jax.training.checkpoint import Checkpointer, checkpoint_dir_of, load_head_from_run
+
+    ckpt = Checkpointer(checkpoint_dir_of(run_dir), read_only=True, async_save=False, save_on_preemption=False)
+    try:
+        step = ckpt._need_step(step)
+        meta = ckpt.read_meta(step)
+        config = ckpt.read_config(step) if hasattr(ckpt, "read_config") else None
+    finally:
+        ckpt.close()
+    base_name = model or meta["head"]["base_model"]
+    loaded = load_model(base_name, with_tokenizer=False)
+    head = load_head_from_run(run_dir, loaded.model, step=step)
+    card = default_model_card(head, base_name) + (
+        f"\n## Training\n\nDistilled from `{base_name}` with clover_jax for {step} steps "
+        f"(Clover-2 loss: SmoothL1 to the base hidden state + soft cross-entropy to the base distribution).\n")
+    out = export_head(head, out, base=loaded.model, base_name=base_name, include_embedding=include_embedding,
+                      model_card=card, extra_config={"training_step": step}, overwrite=overwrite)
+    if config is not None:
+        (out / "training_config.json").write_text(json.dumps(config, indent=2))
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m clover_jax.export", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="what", required=True)
+    h = sub.add_parser("head", help="export a trained draft head from a training run")
+    h.add_argument("--checkpoint", required=True, help="training run dir (or its checkpoints dir)")
+    h.add_argument("--step", type=int, default=None)
+    h.add_argument("--model", default=None, help="base model (default: the one the head was trained on)")
+    h.add_argument("--no-embedding", action="store_true", help="omit the frozen embedding copy (rebuilt on load)")
+    b = sub.add_parser("base", help="export a base model as a transformers LlamaForCausalLM folder")
+    b.add_argument("--model", required=True)
+    b.add_argument("--max-shard-gb", type=float, default=2.0)
+    for p in (h, b):
+        p.add_argument("--out", required=True)
+        p.add_argument("--overwrite", action="store_true")
+        p.add_argument("--push-to-hub", metavar="REPO_ID")
+        p.add_argument("--private", action="store_true")
+    args = ap.parse_args(argv)
+    try:
+        if args.what == "head":
+            out = export_head_from_run(args.checkpoint, args.out, step=args.step, model=args.model,
+                                       include_embedding=not args.no_embedding, overwrite=args.overwrite)
+        else:
+            from clover_jax.io.loader import load_model
+
+            loaded = load_model(args.model)
+            out = export_base(loaded.model, args.out, tokenizer=loaded.tokenizer,
+                              max_shard_bytes=int(args.max_shard_gb * 1024**3), overwrite=args.overwrite)
+        print(f"exported to {out}")
+        if args.push_to_hub:
+            print(f"pushed to {push_to_hub(Path(out), args.push_to_hub, args.private)}")
+    except (ExportError, FileNotFoundError, ValueError, RuntimeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
