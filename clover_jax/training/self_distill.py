@@ -50,6 +50,23 @@ def self_distilled_conversations(cfg, loaded, max_prompt_tokens: int = 256, batc
                               max_new_tokens=cfg.data.self_distill_max_new_tokens, progress=progress)
 
 
+def export_chat_file(cache_path, out_path) -> int:
+    """Writes the cached replies as a chat JSONL file (`{"id", "messages"}` per line); returns the count.
+
+    Lets a run train on whatever part of the cache is done (e.g. after stopping a long generation).
+    """
+    import json
+
+    from clover_jax.training.data import SelfDistillCache
+
+    cache = SelfDistillCache(cache_path)
+    with open(out_path, "w") as f:
+        for rec in cache.records.values():
+            msgs = list(rec["prompt"]) + [{"role": "assistant", "content": rec["response"]}]
+            f.write(json.dumps({"id": rec["id"], "messages": msgs}) + "\n")
+    return len(cache)
+
+
 def main(argv=None):
     from clover_jax.config import add_config_arguments, config_from_args
     from clover_jax.io.loader import load_model
@@ -58,8 +75,13 @@ def main(argv=None):
     add_config_arguments(ap)
     ap.add_argument("--max-prompt-tokens", type=int, default=256)
     ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--export-chat", metavar="PATH", help="only write the cached replies as a chat JSONL file")
     args = ap.parse_args(argv)
     cfg = config_from_args(args)
+    if args.export_chat:
+        n = export_chat_file(Path(cfg.self_distill_dir) / "replies.jsonl", args.export_chat)
+        print(f"{n} conversations written to {args.export_chat}")
+        return
     loaded = load_model(cfg.model.name_or_path)
     convs = self_distilled_conversations(cfg, loaded, args.max_prompt_tokens, args.batch_size)
     print(f"{len(convs)} self-distilled conversations in {cfg.self_distill_dir}")
