@@ -1,0 +1,332 @@
+"""Orbax checkpoints of a Clover-2 training run, and loading a trained head for inference.
+
+Layout (`<dir>/<step>/<item>`, Orbax v0 `CheckpointManager` + `ocp.args.Composite`):
+  params       the head parameters (pure dict of float32 arrays)           StandardSave
+  train_state  {"opt_state": optax state, "rng": raw key data uint32}      StandardSave
+  meta         {"step", "data" (batcher state_dict), "head" (head metadata),
+                "fingerprints" (a checksum per array)}                     JsonSave
+  config       the experiment config                                      JsonSave
+
+Saves are asynchronous (`async_save`), every `save_every` steps or on preemption (Orbax's
+`PreemptionCheckpointingPolicy`, multi-host), keeping the last `keep`. A checkpoint that cannot be read,
+whose arrays do not match their checksums, or that belongs to another head config / base model raises
+`CheckpointError` naming the directory and the problem; nothing is deleted or overwritten then (the caller
+refuses to start, so the manager never runs its clean-up).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+from flax import nnx
+
+from clover_jax.heads.clover2 import _COMPAT_FIELDS, Clover2Config, Clover2Head
+from clover_jax.models.config import LlamaConfig
+
+HEAD_FIELDS = ("num_heads", "num_aug_layers", "embed_source", "rope_theta")
+FORMAT_VERSION = 1
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that is missing, unreadable, corrupt or incompatible; the message names the directory."""
+
+
+# --------------------------------------------------------------------------------------------- metadata
+def head_metadata(head_cfg: Clover2Config, base_config: LlamaConfig, base_name: str) -> dict[str, Any]:
+    """JSON description of a head: type, config, and the base model it belongs to (name and dims)."""
+    hc = {k: getattr(head_cfg, k) for k in HEAD_FIELDS}
+    hc["dtype"] = jnp.dtype(head_cfg.dtype).name
+    hc["param_dtype"] = jnp.dtype(head_cfg.param_dtype).name
+    base = {k: getattr(base_config, k) for k in _COMPAT_FIELDS}
+    base.update(num_hidden_layers=base_config.num_hidden_layers, rms_norm_eps=base_config.rms_norm_eps,
+                rope_theta=base_config.rope_theta, tie_word_embeddings=base_config.tie_word_embeddings)
+    return {"format_version": FORMAT_VERSION, "head_type": "clover2", "head_config": hc,
+            "base_model": str(base_name), "base_dims": base}
+
+
+def check_head_metadata(saved: dict[str, Any], current: dict[str, Any], where: str) -> None:
+    """CheckpointError naming the first head-config field or base dimension that differs."""
+    if saved.get("head_type") != current["head_type"]:
+        raise CheckpointError(f"{where}: incompatible checkpoint: head type {saved.get('head_type')!r}, "
+                              f"this run trains {current['head_type']!r}")
+    for section, what in (("head_config", "head config"), ("base_dims", "base model")):
+        keys = HEAD_FIELDS if section == "head_config" else _COMPAT_FIELDS
+        s, c = saved.get(section, {}), current[section]
+        for k in keys:
+            if s.get(k) != c[k]:
+                raise CheckpointError(f"{where}: incompatible checkpoint: {what} {k} is {s.get(k)!r} in the "
+                                      f"checkpoint but {c[k]!r} in this run")
+
+
+def head_config_from_metadata(meta: dict[str, Any], dtype=None, remat: bool = False) -> Clover2Config:
+    hc = meta["head_config"]
+    return Clover2Config(num_heads=hc["num_heads"], num_aug_layers=hc["num_aug_layers"],
+                         embed_source=hc["embed_source"], rope_theta=hc["rope_theta"],
+                         dtype=jnp.dtype(dtype or hc.get("dtype", "float32")),
+                         param_dtype=jnp.dtype(hc.get("param_dtype", "float32")), remat=remat)
+
+
+# ------------------------------------------------------------------------------------------ fingerprints
+def _fp_leaf(x: jax.Array) -> jax.Array:
+    x = x.reshape(-1)
+    size = x.dtype.itemsize
+    if x.dtype == jnp.bool_ or size == 1:
+        u = x.astype(jnp.uint32)
+    elif size == 2:
+        u = jax.lax.bitcast_convert_type(x, jnp.uint16).astype(jnp.uint32)
+    elif size == 4:
+        u = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    else:  # 8 bytes -> two uint32 words
+        u = jax.lax.bitcast_convert_type(x, jnp.uint32).reshape(-1)
+    idx = jnp.arange(u.shape[0], dtype=jnp.uint32)
+    return jnp.stack([jnp.sum(u, dtype=jnp.uint32), jnp.sum(u * (idx * jnp.uint32(2654435761) + 1), dtype=jnp.uint32)])
+
+
+_fp_jit = jax.jit(lambda tree: jax.tree.map(_fp_leaf, tree))
+
+
+def _path_str(path) -> str:
+    out = []
+    for k in path:
+        for attr in ("key", "name", "idx"):
+            if hasattr(k, attr):
+                out.append(str(getattr(k, attr)))
+                break
+    return "/".join(out)
+
+
+def fingerprints(tree: Any) -> dict[str, list[int]]:
+    """{path: [sum, position-weighted sum]} of each array's bits (mod 2**32): cheap, exact on any sharding."""
+    fps = _fp_jit(tree)
+
+    def host(x):
+        if not x.is_fully_addressable:  # multi-host: the 2-word result is tiny, gather it
+            from jax.experimental import multihost_utils
+
+            return np.asarray(multihost_utils.process_allgather(x, tiled=True))[:2]
+        return np.asarray(jax.device_get(x))
+
+    return {_path_str(p): [int(v) for v in host(x)] for p, x in jax.tree_util.tree_leaves_with_path(fps)}
+
+
+def _check_fingerprints(tree: Any, saved: dict[str, list[int]], what: str, where: str) -> None:
+    got = fingerprints(tree)
+    for k, v in got.items():
+        if saved.get(k) != v:
+            raise CheckpointError(f"{where}: corrupt checkpoint: the data of {what} '{k}' does not match the "
+                                  "checksum written when it was saved")
+
+
+@contextlib.contextmanager
+def _quiet_failed_reads():
+    """Drops the "Event loop is closed" tracebacks TensorStore callbacks print after a failed Orbax read."""
+    previous = sys.unraisablehook
+
+    def hook(u):
+        if isinstance(u.exc_value, RuntimeError) and "Event loop is closed" in str(u.exc_value):
+            return
+        previous(u)
+
+    sys.unraisablehook = hook
+    try:
+        yield
+    finally:
+        sys.unraisablehook = previous
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0][:300] if text else ''}"
+
+
+# ----------------------------------------------------------------------------------------------- manager
+class Checkpointer:
+    """An Orbax `CheckpointManager` for (params, optimizer state, RNG, data position, config, head metadata)."""
+
+    def __init__(self, directory: str | Path, *, save_every: int = 1000, keep: int = 3, async_save: bool = True,
+                 save_on_preemption: bool = True, read_only: bool = False):
+        self.directory = Path(directory).absolute()
+        self.save_every = int(save_every)
+        policies = []
+        if self.save_every > 0:
+            policies.append(ocp.checkpoint_managers.FixedIntervalPolicy(self.save_every))
+        if save_on_preemption:
+            policies.append(ocp.checkpoint_managers.PreemptionCheckpointingPolicy())
+        decision = (ocp.checkpoint_managers.AnySavePolicy(policies) if policies
+                    else ocp.checkpoint_managers.SpecificStepsPolicy(()))
+        options = ocp.CheckpointManagerOptions(
+            enable_async_checkpointing=async_save, create=not read_only, read_only=read_only,
+            save_decision_policy=decision,
+            preservation_policy=ocp.checkpoint_managers.LatestN(int(keep)),
+            cleanup_tmp_directories=False,  # never delete what we did not write in this run
+        )
+        if read_only and not self.directory.is_dir():
+            raise CheckpointError(f"{self.directory}: checkpoint directory not found")
+        self.manager = ocp.CheckpointManager(self.directory, options=options,
+                                             item_names=("params", "train_state", "meta", "config"))
+
+    # ---- steps
+    def all_steps(self) -> list[int]:
+        return sorted(int(s) for s in self.manager.all_steps())
+
+    def latest_step(self) -> int | None:
+        steps = self.all_steps()
+        return steps[-1] if steps else None
+
+    def step_dir(self, step: int) -> Path:
+        return self.directory / str(step)
+
+    def _need_step(self, step: int | None) -> int:
+        steps = self.all_steps()
+        if step is None:
+            if not steps:
+                raise CheckpointError(f"{self.directory}: no checkpoint found")
+            return steps[-1]
+        if int(step) not in steps:
+            raise CheckpointError(f"{self.directory}: no checkpoint for step {step} (available steps: "
+                                  f"{steps or 'none'})")
+        return int(step)
+
+    def reached_preemption(self, step: int) -> bool:
+        return bool(self.manager.reached_preemption(step))
+
+    # ---- save
+    def save(self, step: int, *, params, opt_state, rng, data_state: dict[str, Any], config: dict[str, Any],
+             head_meta: dict[str, Any], force: bool = False) -> bool:
+        """Saves (asynchronously) when the policy says so or `force`; returns whether a save started."""
+        step = int(step)
+        if step in self.all_steps():
+            return False
+        if not force and not self.manager.should_save(step):
+            return False
+        train_state = {"opt_state": opt_state, "rng": rng}
+        meta = {"step": step, "data": data_state, "head": head_meta,
+                "fingerprints": {"params": fingerprints(params), "train_state": fingerprints(train_state)}}
+        return bool(self.manager.save(step, force=True, args=ocp.args.Composite(
+            params=ocp.args.StandardSave(params), train_state=ocp.args.StandardSave(train_state),
+            meta=ocp.args.JsonSave(meta), config=ocp.args.JsonSave(config))))
+
+    def wait_until_finished(self) -> None:
+        self.manager.wait_until_finished()
+
+    def close(self) -> None:
+        self.manager.close()
+
+    # ---- restore
+    def _restore(self, step: int, what: str, **items) -> Any:
+        """`manager.restore` of some items; any failure is reported as a corrupt checkpoint."""
+        try:
+            with _quiet_failed_reads():
+                return self.manager.restore(step, args=ocp.args.Composite(**items))
+        except Exception as e:  # noqa: BLE001 - any read failure means the files are not what we wrote
+            raise CheckpointError(f"{self.step_dir(step)}: corrupt checkpoint: {what} ({_first_line(e)})") from None
+
+    def read_meta(self, step: int | None = None) -> dict[str, Any]:
+        step = self._need_step(step)
+        where = self.step_dir(step)
+        meta = self._restore(step, "cannot read its metadata", meta=ocp.args.JsonRestore())["meta"]
+        if not isinstance(meta, dict) or "head" not in meta or "fingerprints" not in meta:
+            raise CheckpointError(f"{where}: corrupt checkpoint: its metadata is incomplete")
+        return meta
+
+    def check_all(self, head_meta: dict[str, Any]) -> None:
+        """Every step's metadata is readable and compatible (so LatestN never deletes a bad one unseen)."""
+        for s in self.all_steps():
+            check_head_metadata(self.read_meta(s)["head"], head_meta, str(self.step_dir(s)))
+
+    def restore(self, step: int | None, *, abstract_params, abstract_opt_state, abstract_rng,
+                head_meta: dict[str, Any]) -> dict[str, Any]:
+        """Restores one step onto the shardings of the abstract targets (ShapeDtypeStruct with sharding).
+
+        Returns {"step", "params", "opt_state", "rng", "data", "config"}.
+        """
+        step = self._need_step(step)
+        where = str(self.step_dir(step))
+        meta = self.read_meta(step)
+        check_head_metadata(meta["head"], head_meta, where)
+        target_ts = {"opt_state": abstract_opt_state, "rng": abstract_rng}
+        out = self._restore(step, "cannot restore its arrays", params=ocp.args.StandardRestore(abstract_params),
+                            train_state=ocp.args.StandardRestore(target_ts), config=ocp.args.JsonRestore())
+        _check_fingerprints(out["params"], meta["fingerprints"]["params"], "params", where)
+        _check_fingerprints(out["train_state"], meta["fingerprints"]["train_state"], "train_state", where)
+        return {"step": int(meta["step"]), "params": out["params"], "opt_state": out["train_state"]["opt_state"],
+                "rng": out["train_state"]["rng"], "data": meta["data"], "config": out["config"]}
+
+    def restore_params(self, step: int | None, abstract_params) -> tuple[int, Any, dict[str, Any]]:
+        """(step, params, meta) of one step: the head only (inference)."""
+        step = self._need_step(step)
+        where = str(self.step_dir(step))
+        meta = self.read_meta(step)
+        out = self._restore(step, "cannot restore its arrays", params=ocp.args.StandardRestore(abstract_params))
+        _check_fingerprints(out["params"], meta["fingerprints"]["params"], "params", where)
+        return step, out["params"], meta
+
+
+# ------------------------------------------------------------------------------------------------ loading
+def checkpoint_dir_of(run_dir: str | Path) -> Path:
+    """A run's checkpoint directory: `<run_dir>/checkpoints` when present, else `run_dir` itself."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise CheckpointError(f"{run_dir}: run directory not found")
+    sub = run_dir / "checkpoints"
+    return sub if sub.is_dir() else run_dir
+
+
+def load_head_from_run(run_dir: str | Path, base, step: int | None = None, *, dtype=None,
+                       shardings=None) -> Clover2Head:
+    """The Clover-2 head of a training run (latest step unless `step`), checked against `base`'s dims.
+
+    `shardings` (optional) is a pytree of `NamedSharding` for the head's pure param dict; by default the
+    parameters land on the default device. `dtype` overrides the saved compute dtype.
+    """
+    ckpt = Checkpointer(checkpoint_dir_of(run_dir), read_only=True, async_save=False, save_on_preemption=False)
+    try:
+        step = ckpt._need_step(step)
+        meta = ckpt.read_meta(step)
+        where = str(ckpt.step_dir(step))
+        saved = meta["head"]
+        if saved.get("head_type") != "clover2":
+            raise CheckpointError(f"{where}: head type {saved.get('head_type')!r} is not 'clover2'")
+        bd = saved["base_dims"]
+        for k in _COMPAT_FIELDS:
+            if bd.get(k) != getattr(base.config, k):
+                raise CheckpointError(f"{where}: the head was trained for a base model with {k}={bd.get(k)!r}, "
+                                      f"this base model has {k}={getattr(base.config, k)!r}")
+        hcfg = head_config_from_metadata(saved, dtype=dtype)
+        abstract = nnx.eval_shape(lambda: Clover2Head(base.config, hcfg, rngs=nnx.Rngs(0)))
+        graphdef, state = nnx.split(abstract)
+        pure = nnx.to_pure_dict(state)
+        if shardings is None:
+            dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+            shardings = jax.tree.map(lambda _: dev, pure)
+        target = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), pure, shardings)
+        _, params, _ = ckpt.restore_params(step, target)
+        return nnx.merge(graphdef, params)
+    finally:
+        ckpt.close()
+
+
+def to_jsonable(x: Any) -> Any:
+    """Plain JSON types from numpy scalars/arrays and dataclasses (for data states and metrics)."""
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        return to_jsonable(dataclasses.asdict(x))
+    if isinstance(x, dict):
+        return {str(k): to_jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [to_jsonable(v) for v in x]
+    if isinstance(x, (np.ndarray, np.generic, jax.Array)):
+        return np.asarray(x).tolist()
+    return x
+
+
+def dumps(x: Any) -> str:
+    return json.dumps(to_jsonable(x))

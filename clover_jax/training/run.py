@@ -1,0 +1,145 @@
+"""The training pipeline from an `ExperimentConfig`: mesh, base model, data, trainer, checkpoints.
+
+    summary = run_experiment(load_config("configs/x.yaml"), resume=True)
+
+Every piece can be passed in instead (tests use a tiny random base and synthetic batches).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+from pathlib import Path
+from typing import Any, Callable
+
+import jax
+from flax import nnx
+
+from clover_jax import parallel
+from clover_jax.config import ConfigError, ExperimentConfig, config_to_dict, save_config
+from clover_jax.training import steps as steps_lib
+from clover_jax.training.checkpoint import Checkpointer, CheckpointError, head_metadata
+from clover_jax.training.trainer import Trainer
+
+log = logging.getLogger(__name__)
+
+
+def base_config_of(name_or_path: str):
+    """The base model's `LlamaConfig` without reading its weights (HF folder, .gguf file or known name)."""
+    from clover_jax.io import gguf as gguf_io
+    from clover_jax.io.loader import resolve_model_path
+    from clover_jax.models.config import LlamaConfig
+
+    path = resolve_model_path(name_or_path)
+    if path.is_file() and path.suffix == ".gguf":
+        return gguf_io.gguf_config(gguf_io._reader(path), source=str(path))
+    return LlamaConfig.from_json_file(path / "config.json")
+
+
+def load_base(cfg: ExperimentConfig, mesh) -> Any:
+    """`LoadedModel` (config, model, tokenizer) with the weights placed on their shardings as they are read."""
+    from clover_jax.io.loader import load_model
+    from clover_jax.models.llama import Llama
+
+    dtype, pdtype = steps_lib.DTYPES[cfg.model.dtype], steps_lib.DTYPES[cfg.model.param_dtype]
+    config = base_config_of(cfg.model.name_or_path)
+    abstract = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0), param_dtype=pdtype, dtype=dtype))
+    shardings = parallel.model_shardings(nnx.state(abstract), mesh)
+    return load_model(cfg.model.name_or_path, dtype=dtype, param_dtype=pdtype, shardings=shardings)
+
+
+def build_data(cfg: ExperimentConfig, loaded) -> tuple[Any, list[dict[str, Any]]]:
+    """(train batcher, held-out batches for evaluation) from `cfg.data` (see `clover_jax.training.data`)."""
+    from clover_jax.training import data as data_lib
+
+    if cfg.data.self_distill:  # the base model's own first-turn replies, generated once and cached on disk
+        from clover_jax.training.self_distill import self_distilled_conversations
+
+        convs = self_distilled_conversations(cfg, loaded, progress=jax.process_index() == 0)
+    else:
+        convs = data_lib.load_conversations(cfg.data)
+    train, held = data_lib.build_datasets(cfg.data, loaded.tokenizer, convs, progress=jax.process_index() == 0)
+    kw = dict(process_index=jax.process_index(), process_count=jax.process_count())
+    batcher = data_lib.BucketedBatcher(train, cfg.data.batch_size, cfg.data.bucket_boundaries, seed=cfg.data.seed,
+                                       shuffle=cfg.data.shuffle, **kw)
+    eval_batches: list[dict[str, Any]] = []
+    if cfg.train.eval_every and len(held):
+        held_batcher = data_lib.BucketedBatcher(held, cfg.data.batch_size, cfg.data.bucket_boundaries,
+                                                seed=cfg.data.seed, shuffle=False, **kw)
+        limit = cfg.train.eval_batches or None
+        eval_batches = list(itertools.islice(held_batcher.epoch_batches(0), limit))
+    log.info("data: %d train / %d held-out examples, %d batches per epoch", len(train), len(held),
+             batcher.batches_per_epoch)
+    return batcher, eval_batches
+
+
+def check_batch_layout(cfg: ExperimentConfig, mesh) -> None:
+    shards = parallel.batch_divisor(mesh)
+    b, a = cfg.data.batch_size, cfg.optim.grad_accum
+    if b % shards:
+        raise ConfigError(f"data.batch_size: {b} rows cannot be split over the mesh's data*fsdp = {shards} "
+                          "batch shards; use a multiple")
+    if (b // a) % shards:
+        log.warning("micro-batches of %d rows (data.batch_size / optim.grad_accum) do not split evenly over %d "
+                    "batch shards: XLA will reshard them", b // a, shards)
+
+
+def config_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """['optim.lr: 0.001 -> 0.0005', ...] between two `config_to_dict` dicts."""
+    out = []
+    for section, body in new.items():
+        for key, value in body.items():
+            before = (old.get(section) or {}).get(key, "<unset>")
+            if before != value:
+                out.append(f"{section}.{key}: {before!r} -> {value!r}")
+    return out
+
+
+def run_experiment(cfg: ExperimentConfig, *, resume: bool = False, progress: bool = True, mesh=None,
+                   loaded=None, batcher=None, eval_batches=None,
+                   on_step: Callable[[int, Trainer], None] | None = None) -> dict[str, Any]:
+    """Trains a head as `cfg` says; returns the loop's summary. With `resume`, continues from the latest
+    checkpoint in `cfg.checkpoint_dir` (or starts fresh when there is none); without it, refuses to start
+    where checkpoints already exist."""
+    parallel.maybe_initialize_distributed(cfg.mesh.multi_host)
+    mesh = mesh if mesh is not None else parallel.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tp)
+    check_batch_layout(cfg, mesh)
+    run_dir = Path(cfg.train.output_dir)
+    ckpt = Checkpointer(cfg.checkpoint_dir, save_every=cfg.checkpoint.save_every, keep=cfg.checkpoint.keep,
+                        async_save=cfg.checkpoint.async_save, save_on_preemption=cfg.checkpoint.save_on_preemption)
+    try:
+        existing = ckpt.all_steps()
+        if existing and not resume:
+            raise CheckpointError(f"{ckpt.directory}: already holds checkpoints (steps {existing}); pass --resume "
+                                  "to continue that run, or choose another --output-dir")
+        if loaded is None:
+            loaded = load_base(cfg, mesh)
+        base = loaded.model if hasattr(loaded, "model") else loaded
+        head_meta = head_metadata(steps_lib.head_config(cfg), base.config, cfg.model.name_or_path)
+        if existing:
+            ckpt.check_all(head_meta)  # refuse before any save could rotate a bad checkpoint away
+        if batcher is None:
+            batcher, eval_batches = build_data(cfg, loaded)
+        trainer = Trainer(cfg, base, base_name=cfg.model.name_or_path, mesh=mesh, run_dir=run_dir)
+        if existing:
+            data_state = trainer.restore(ckpt)
+            batcher.load_state_dict(data_state)
+            log.info("resumed from %s at step %d", ckpt.step_dir(trainer.state.step), trainer.state.step)
+            changed = config_changes(trainer.restored_config or {}, config_to_dict(cfg))
+            if changed:
+                log.warning("the config differs from the checkpoint's: %s", "; ".join(changed))
+        if jax.process_index() == 0:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            save_config(cfg, run_dir / "config.yaml")
+            (run_dir / "head.json").write_text(json.dumps(head_meta, indent=1))
+        summary = trainer.fit(batcher, eval_batches=eval_batches, checkpointer=ckpt, progress=progress,
+                              on_step=on_step)
+        summary["run_dir"] = str(run_dir)
+        summary["config"] = config_to_dict(cfg)
+        return summary
+    finally:
+        ckpt.close()
+
+
+__all__ = ["base_config_of", "build_data", "check_batch_layout", "load_base", "run_experiment"]

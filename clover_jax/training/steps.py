@@ -1,0 +1,227 @@
+"""The pure pieces of training: optimizer + schedule, and the jitted train/eval steps.
+
+Functional NNX: the head is `nnx.split` once into a graphdef (static, closed over) and a pure dict of
+float32 parameters; the frozen base model likewise. A step takes
+`(head_params, opt_state, base_state, batch, step)` and returns `(head_params', opt_state', metrics)`;
+only the head parameters are differentiated (the base state is a non-differentiated argument, so its
+forward runs in the same XLA program and no base gradient or residual exists).
+
+Gradient accumulation (`grad_accum = A > 1`): an explicit `lax.scan` over A micro-batches inside the
+one jitted step, summing gradients. The Clover-2 loss normalises each head's sum by the mask count of
+the *whole batch* (`sum_t m / (count + 1)`), so averaging per-micro-batch losses (what
+`optax.MultiSteps` does) would weight micro-batches unevenly. Instead each micro-batch contributes
+`sum_i w_i (v_weight SV_ij + p_weight SP_ij) / (N_i + 1)` where SV/SP are its un-normalised sums and
+N_i the head's count over the whole batch (computable from the masks before any forward), so the
+accumulated loss and gradient equal those of one big batch up to float rounding. With the optional
+label mask the counts depend on the teacher, so each micro-batch is then normalised by its own count
+and the gradients are averaged (the MultiSteps semantics); logged metrics are exact either way.
+
+Micro-batch j holds rows j, j + A, j + 2A, ... of the global batch, so each device's rows spread evenly
+over micro-batches (no resharding when (B / A) is a multiple of the data*fsdp shards).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from clover_jax.heads.clover2 import Clover2Config
+from clover_jax.parallel import BATCH_AXES
+from clover_jax.training.loss import LossConfig, clover2_loss
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+SUM_KEYS = ("v_sum", "p_sum", "correct", "chain_correct", "count")
+
+
+# ------------------------------------------------------------------------------------------- config maps
+def loss_config(loss_cfg, vocab_size: int) -> LossConfig:
+    """`clover_jax.config.LossConfig` (experiment YAML) -> `clover_jax.training.loss.LossConfig`."""
+    label = loss_cfg.label_mask_topk > 0 or loss_cfg.label_mask_topp > 0
+    return LossConfig(decay=loss_cfg.decay, v_weight=loss_cfg.v_weight, p_weight=loss_cfg.p_weight,
+                      vocab_chunk=loss_cfg.vocab_chunk or None, label_mask=label,
+                      label_top_k=loss_cfg.label_mask_topk or vocab_size,
+                      label_top_p=loss_cfg.label_mask_topp or 1.0)
+
+
+def head_config(cfg) -> Clover2Config:
+    """The head's `Clover2Config` from an `ExperimentConfig` (params fp32; compute dtype train.compute_dtype)."""
+    return Clover2Config(num_heads=cfg.head.num_heads, num_aug_layers=cfg.head.num_aug_layers,
+                         embed_source=cfg.head.embed_source, rope_theta=cfg.head.rope_theta,
+                         dtype=DTYPES[cfg.train.compute_dtype], param_dtype=jnp.float32, remat=cfg.train.remat)
+
+
+def make_schedule(optim_cfg, total_steps: int) -> optax.Schedule:
+    """Linear warm-up from 0 to `lr` over `warmup_steps`, then linear (to 0 at `total_steps`), cosine or
+    constant. Linear matches `transformers.get_linear_schedule_with_warmup` (the reference)."""
+    o = optim_cfg
+    warm = int(o.warmup_steps)
+    rest = max(int(total_steps) - warm, 1)
+    if o.schedule == "constant":
+        decay = optax.constant_schedule(o.lr)
+    elif o.schedule == "cosine":
+        decay = optax.cosine_decay_schedule(o.lr, rest)
+    else:
+        decay = optax.linear_schedule(o.lr, 0.0, rest)
+    if warm == 0:
+        return decay
+    return optax.join_schedules([optax.linear_schedule(0.0, o.lr, warm), decay], [warm])
+
+
+def make_optimizer(optim_cfg, total_steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    """`chain(clip(clip_value), adamw(schedule, b1, b2, eps, weight_decay))`: clip *by value* (the reference's
+    `clip_grad_value_`), weight decay on every head parameter (torch AdamW default param group)."""
+    o = optim_cfg
+    schedule = make_schedule(o, total_steps)
+    parts = [optax.clip(o.clip_value)] if o.clip_value else []
+    parts.append(optax.adamw(schedule, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay))
+    return optax.chain(*parts), schedule
+
+
+# ------------------------------------------------------------------------------------------------ losses
+def head_counts(batch: dict[str, jax.Array], num_heads: int) -> jax.Array:
+    """`[num_heads]` mask counts N_i of the loss (without label mask): sum_b sum_{t >= i} lm[b, t] with
+    lm = loss_mask & valid & valid[t+1] (exactly `kd_loss`'s `mask_count`)."""
+    valid = batch["valid"].astype(bool)
+    valid_next = jnp.pad(valid[:, 1:], ((0, 0), (0, 1)))
+    lm = (batch["loss_mask"].astype(bool) & valid & valid_next).astype(jnp.float32)  # [B, T]
+    per_t = jnp.sum(lm, axis=0)  # [T]
+    return jnp.stack([jnp.sum(per_t[i:]) for i in range(num_heads)])
+
+
+def _sums(metrics: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    """Per-head un-normalised sums `[num_heads]` from `kd_loss` metrics (vloss = SV / (count + 1))."""
+    c = jax.lax.stop_gradient(metrics["mask_count"])
+    return {"v_sum": metrics["vloss"] * (c + 1), "p_sum": metrics["ploss"] * (c + 1),
+            "correct": metrics["correct"], "chain_correct": metrics["chain_correct"], "count": c}
+
+
+def head_weights(loss_cfg: LossConfig, num_heads: int) -> jax.Array:
+    return loss_cfg.head_weight * loss_cfg.decay ** jnp.arange(num_heads, dtype=jnp.float32)
+
+
+def metrics_from_sums(sums: dict[str, jax.Array], loss_cfg: LossConfig) -> dict[str, jax.Array]:
+    """Batch-level loss/metrics from summed per-head sums (the big-batch formula of `kd_loss`)."""
+    n = sums["count"]
+    vloss, ploss = sums["v_sum"] / (n + 1), sums["p_sum"] / (n + 1)
+    w = head_weights(loss_cfg, n.shape[0])
+    return {"loss": jnp.sum(w * (loss_cfg.v_weight * vloss + loss_cfg.p_weight * ploss)),
+            "vloss": vloss, "ploss": ploss, "acc": sums["correct"] / jnp.maximum(n, 1),
+            "chain_acc": sums["chain_correct"] / jnp.maximum(n, 1), "count": n}
+
+
+def _split_micro(batch: dict[str, jax.Array], accum: int, mesh=None) -> dict[str, jax.Array]:
+    """`[B, T]` -> `[A, B/A, T]`, micro-batch j = rows j, j+A, ... (batch axis kept sharded)."""
+    def split(x):
+        b = x.shape[0]
+        y = jnp.swapaxes(x.reshape(b // accum, accum, *x.shape[1:]), 0, 1)  # [A, B/A, T]
+        if mesh is None:
+            return y
+        return jax.lax.with_sharding_constraint(y, NamedSharding(mesh, P(None, BATCH_AXES)))
+    return {k: split(v) for k, v in batch.items()}
+
+
+# ------------------------------------------------------------------------------------------------- steps
+def make_loss_fn(head_graphdef, base_graphdef, loss_cfg: LossConfig) -> Callable:
+    """(params, base_state, batch) -> (loss, kd_loss metrics): the Clover-2 loss with the base run online."""
+    def forward(params, base_state, batch):
+        head = nnx.merge(head_graphdef, params)
+        base = nnx.merge(base_graphdef, base_state)
+        return clover2_loss(head, base, batch["tokens"], batch["loss_mask"], batch["valid"], loss_cfg)
+    return forward
+
+
+def make_grad_fn(head_graphdef, base_graphdef, loss_cfg: LossConfig, num_heads: int,
+                 grad_accum: int = 1, mesh=None) -> Callable:
+    """(params, base_state, batch) -> (grads, sums): gradients of the big-batch loss w.r.t. the head params,
+    accumulated over `grad_accum` micro-batches (see the module docstring), and per-head sums."""
+    accum = int(grad_accum)
+    exact = not loss_cfg.label_mask
+    forward = make_loss_fn(head_graphdef, base_graphdef, loss_cfg)
+
+    def micro_objective(params, base_state, mb, totals):
+        loss, m = forward(params, base_state, mb)
+        s = _sums(m)
+        if exact:  # this micro-batch's share of the big-batch loss
+            w = head_weights(loss_cfg, num_heads)
+            loss = jnp.sum(w * (loss_cfg.v_weight * s["v_sum"] + loss_cfg.p_weight * s["p_sum"]) / (totals + 1))
+        else:
+            loss = loss / accum
+        return loss, s
+
+    def grad_fn(params, base_state, batch):
+        if accum == 1:
+            (_, m), grads = jax.value_and_grad(forward, has_aux=True)(params, base_state, batch)
+            return grads, _sums(m)
+        totals = head_counts(batch, num_heads)
+        vg = jax.value_and_grad(micro_objective, has_aux=True)
+
+        def body(carry, mb):
+            g_acc, s_acc = carry
+            (_, s), g = vg(params, base_state, mb, totals)
+            return (jax.tree.map(jnp.add, g_acc, g), jax.tree.map(jnp.add, s_acc, s)), None
+
+        zeros_g = jax.tree.map(jnp.zeros_like, params)
+        zeros_s = {k: jnp.zeros((num_heads,), jnp.float32) for k in SUM_KEYS}
+        (grads, sums), _ = jax.lax.scan(body, (zeros_g, zeros_s), _split_micro(batch, accum, mesh))
+        return grads, sums
+
+    return grad_fn
+
+
+def build_steps(head_graphdef, base_graphdef, tx: optax.GradientTransformation, loss_cfg: LossConfig,
+                num_heads: int, *, grad_accum: int = 1, schedule: optax.Schedule | None = None,
+                mesh=None, param_shardings=None, opt_shardings=None, base_shardings=None,
+                donate: bool = True, return_grads: bool = False) -> tuple[Callable, Callable]:
+    """(train_step, eval_step), jitted with explicit shardings when `mesh` is given.
+
+    train_step(params, opt_state, base_state, batch, step) -> (params', opt_state', metrics)
+      (+ the gradients as a 4th output with `return_grads`, for tests and debugging)
+    eval_step(params, base_state, batch) -> per-head sums (v_sum, p_sum, correct, chain_correct, count) + tokens
+    metrics: loss, vloss/ploss/acc/chain_acc/count `[num_heads]`, lr, grad_norm, tokens.
+    """
+    forward = make_loss_fn(head_graphdef, base_graphdef, loss_cfg)
+    grad_fn = make_grad_fn(head_graphdef, base_graphdef, loss_cfg, num_heads, grad_accum, mesh)
+
+    def train_step(params, opt_state, base_state, batch, step):
+        grads, sums = grad_fn(params, base_state, batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        metrics = metrics_from_sums(sums, loss_cfg)
+        metrics["grad_norm"] = optax.tree.norm(grads)
+        metrics["lr"] = jnp.asarray(schedule(step) if schedule is not None else 0.0, jnp.float32)
+        metrics["tokens"] = jnp.sum(batch["valid"].astype(jnp.float32))
+        return (params, opt_state, metrics, grads) if return_grads else (params, opt_state, metrics)
+
+    def eval_step(params, base_state, batch):
+        _, m = forward(params, base_state, batch)
+        sums = jax.lax.stop_gradient(_sums(m))
+        sums["tokens"] = jnp.sum(batch["valid"].astype(jnp.float32))
+        return sums
+
+    if mesh is None:
+        return (jax.jit(train_step, donate_argnums=(0, 1) if donate else ()), jax.jit(eval_step))
+    rep = NamedSharding(mesh, P())
+    bsh = NamedSharding(mesh, P(BATCH_AXES))
+    batch_sh = {"tokens": bsh, "loss_mask": bsh, "valid": bsh}
+    train_jit = jax.jit(train_step, in_shardings=(param_shardings, opt_shardings, base_shardings, batch_sh, rep),
+                        out_shardings=(param_shardings, opt_shardings, rep) + ((param_shardings,) if return_grads else ()),
+                        donate_argnums=(0, 1) if donate else ())
+    eval_jit = jax.jit(eval_step, in_shardings=(param_shardings, base_shardings, batch_sh), out_shardings=rep)
+    return train_jit, eval_jit
+
+
+def summarize_eval(sums: list[dict[str, Any]], loss_cfg: LossConfig) -> dict[str, Any]:
+    """Host-side aggregation of eval_step sums over batches -> exact held-out metrics (python floats)."""
+    import numpy as np
+
+    tot = {k: np.sum([np.asarray(s[k], np.float64) for s in sums], axis=0) for k in (*SUM_KEYS, "tokens")}
+    m = metrics_from_sums({k: jnp.asarray(tot[k]) for k in SUM_KEYS}, loss_cfg)
+    out = {k: np.asarray(v).tolist() for k, v in m.items()}
+    out["tokens"] = float(tot["tokens"])
+    out["batches"] = len(sums)
+    return out

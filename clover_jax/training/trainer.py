@@ -1,0 +1,349 @@
+"""Training a Clover-2 head by knowledge distillation from a frozen base model (drafters.md §2.3, §10.4).
+
+    trainer = Trainer(cfg, base_model, base_name="smollm2-135m-instruct")   # head = init_from_base(base)
+    summary = trainer.fit(batcher, eval_batches=held_out, checkpointer=ckpt)
+
+`Trainer` holds the functional training state (`TrainState`: step, head params as a pure dict, optax
+state, RNG key data), the frozen base state and the jitted steps (`steps.build_steps`), all placed on a
+("data", "fsdp", "tp") mesh by `clover_jax.parallel`'s rules. `fit` runs the loop: a tqdm bar (loss, head
+accuracies, tokens/s, ETA), metrics to `<run_dir>/metrics.jsonl` and TensorBoard (`<run_dir>/tb`) every
+`train.log_every` steps, held-out evaluation every `train.eval_every`, checkpoints through a
+`Checkpointer`, and a clean stop on SIGTERM (save at the next step boundary, wait, return).
+
+The whole pipeline from a config (model, data, trainer, checkpoints) is `clover_jax.training.run`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator
+
+import jax
+import numpy as np
+from flax import nnx
+
+from clover_jax import parallel
+from clover_jax.heads.clover2 import init_from_base
+from clover_jax.training import steps as steps_lib
+from clover_jax.training.checkpoint import Checkpointer, CheckpointError, head_metadata, to_jsonable
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class TrainState:
+    step: int  # optimizer steps done
+    params: Any  # head parameters, pure dict of float32 arrays
+    opt_state: Any  # optax state
+    rng: jax.Array  # raw key data (uint32 [2]); per-step randomness = fold_in(key, step) (none used today)
+
+
+# ------------------------------------------------------------------------------------------------ logging
+class MetricsLogger:
+    """JSON lines (`metrics.jsonl`) and TensorBoard scalars (`tb/`) in the run directory."""
+
+    def __init__(self, run_dir: str | Path, tensorboard: bool = True):
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._jsonl = (self.run_dir / "metrics.jsonl").open("a", encoding="utf-8")
+        self._tb = None
+        if tensorboard:
+            try:
+                from tensorboardX import SummaryWriter
+
+                self._tb = SummaryWriter(str(self.run_dir / "tb"))
+            except ImportError:  # pragma: no cover - tensorboardX is a dependency
+                log.warning("tensorboardX is not installed: TensorBoard logging is off")
+
+    def log(self, record: dict[str, Any]) -> None:
+        record = to_jsonable(record)
+        self._jsonl.write(json.dumps(record) + "\n")
+        self._jsonl.flush()
+        if self._tb is not None:
+            split, step = record.get("split", "train"), int(record["step"])
+            for k, v in record.items():
+                if k in ("split", "step"):
+                    continue
+                if isinstance(v, list):
+                    for i, x in enumerate(v):
+                        self._tb.add_scalar(f"{split}/{k}_head{i}", x, step)
+                elif isinstance(v, (int, float)):
+                    self._tb.add_scalar(f"{split}/{k}", v, step)
+            self._tb.flush()
+
+    def close(self) -> None:
+        self._jsonl.close()
+        if self._tb is not None:
+            self._tb.close()
+
+
+@contextlib.contextmanager
+def stop_on_signals(enabled: bool = True, signals=(signal.SIGTERM,)) -> Iterator[threading.Event]:
+    """An Event set by SIGTERM while inside the block (previous handlers restored on exit).
+
+    Not installed off the main thread, or on multi-host runs, where JAX's preemption service owns SIGTERM
+    and `Checkpointer.reached_preemption` syncs the stop step across hosts.
+    """
+    event = threading.Event()
+    if not enabled or threading.current_thread() is not threading.main_thread() or jax.process_count() > 1:
+        yield event
+        return
+
+    def handler(signum, frame):  # noqa: ARG001
+        log.warning("received signal %d: saving a checkpoint at the next step boundary and stopping", signum)
+        event.set()
+
+    old = {s: signal.signal(s, handler) for s in signals}
+    try:
+        yield event
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def _window_record(window: list[dict[str, Any]]) -> dict[str, Any]:
+    """Averages of a window of step metrics (accuracies weighted by mask counts)."""
+    count = np.sum([m["count"] for m in window], axis=0)
+    acc = np.sum([m["acc"] * m["count"] for m in window], axis=0) / np.maximum(count, 1)
+    chain = np.sum([m["chain_acc"] * m["count"] for m in window], axis=0) / np.maximum(count, 1)
+    return {"loss": float(np.mean([m["loss"] for m in window])),
+            "vloss": np.mean([m["vloss"] for m in window], axis=0).tolist(),
+            "ploss": np.mean([m["ploss"] for m in window], axis=0).tolist(),
+            "acc": acc.tolist(), "chain_acc": chain.tolist(),
+            "grad_norm": float(np.mean([m["grad_norm"] for m in window])),
+            "lr": float(window[-1]["lr"]), "loss_tokens": float(np.sum(count[0]))}
+
+
+def _same_sharding(x, sharding) -> bool:
+    current = getattr(x, "sharding", None)
+    try:
+        return current is not None and current.is_equivalent_to(sharding, x.ndim)
+    except Exception:  # noqa: BLE001 - shardings of different kinds that cannot be compared
+        return False
+
+
+# ------------------------------------------------------------------------------------------------ trainer
+class Trainer:
+    """A Clover-2 head, its optimizer and the frozen base model on a mesh, with jitted train/eval steps."""
+
+    def __init__(self, cfg, base, *, base_name: str = "", mesh=None, run_dir: str | Path | None = None,
+                 donate: bool = True):
+        self.cfg = cfg
+        self.mesh = mesh if mesh is not None else parallel.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tp)
+        self.run_dir = Path(run_dir) if run_dir is not None else None
+        self.base_config = base.config
+        self.head_cfg = steps_lib.head_config(cfg)
+        self.loss_cfg = steps_lib.loss_config(cfg.loss, base.config.vocab_size)
+        self.head_meta = head_metadata(self.head_cfg, base.config, base_name or cfg.model.name_or_path)
+        self.total_steps = cfg.total_steps
+        self.restored_config: dict[str, Any] | None = None
+
+        # frozen base: graphdef (static) + state placed on its shardings
+        self.base_graphdef, base_state = nnx.split(base)
+        base_state = nnx.to_pure_dict(base_state)
+        self.base_shardings = parallel.model_shardings(base_state, self.mesh)
+        self.base_state = self._place(base_state, self.base_shardings)
+
+        # head: reference initialisation from the base, fp32 master params
+        head = init_from_base(base, self.head_cfg, seed=cfg.train.seed)
+        self.head_graphdef, params = nnx.split(head)
+        params = nnx.to_pure_dict(params)
+        self.param_shardings = parallel.model_shardings(params, self.mesh)
+        params = self._place(params, self.param_shardings)
+        del head
+
+        self.tx, self.schedule = steps_lib.make_optimizer(cfg.optim, self.total_steps)
+        self.opt_shardings = parallel.model_shardings(jax.eval_shape(self.tx.init, params), self.mesh)
+        opt_state = jax.jit(self.tx.init, out_shardings=self.opt_shardings)(params)
+        rng = jax.random.key_data(jax.random.key(cfg.train.seed))
+        self.state = TrainState(0, params, opt_state, rng)
+        self.batch_sharding = parallel.batch_sharding(self.mesh)
+        self._build = lambda **kw: steps_lib.build_steps(  # noqa: E731
+            self.head_graphdef, self.base_graphdef, self.tx, self.loss_cfg, cfg.head.num_heads,
+            grad_accum=cfg.optim.grad_accum, schedule=self.schedule, mesh=self.mesh,
+            param_shardings=self.param_shardings, opt_shardings=self.opt_shardings,
+            base_shardings=self.base_shardings, donate=donate, **kw)
+        self._train_step, self._eval_step = self._build()
+        self._train_step_grads = None
+
+    # ---- placement
+    @staticmethod
+    def _place(tree, shardings):
+        """`tree` on `shardings`; arrays already there are kept as they are (the base weights loaded onto
+        their shardings are not copied a second time)."""
+        leaves, treedef = jax.tree.flatten(tree)
+        targets = treedef.flatten_up_to(shardings)
+        move = [i for i, (x, s) in enumerate(zip(leaves, targets)) if not _same_sharding(x, s)]
+        if move:
+            moved = jax.jit(lambda xs: xs, out_shardings=[targets[i] for i in move])([leaves[i] for i in move])
+            for i, x in zip(move, moved):
+                leaves[i] = x
+        return treedef.unflatten(leaves)
+
+    def device_batch(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+        """This process's rows -> global arrays on the batch sharding."""
+        return {k: jax.make_array_from_process_local_data(self.batch_sharding, np.asarray(batch[k]))
+                for k in ("tokens", "loss_mask", "valid")}
+
+    def head(self):
+        """The current head as an `nnx.Module` (shares the parameter arrays)."""
+        return nnx.merge(self.head_graphdef, self.state.params)
+
+    def base(self):
+        return nnx.merge(self.base_graphdef, self.base_state)
+
+    # ---- steps
+    def train_step(self, batch: dict[str, np.ndarray], return_grads: bool = False):
+        """One optimizer step on a host batch; returns the step's metrics (device arrays, not synced),
+        and with `return_grads` also the gradients (a separately compiled variant of the step)."""
+        s = self.state
+        args = (s.params, s.opt_state, self.base_state, self.device_batch(batch), np.int32(s.step))
+        if return_grads:
+            if self._train_step_grads is None:
+                self._train_step_grads = self._build(return_grads=True)[0]
+            params, opt_state, metrics, grads = self._train_step_grads(*args)
+        else:
+            params, opt_state, metrics = self._train_step(*args)
+        self.state = TrainState(s.step + 1, params, opt_state, s.rng)
+        return (metrics, grads) if return_grads else metrics
+
+    def evaluate(self, batches: Iterable[dict[str, np.ndarray]]) -> dict[str, Any]:
+        """Held-out loss, per-head accuracy and chained accuracy over `batches` (exact batch-level sums)."""
+        sums = [self._eval_step(self.state.params, self.base_state, self.device_batch(b)) for b in batches]
+        if not sums:
+            return {}
+        return steps_lib.summarize_eval(jax.device_get(sums), self.loss_cfg)
+
+    # ---- checkpoints
+    def abstract_targets(self):
+        abstract = lambda t, s: parallel.abstract_with_shardings(t, s)  # noqa: E731
+        rep = parallel.replicated(self.mesh)
+        rng = jax.ShapeDtypeStruct(self.state.rng.shape, self.state.rng.dtype, sharding=rep)
+        return (abstract(self.state.params, self.param_shardings),
+                abstract(self.state.opt_state, self.opt_shardings), rng)
+
+    def save(self, checkpointer: Checkpointer, data_state: dict[str, Any], force: bool = False,
+             config: dict[str, Any] | None = None) -> bool:
+        from clover_jax.config import config_to_dict
+
+        s = self.state
+        return checkpointer.save(s.step, params=s.params, opt_state=s.opt_state, rng=s.rng,
+                                 data_state=to_jsonable(data_state), head_meta=self.head_meta, force=force,
+                                 config=config if config is not None else config_to_dict(self.cfg))
+
+    def restore(self, checkpointer: Checkpointer, step: int | None = None) -> dict[str, Any]:
+        """Loads a checkpoint into the trainer; returns the saved data position (batcher state_dict)."""
+        params, opt_state, rng = self.abstract_targets()
+        out = checkpointer.restore(step, abstract_params=params, abstract_opt_state=opt_state, abstract_rng=rng,
+                                   head_meta=self.head_meta)
+        self.state = TrainState(out["step"], out["params"], out["opt_state"], out["rng"])
+        self.restored_config = out["config"]
+        return out["data"]
+
+    # ---- loop
+    def fit(self, batcher, *, eval_batches: list[dict[str, np.ndarray]] | None = None,
+            checkpointer: Checkpointer | None = None, steps: int | None = None, progress: bool = True,
+            on_step: Callable[[int, "Trainer"], None] | None = None) -> dict[str, Any]:
+        """Trains until `steps` (default train.steps) optimizer steps are done, or a stop signal arrives.
+
+        `batcher` yields host batches and has `state_dict()` (saved with each checkpoint). Returns a summary.
+        """
+        from tqdm import tqdm
+
+        tc = self.cfg.train
+        total = int(steps or tc.steps)
+        main = jax.process_index() == 0
+        logger = MetricsLogger(self.run_dir) if (self.run_dir is not None and main) else None
+        start = self.state.step
+        window: list[dict[str, Any]] = []
+        history: list[dict[str, Any]] = []
+        evals: list[dict[str, Any]] = []
+        tokens_total = 0.0
+        t_start = time.perf_counter()
+        t_window = t_start
+        t_steady = None  # wall clock after the first step (compile excluded from the steady rate)
+        paused = 0.0  # seconds spent in evaluation in this log window (excluded from tokens/s)
+        eval_total = 0.0
+        tokens_first = 0.0
+        stopped = False
+        bar = tqdm(total=total, initial=start, disable=not (progress and main), desc="train", unit="step",
+                   dynamic_ncols=True)
+        with stop_on_signals(self.cfg.checkpoint.save_on_preemption) as stop_event:
+            while self.state.step < total:
+                metrics = self.train_step(next(batcher))
+                step = self.state.step
+                window.append(metrics)
+                if t_steady is None:
+                    jax.block_until_ready(metrics)
+                    t_steady = time.perf_counter()
+                    tokens_first = float(metrics["tokens"])
+                if step % tc.log_every == 0 or step == total:
+                    host = jax.device_get(window)
+                    now = time.perf_counter()
+                    tokens = float(np.sum([m["tokens"] for m in host]))
+                    tokens_total += tokens
+                    rec = {"step": step, "split": "train", **_window_record(host)}
+                    rec["tokens_per_s"] = tokens / max(now - t_window - paused, 1e-9)
+                    rec["elapsed_s"] = now - t_start
+                    rec["eta_s"] = (total - step) * (now - t_window - paused) / len(host)
+                    paused, t_window, window = 0.0, now, []
+                    history.append(rec)
+                    if logger:
+                        logger.log(rec)
+                    post = {"loss": f"{rec['loss']:.3f}"}
+                    post.update({f"a{i}": f"{a:.2f}" for i, a in enumerate(rec["acc"])})
+                    post["tok/s"] = f"{rec['tokens_per_s']:.0f}"
+                    bar.set_postfix(post, refresh=False)
+                bar.update(1)
+                if eval_batches and tc.eval_every and (step % tc.eval_every == 0 or step == total):
+                    t0 = time.perf_counter()
+                    ev = {"step": step, "split": "eval", **self.evaluate(eval_batches)}
+                    paused += time.perf_counter() - t0
+                    eval_total += time.perf_counter() - t0
+                    evals.append(ev)
+                    if logger:
+                        logger.log(ev)
+                    bar.write(f"step {step}: eval loss {ev['loss']:.4f} acc "
+                              + " ".join(f"{a:.3f}" for a in ev["acc"]))
+                if on_step is not None:
+                    on_step(step, self)
+                preempted = stop_event.is_set() or bool(checkpointer and checkpointer.reached_preemption(step))
+                if checkpointer is not None:
+                    self.save(checkpointer, batcher.state_dict(), force=preempted or step == total)
+                if preempted:
+                    stopped = True
+                    bar.write(f"stopping at step {step} (signal/preemption); checkpoint saved")
+                    break
+        bar.close()
+        if checkpointer is not None:
+            checkpointer.wait_until_finished()
+        jax.block_until_ready(self.state.params)
+        t_end = time.perf_counter()
+        if window:  # metrics of steps after the last log (stopped early)
+            tokens_total += float(np.sum([float(m["tokens"]) for m in jax.device_get(window)]))
+        train_time = t_end - t_start - eval_total
+        steady_time = (t_end - t_steady - eval_total) if t_steady is not None else 0.0
+        tokens_steady = tokens_total - tokens_first
+        summary = {
+            "start_step": start, "final_step": self.state.step, "steps_run": self.state.step - start,
+            "stopped_early": stopped, "train_time_s": train_time, "eval_time_s": eval_total,
+            "tokens": tokens_total, "tokens_per_s": tokens_total / max(train_time, 1e-9),
+            "steady_tokens_per_s": tokens_steady / max(steady_time, 1e-9) if self.state.step - start > 1 else None,
+            "first_log": history[0] if history else None, "last_log": history[-1] if history else None,
+            "last_eval": evals[-1] if evals else None, "evals": evals,
+            "checkpoint_step": checkpointer.latest_step() if checkpointer is not None else None,
+        }
+        if logger:
+            (self.run_dir / "summary.json").write_text(json.dumps(to_jsonable(summary), indent=1))
+            logger.close()
+        return summary
+
+
+__all__ = ["CheckpointError", "MetricsLogger", "TrainState", "Trainer", "stop_on_signals"]

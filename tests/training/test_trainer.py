@@ -1,0 +1,116 @@
+"""Trainer pieces: gradient accumulation equals one big batch, schedules, bf16/remat, eval, the CLI's errors."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from clover_jax import parallel
+from clover_jax.training import steps as steps_lib
+from clover_jax.training.trainer import Trainer
+from training_helpers import SyntheticBatcher, make_cfg, tiny_base
+
+ROOT = Path(__file__).resolve().parents[2]
+CFG = ("optim.eps=1e-3", "optim.clip_value=null", "optim.warmup_steps=0", "optim.lr=1e-3", "head.num_heads=2")
+
+
+def one_step(accum, mesh_shape=(1, 1, 1)):
+    mesh = parallel.make_mesh(*mesh_shape, devices=jax.devices("cpu")[:int(np.prod(mesh_shape))])
+    trainer = Trainer(make_cfg(*CFG, f"optim.grad_accum={accum}"), tiny_base(), mesh=mesh, donate=False)
+    metrics, grads = trainer.train_step(SyntheticBatcher(seed=5).batch(0), return_grads=True)
+    return jax.device_get((metrics, grads, trainer.state.params))
+
+
+def test_grad_accumulation_equals_one_big_batch():
+    batch = SyntheticBatcher(seed=5).batch(0)
+    # the two micro-batches (rows 0,2,4,6 and 1,3,5,7) have different mask counts, so averaging their
+    # separately normalised losses (optax.MultiSteps) would not give the big-batch loss
+    micro = [{k: v[j::2] for k, v in batch.items()} for j in range(2)]
+    counts = [float(steps_lib.head_counts(m, 2)[0]) for m in micro]
+    assert counts[0] != counts[1]
+
+    m1, g1, p1 = one_step(1)
+    m2, g2, p2 = one_step(2, (2, 2, 1))  # accumulated and sharded (micro-batches of 4 rows over 4 shards)
+    np.testing.assert_allclose(m2["loss"], m1["loss"], rtol=1e-5)
+    np.testing.assert_allclose(m2["acc"], m1["acc"], atol=1e-6)
+    np.testing.assert_allclose(m2["count"], m1["count"])
+    scale = max(float(np.max(np.abs(x))) for x in jax.tree.leaves(g1))
+    for a, b in zip(jax.tree.leaves(g2), jax.tree.leaves(g1)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5 * scale)
+    for a, b in zip(jax.tree.leaves(p2), jax.tree.leaves(p1)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_schedules():
+    cfg = make_cfg("optim.lr=1.0", "optim.warmup_steps=10", "optim.total_steps=110", "train.steps=110")
+    lin = steps_lib.make_schedule(cfg.optim, 110)
+    np.testing.assert_allclose([lin(0), lin(5), lin(10), lin(60), lin(110)], [0, 0.5, 1.0, 0.5, 0.0], atol=1e-6)
+    cos = steps_lib.make_schedule(make_cfg("optim.lr=1.0", "optim.warmup_steps=10", "optim.schedule=cosine",
+                                           "train.steps=110").optim, 110)
+    np.testing.assert_allclose([cos(10), cos(60), cos(110)], [1.0, 0.5, 0.0], atol=1e-6)
+    const = steps_lib.make_schedule(make_cfg("optim.lr=2.0", "optim.warmup_steps=0",
+                                             "optim.schedule=constant").optim, 6)
+    np.testing.assert_allclose([const(0), const(1000)], [2.0, 2.0])
+
+
+def test_clip_by_value_in_the_chain():
+    """Element 0 sees gradients (3, 0.5), element 1 (0.5, 0.5): identical after clipping each element to
+    [-0.5, 0.5] (by value, not by norm), so their Adam updates at step 2 must be equal."""
+    cfg = make_cfg("optim.clip_value=0.5", "optim.warmup_steps=0", "optim.schedule=constant")
+    tx, _ = steps_lib.make_optimizer(cfg.optim, 6)
+    params = {"w": jnp.zeros(2)}
+    state = tx.init(params)
+    _, state = tx.update({"w": jnp.array([3.0, 0.5])}, state, params)
+    updates, _ = tx.update({"w": jnp.array([0.5, 0.5])}, state, params)
+    np.testing.assert_allclose(updates["w"][0], updates["w"][1], rtol=1e-6)
+    no_clip, _ = steps_lib.make_optimizer(make_cfg("optim.clip_value=null", "optim.warmup_steps=0").optim, 6)
+    state = no_clip.init(params)
+    _, state = no_clip.update({"w": jnp.array([3.0, 0.5])}, state, params)
+    updates, _ = no_clip.update({"w": jnp.array([0.5, 0.5])}, state, params)
+    assert abs(float(updates["w"][0] - updates["w"][1])) > 1e-5
+
+
+def test_bf16_remat_label_mask_accum_and_eval():
+    """One compile covering the other code paths: bf16 head compute, remat, the label mask (whose
+    accumulation falls back to averaging per-micro-batch losses) and evaluation."""
+    mesh = parallel.make_mesh(1, 1, 1, devices=jax.devices("cpu")[:1])
+    cfg = make_cfg("train.compute_dtype=bfloat16", "train.remat=true", "head.num_heads=2", "optim.grad_accum=2",
+                   "loss.label_mask_topk=8", "loss.label_mask_topp=0.8")
+    trainer = Trainer(cfg, tiny_base(), mesh=mesh)
+    assert trainer.head_cfg.dtype == jnp.bfloat16 and trainer.head_cfg.remat and trainer.loss_cfg.label_mask
+    batcher = SyntheticBatcher()
+    held = [SyntheticBatcher(seed=9).batch(i) for i in range(2)]
+    before = trainer.evaluate(held)
+    metrics = jax.device_get(trainer.train_step(next(batcher)))
+    assert np.isfinite(metrics["loss"]) and metrics["loss"] > 0
+    assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(trainer.state.params))  # fp32 master params
+    after = trainer.evaluate(held)
+    assert set(after) >= {"loss", "vloss", "ploss", "acc", "chain_acc", "count", "tokens"}
+    assert len(after["acc"]) == 2 and after["count"] == before["count"]
+    assert after["chain_acc"][1] <= after["acc"][1] + 1e-9
+    assert trainer.evaluate([]) == {}
+
+
+def _cli(*args):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.run([sys.executable, str(ROOT / "train.py"), *args], capture_output=True, text=True,
+                          env=env, timeout=120, cwd=ROOT)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--set", "optim.lr=abc"], "error: optim.lr: expected float, got 'abc'"),
+    (["--set", "optm.lr=1"], "error: --set: unknown section 'optm'"),
+    (["--config", "does/not/exist.yaml"], "error: config file not found: does/not/exist.yaml"),
+    (["--set", "mesh.data=3", "--set", "mesh.fsdp=5"], "error: mesh: data*fsdp*tp = 3*5*1 = 15, but there are"),
+])
+def test_cli_config_errors_are_one_line(args, message):
+    out = _cli(*args)
+    assert out.returncode == 2
+    lines = [line for line in out.stderr.splitlines() if line.strip() and "WARNING" not in line]
+    assert len(lines) == 1 and lines[0].startswith(message), out.stderr
+    assert "Traceback" not in out.stderr
