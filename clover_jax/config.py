@@ -197,6 +197,8 @@ class DataConfig(_Section):
     self_distill: bool = False  # replace assistant replies with the base model's own (first turn)
     self_distill_dir: Optional[str] = None  # None: <train.output_dir>/self_distill
     self_distill_max_new_tokens: int = 512
+    self_distill_max_prompt_tokens: int = 256  # skip conversations whose first-turn prompt is longer
+    self_distill_batch_size: int = 16  # prompts per generation batch
     min_assistant_tokens: int = 1  # drop examples with fewer loss tokens (after truncation); 0 acts as 1
     system_prompt: Optional[str] = None  # prepended to conversations that have no system turn
 
@@ -208,6 +210,8 @@ class DataConfig(_Section):
         self._need(0 <= self.heldout_fraction < 1, "heldout_fraction", "must be in [0, 1)")
         self._need(self.batch_size >= 1, "batch_size", "must be >= 1")
         self._need(self.self_distill_max_new_tokens >= 1, "self_distill_max_new_tokens", "must be >= 1")
+        self._need(self.self_distill_max_prompt_tokens >= 1, "self_distill_max_prompt_tokens", "must be >= 1")
+        self._need(self.self_distill_batch_size >= 1, "self_distill_batch_size", "must be >= 1")
         self._need(self.min_assistant_tokens >= 0, "min_assistant_tokens", "must be >= 0")
         if self.bucket_boundaries != "auto":
             b = self.bucket_boundaries

@@ -11,7 +11,6 @@ disk (JSONL, resumable), so a killed run continues where it stopped.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 from pathlib import Path
 
 from clover_jax.api import encode_prompts, generate
@@ -39,14 +38,14 @@ def short_prompts(conversations, tokenizer, max_prompt_tokens: int) -> list[Conv
     return keep
 
 
-def self_distilled_conversations(cfg, loaded, max_prompt_tokens: int = 256, batch_size: int = 16,
-                                 progress: bool = True) -> list[Conversation]:
-    """Loads the configured conversations and returns them with the base model's replies (cached)."""
-    convs = load_conversations(cfg.data)
-    convs = short_prompts(convs, loaded.tokenizer, max_prompt_tokens)
+def self_distilled_conversations(cfg, loaded, convs=None, progress: bool = True) -> list[Conversation]:
+    """The configured conversations (or `convs`) with the base model's replies, generated once and cached
+    in `<self_distill_dir>/replies.jsonl`; prompts longer than `data.self_distill_max_prompt_tokens` are skipped."""
+    convs = load_conversations(cfg.data) if convs is None else convs
+    convs = short_prompts(convs, loaded.tokenizer, cfg.data.self_distill_max_prompt_tokens)
     out = Path(cfg.self_distill_dir) / "replies.jsonl"
     out.parent.mkdir(parents=True, exist_ok=True)
-    return build_self_distill(convs, make_generate_fn(loaded), out, batch_size=batch_size,
+    return build_self_distill(convs, make_generate_fn(loaded), out, batch_size=cfg.data.self_distill_batch_size,
                               max_new_tokens=cfg.data.self_distill_max_new_tokens, progress=progress)
 
 
@@ -73,8 +72,6 @@ def main(argv=None):
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_config_arguments(ap)
-    ap.add_argument("--max-prompt-tokens", type=int, default=256)
-    ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--export-chat", metavar="PATH", help="only write the cached replies as a chat JSONL file")
     args = ap.parse_args(argv)
     cfg = config_from_args(args)
@@ -83,7 +80,7 @@ def main(argv=None):
         print(f"{n} conversations written to {args.export_chat}")
         return
     loaded = load_model(cfg.model.name_or_path)
-    convs = self_distilled_conversations(cfg, loaded, args.max_prompt_tokens, args.batch_size)
+    convs = self_distilled_conversations(cfg, loaded)
     print(f"{len(convs)} self-distilled conversations in {cfg.self_distill_dir}")
 
 
