@@ -300,6 +300,16 @@ def medusa_63() -> TreeSpec:
     return TreeSpec(MEDUSA_63, top_k=10, name="medusa-63")
 
 
+# A 10-token tree for machines where verifying many tokens costs more than one decode step (CPUs):
+# three candidates at depth 1, two at depth 2, then the top-1 chain of the best path to depth 5.
+SMALL_10 = [[0], [1], [2], [0, 0], [1, 0], [0, 1], [0, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0, 0]]
+
+
+def small_10() -> TreeSpec:
+    """9 drafts + root, depths [3, 3, 1, 1, 1], 4 paths, top_k 10 (see SMALL_10)."""
+    return TreeSpec(SMALL_10, top_k=10, name="small-10")
+
+
 def chain(k: int) -> TreeSpec:
     """A single path of `k` drafts (top-1 at every step): plain speculative decoding."""
     if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
@@ -322,7 +332,7 @@ def from_json(path: str | os.PathLike) -> TreeSpec:
     return TreeSpec(data["choices"], top_k=data.get("top_k", DEFAULT_TOP_K), name=data.get("name", name))
 
 
-PRESETS = {"clover2-26": clover2_26, "medusa-63": medusa_63}
+PRESETS = {"clover2-26": clover2_26, "medusa-63": medusa_63, "small-10": small_10}
 
 
 def get_tree(name_or_path: str | os.PathLike | TreeSpec) -> TreeSpec:

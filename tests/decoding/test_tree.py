@@ -164,3 +164,13 @@ def test_stack_buffers():
     assert s.expand_nodes.shape == (2, 3, 1) and s.num_expand[0].tolist() == [1, 0, 0]
     with pytest.raises(T.TreeSpecError, match="same number of nodes"):
         T.stack_buffers([a, T.build_buffers(T.chain(2))])
+
+
+def test_small_10_preset():
+    from clover_jax.decoding.tree import build_buffers, get_tree
+
+    spec = get_tree("small-10")
+    b = build_buffers(spec)
+    assert spec.num_nodes == 10 and spec.depth_counts == [3, 3, 1, 1, 1] and spec.num_paths == 4
+    assert b.paths[0].tolist() == [0, 1, 4, 7, 8, 9]  # the deepest path first
+    assert b.mask[9].tolist() == [True, True, False, False, True, False, False, True, True, True]
