@@ -144,7 +144,7 @@ def test_json_round_trip_and_get_tree(tmp_path):
     assert T.get_tree("clover2-26").num_nodes == 26
     assert T.get_tree("medusa-63").num_nodes == 64
     assert T.get_tree("chain-4") == T.chain(4)
-    with pytest.raises(T.TreeSpecError, match="clover2-26, medusa-63, chain-N"):
+    with pytest.raises(T.TreeSpecError, match="clover2-26, medusa-63, small-10, chain-N"):
         T.get_tree("eagle-99")
     with pytest.raises(T.TreeSpecError, match="does not exist"):
         T.get_tree(str(tmp_path / "missing.json"))
