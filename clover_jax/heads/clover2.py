@@ -174,8 +174,7 @@ class Clover2Head(nnx.Module):
     def embed(self, base: Llama, tokens: jax.Array) -> jax.Array:
         """Frozen token embedding `E[tokens]` `[..., D]` read from the base model (ids clipped to [0, V))."""
         if self.cfg.embed_source == "lm_head":
-            w = jax.lax.stop_gradient(base.lm_head_matrix())  # [D, V]; E = W_lm^T
-            e = jnp.moveaxis(jnp.take(w, tokens, axis=1, mode="clip"), 0, -1)
+            e = base.lm_head_rows(tokens)  # E = W_lm^T, gathered without a transposed copy
         else:
             e = jnp.take(jax.lax.stop_gradient(base.embed[...]), tokens, axis=0, mode="clip")
         return e.astype(self.cfg.dtype)
@@ -209,8 +208,7 @@ class Clover2Head(nnx.Module):
     def logits(self, base: Llama, o: jax.Array) -> jax.Array:
         """float32 logits `[..., V]` = o @ W_lm (frozen base lm_head; o is already head-normed)."""
         check_compatible(self, base.config)
-        w = jax.lax.stop_gradient(base.lm_head_matrix()).astype(self.cfg.dtype)  # [D, V]
-        return jnp.einsum("...D,DV->...V", o.astype(self.cfg.dtype), w, preferred_element_type=jnp.float32)
+        return base.project(o, self.cfg.dtype)  # frozen W_lm, float32 accumulation
 
     # ------------------------------------------------------------------ training (teacher forcing)
     def train_outputs(self, base: Llama, f: jax.Array, tokens: jax.Array, valid: jax.Array) -> jax.Array:

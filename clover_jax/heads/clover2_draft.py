@@ -22,6 +22,29 @@ from clover_jax.heads.protocol import Proposal
 from clover_jax.models.cache import KVCache
 
 
+def top_k_ids(logits: jax.Array, k: int, block: int = 128) -> jax.Array:
+    """Top-k token ids over the last (vocabulary) axis, exact, without sorting the vocabulary.
+
+    XLA:CPU lowers many `lax.top_k` calls over a 49k-128k vocabulary to a full sort (measured 67 ms for the
+    five top-k calls of one small-10 draft). Two small steps instead: the k blocks of `block` logits with the
+    largest maxima must hold the global top k (a block with a top-k element has a max at least that large,
+    and fewer than k blocks can have a larger max), then top-k inside those k * block candidates.
+    """
+    *lead, v = logits.shape
+    flat = logits.reshape(-1, v)
+    if k == 1:
+        return jnp.argmax(flat, axis=-1).astype(jnp.int32).reshape(*lead, 1)
+    nblk = -(-v // block)
+    if nblk <= k:
+        return jax.lax.top_k(flat, k)[1].astype(jnp.int32).reshape(*lead, k)
+    x = jnp.pad(flat, ((0, 0), (0, nblk * block - v)), constant_values=-jnp.inf).reshape(-1, nblk, block)
+    top_blocks = jax.lax.top_k(x.max(axis=-1), k)[1]  # [R, k]
+    cand = jnp.take_along_axis(x, top_blocks[..., None], axis=1).reshape(-1, k * block)  # [R, k*block]
+    pos = jax.lax.top_k(cand, k)[1]  # [R, k]
+    ids = top_blocks[jnp.arange(flat.shape[0])[:, None], pos // block] * block + pos % block
+    return ids.astype(jnp.int32).reshape(*lead, k)
+
+
 @struct.dataclass
 class Clover2State:
     cache: KVCache  # Augmenting-Block cache [A_layers, B, S, K, H]
@@ -75,7 +98,7 @@ class Clover2Drafter:
         emax = buf.expand_nodes.shape[1]
         # step 0: the root is the only expanded node
         logits0 = head.logits(base, head.head0(state.s0))  # [B, V]
-        top0 = jax.lax.top_k(logits0, k)[1].astype(jnp.int32)  # [B, k]
+        top0 = top_k_ids(logits0, k)  # [B, k]
         per_step = [jnp.pad(top0[:, None, :], ((0, 0), (0, emax - 1), (0, 0)))]  # each [B, E, k]
         prev_states = state.s0[:, None, :]  # states of the nodes expanded at the previous step [B, E_prev, D]
         prev_top = top0[:, None, :]  # [B, E_prev, k]
@@ -86,7 +109,7 @@ class Clover2Drafter:
             tokens = prev_top[:, slots, ranks]  # [B, e] the expanded nodes' own tokens
             parent_states = prev_states[:, slots]  # [B, e, D]
             new_states, o = head.step(base, parent_states, tokens)
-            top = jax.lax.top_k(head.logits(base, o), k)[1].astype(jnp.int32)  # [B, e, k]
+            top = top_k_ids(head.logits(base, o), k)  # [B, e, k]
             per_step.append(jnp.pad(top, ((0, 0), (0, emax - e), (0, 0))))
             prev_states, prev_top = new_states, top
         cand = jnp.concatenate([root[:, None], jnp.stack(per_step, 1).reshape(b, -1)], axis=1)

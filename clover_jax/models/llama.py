@@ -205,10 +205,23 @@ class Llama(nnx.Module):
 
     def logits(self, hidden_prenorm: jax.Array) -> jax.Array:
         """float32 logits `[..., V]` from pre-norm hidden states `[..., D]`."""
-        h = rms_norm(hidden_prenorm, self.final_norm[...], self.config.rms_norm_eps)
-        if self.config.tie_word_embeddings:  # contract with the [V, D] table directly (no transpose copy)
-            return jnp.einsum("...D,VD->...V", h, self.embed[...].astype(self.dtype)).astype(jnp.float32)
-        return jnp.einsum("...D,DV->...V", h, self.lm_head[...].astype(self.dtype)).astype(jnp.float32)
+        return self.project(rms_norm(hidden_prenorm, self.final_norm[...], self.config.rms_norm_eps))
+
+    def project(self, h: jax.Array, dtype=None) -> jax.Array:
+        """float32 logits `[..., V]` = `h @ W_lm` for already-normed `h [..., D]` (no transposed copy of W_lm)."""
+        dtype = dtype or self.dtype
+        if self.config.tie_word_embeddings:  # contract with the [V, D] table directly
+            w = jax.lax.stop_gradient(self.embed[...]).astype(dtype)
+            return jnp.einsum("...D,VD->...V", h.astype(dtype), w, preferred_element_type=jnp.float32)
+        w = jax.lax.stop_gradient(self.lm_head[...]).astype(dtype)
+        return jnp.einsum("...D,DV->...V", h.astype(dtype), w, preferred_element_type=jnp.float32)
+
+    def lm_head_rows(self, tokens: jax.Array) -> jax.Array:
+        """`W_lm^T[tokens]` `[..., D]`: the output-embedding row of each token (gathered, never transposed)."""
+        if self.config.tie_word_embeddings:
+            return jnp.take(jax.lax.stop_gradient(self.embed[...]), tokens, axis=0, mode="clip")
+        w = jax.lax.stop_gradient(self.lm_head[...])  # [D, V]
+        return jnp.moveaxis(jnp.take(w, tokens, axis=1, mode="clip"), 0, -1)
 
     def __call__(self, tokens, positions=None, self_mask=None, cache=None, cache_mask=None):
         b, t = tokens.shape

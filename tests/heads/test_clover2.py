@@ -250,3 +250,11 @@ def test_attention_decoder_matches_torch(eps, scale):
     np.testing.assert_allclose(np.asarray(ge), te.grad.numpy(), atol=1e-4, rtol=1e-4)
     for k in w:
         np.testing.assert_allclose(np.asarray(gp[k]), tw[k].grad.numpy(), atol=1e-4, rtol=1e-4, err_msg=k)
+
+
+def test_blockwise_top_k_equals_lax_top_k():
+    from clover_jax.heads.clover2_draft import top_k_ids
+
+    for v, k in [(49152, 10), (1000, 10), (50, 10), (300, 1), (129, 4)]:
+        x = jax.random.normal(jax.random.key(v), (3, 2, v))
+        np.testing.assert_array_equal(np.asarray(top_k_ids(x, k)), np.asarray(jax.lax.top_k(x, k)[1]))
