@@ -190,3 +190,31 @@ def test_restore_onto_a_mesh(uninterrupted):
     assert sharded.state.opt_state[1][0].mu["fc0_w"].sharding.spec == P("fsdp", "tp")
     for a, b in zip(leaves(sharded.state.params), leaves(trainer.state.params)):
         assert np.array_equal(a, b)
+
+
+def test_orbax_checkpoint_export_import_round_trip(uninterrupted, tmp_path):
+    """Orbax checkpoint -> load_head_from_run -> export (reference names) -> import: identical head outputs."""
+    import jax
+    import jax.numpy as jnp
+
+    from clover_jax.io.export import export_head, import_head
+    from clover_jax.training.checkpoint import load_head_from_run
+
+    run_dir, _, trainer, _ = uninterrupted
+    base = tiny_base()
+    head = load_head_from_run(run_dir, base)
+    for a, b in zip(leaves(head_params(head)), leaves(trainer.state.params)):
+        assert np.array_equal(a, b)  # the checkpoint holds the trained parameters
+    out = export_head(head, tmp_path / "exported", base=base, base_name="tiny")
+    back = import_head(out, base)
+    f = jax.random.normal(jax.random.key(0), (2, 9, base.config.hidden_size))
+    toks = jax.random.randint(jax.random.key(1), (2, 9), 0, base.config.vocab_size)
+    valid = jnp.ones((2, 9), bool)
+    np.testing.assert_array_equal(np.asarray(head.train_outputs(base, f, toks, valid)),
+                                  np.asarray(back.train_outputs(base, f, toks, valid)))
+
+
+def head_params(head):
+    from flax import nnx
+
+    return nnx.to_pure_dict(nnx.state(head, nnx.Param))
