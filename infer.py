@@ -63,7 +63,7 @@ def main(argv=None) -> int:
               chat=not args.no_chat, system=args.system, cache_size=args.cache_size, mode=args.mode, head=head,
               tree=args.tree)
     total_tokens = total_seconds = 0.0
-    steps = 0
+    hist = None  # speculative: steps that accepted n drafts, summed over batches
     compile_seconds = 0.0
     seen_shapes = set()
     for start in range(0, len(prompts), args.batch_size):
@@ -79,7 +79,9 @@ def main(argv=None) -> int:
         res = generate(loaded, batch, **kw, seed=args.seed + start)
         total_tokens += res.num_generated
         total_seconds += res.seconds
-        steps += sum(res.row_steps)
+        if res.stats.get("accept_hist") is not None:
+            h = res.stats["accept_hist"]
+            hist = h if hist is None else [a + b for a, b in zip(hist, h)]
         if not args.quiet:
             for i, text in enumerate(res.texts):
                 print(f"\n### prompt {start + i}: {texts[i][:100]!r}\n{text}")
@@ -88,8 +90,9 @@ def main(argv=None) -> int:
     print(f"\n{args.mode}: {int(total_tokens)} tokens in {total_seconds:.2f} s = "
           f"{total_tokens / max(total_seconds, 1e-9):.1f} tokens/s (batch {args.batch_size}, "
           f"{args.dtype}); compile+warm-up {compile_seconds:.1f} s")
-    if args.mode == "speculative" and steps:
-        print(f"tau = {total_tokens / steps:.2f} tokens per base forward")
+    if hist and sum(hist):
+        tau = sum((n + 1) * c for n, c in enumerate(hist)) / sum(hist)
+        print(f"tau = {tau:.2f} tokens per base forward in the decode phase (bonus token included)")
     return 0
 
 
