@@ -49,13 +49,13 @@ def main(argv=None) -> int:
     if not prompts:
         print("error: give --prompt or --prompts-file", file=sys.stderr)
         return 2
+    if args.mode == "speculative" and not args.head:
+        print("error: --mode speculative needs --head", file=sys.stderr)
+        return 2
     dtype = jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32
     loaded = load_model(args.model, dtype=dtype)
     head = None
     if args.mode == "speculative":
-        if not args.head:
-            print("error: --mode speculative needs --head", file=sys.stderr)
-            return 2
         from clover_jax.heads.loading import load_head
 
         head = load_head(args.head, loaded.model)

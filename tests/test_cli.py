@@ -1,0 +1,31 @@
+"""The top-level scripts: infer.py generates from the real model; train.py reports bad configs in one line."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import infer  # noqa: E402
+import train  # noqa: E402
+
+
+@pytest.mark.slow
+def test_infer_prints_answer_and_speed(capsys):
+    assert infer.main(["--prompt", "What is the capital of France?", "--max-new-tokens", "12"]) == 0
+    out = capsys.readouterr().out
+    assert "Paris" in out and "tokens/s" in out
+
+
+def test_infer_needs_a_prompt_and_a_head(capsys):
+    assert infer.main([]) == 2
+    assert infer.main(["--prompt", "hi", "--mode", "speculative"]) == 2
+    assert "needs --head" in capsys.readouterr().err
+
+
+def test_train_unknown_key_is_one_line_error(capsys):
+    code = train.main(["--config", str(ROOT / "configs" / "smollm2-135m-clover2.yaml"), "--set", "optim.lrr=1e-3"])
+    err = capsys.readouterr().err
+    assert code == 2 and "optim.lrr" in err and "did you mean 'optim.lr'" in err and "Traceback" not in err
