@@ -46,6 +46,12 @@ def warp_probs(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_
     result a deterministic function of the logits.
     """
     x = logits.astype(jnp.float32) / temperature
+    # The filters need a sort of the vocabulary; skip it when both are off (plain temperature sampling).
+    filtered = (top_k > 0) | (top_p < 1.0)
+    return jax.lax.cond(filtered, lambda x: _filter_softmax(x, top_k, top_p), lambda x: jax.nn.softmax(x, axis=-1), x)
+
+
+def _filter_softmax(x: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
     v = x.shape[-1]
     sorted_x = jnp.sort(x, axis=-1)[..., ::-1]  # descending
     k = jnp.where(top_k > 0, jnp.minimum(top_k, v), v)
