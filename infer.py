@@ -37,6 +37,8 @@ def parse_args(argv=None):
     p.add_argument("--mode", choices=["ar", "speculative"], default="ar")
     p.add_argument("--head", help="draft head: a training run dir (Orbax) or an exported head folder")
     p.add_argument("--tree", default="clover2-26", help="clover2-26 | medusa-63 | chain-N | tree.json")
+    p.add_argument("--draft-vocab", help="draft only from these token ids (JSON from python -m "
+                   "clover_jax.heads.draft_vocab); output is unchanged, drafting is cheaper")
     p.add_argument("--quiet", action="store_true", help="print only the summary")
     return p.parse_args(argv)
 
@@ -59,9 +61,14 @@ def main(argv=None) -> int:
         from clover_jax.heads.loading import load_head
 
         head = load_head(args.head, loaded.model)
+    draft_vocab = None
+    if args.draft_vocab:
+        from clover_jax.heads.draft_vocab import load_draft_vocab
+
+        draft_vocab = load_draft_vocab(args.draft_vocab)
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
               chat=not args.no_chat, system=args.system, cache_size=args.cache_size, mode=args.mode, head=head,
-              tree=args.tree)
+              tree=args.tree, draft_vocab=draft_vocab)
     total_tokens = total_seconds = 0.0
     hist = None  # speculative: steps that accepted n drafts, summed over batches
     compile_seconds = 0.0

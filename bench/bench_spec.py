@@ -96,7 +96,9 @@ def main():
     ap.add_argument("--questions", default="mt_bench", help="mt_bench | spec_bench | path to question.jsonl")
     ap.add_argument("--category")
     ap.add_argument("--limit", type=int, default=0)
-    ap.add_argument("--trees", nargs="+", default=["clover2-26"])
+    ap.add_argument("--trees", nargs="+", default=["clover2-26"],
+                    help="tree names; a name ending in +dv (chain-3+dv) also uses --draft-vocab")
+    ap.add_argument("--draft-vocab", help="draft vocabulary JSON (python -m clover_jax.heads.draft_vocab)")
     ap.add_argument("--batch-size", type=int, default=1)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--temperature", type=float, default=0.0)
@@ -114,8 +116,14 @@ def main():
     head = load_head(args.head, loaded.model)
     prompts, cats = load_questions(args.questions, args.limit or None, args.category)
     t0 = time.time()
+    draft_vocab = None
+    if args.draft_vocab:
+        from clover_jax.heads.draft_vocab import load_draft_vocab
+
+        draft_vocab = load_draft_vocab(args.draft_vocab)
     result = evaluate(loaded, head, prompts, trees=args.trees, batch_size=args.batch_size,
-                      max_new_tokens=args.max_new_tokens, temperature=args.temperature, categories=cats)
+                      max_new_tokens=args.max_new_tokens, temperature=args.temperature, categories=cats,
+                      draft_vocab=draft_vocab)
     result["wall_seconds"] = round(time.time() - t0, 1)
     result["args"] = vars(args)
     result["machine"] = f"{platform.machine()}, {os.cpu_count()} cores, {platform.platform()}"

@@ -108,7 +108,7 @@ def plan_cache(prompt_lens: np.ndarray, max_new_tokens: int, extra: int, cache_s
 
 def generate(model, prompts: Sequence[Any], *, tokenizer=None, max_new_tokens: int = 128, temperature: float = 0.0,
              top_k: int = 0, top_p: float = 1.0, seed: int = 0, chat: bool = True, system: str | None = None,
-             cache_size: int | None = None, mode: str = "ar", head=None, tree=None,
+             cache_size: int | None = None, mode: str = "ar", head=None, tree=None, draft_vocab=None,
              decode_text: bool = True) -> GenerationResult:
     """Generates for a batch of prompts.
 
@@ -116,6 +116,7 @@ def generate(model, prompts: Sequence[Any], *, tokenizer=None, max_new_tokens: i
       model: a `Llama` or the `LoadedModel` returned by `load_model` (then its tokenizer is used).
       prompts: strings (chat template applied when `chat`), message lists, or token-id lists.
       mode: "ar" (plain autoregressive) or "speculative" (needs `head`, optionally `tree`).
+      draft_vocab: token ids the drafts are drawn from (`clover_jax.heads.draft_vocab`); None: all.
     """
     if hasattr(model, "tokenizer") and hasattr(model, "model"):
         tokenizer = tokenizer or model.tokenizer
@@ -145,7 +146,8 @@ def generate(model, prompts: Sequence[Any], *, tokenizer=None, max_new_tokens: i
         if head is None:
             raise ValueError("mode='speculative' needs a draft head (head=...)")
         out, stats, seconds = spec_generate(model, head, arr, lens, max_new_tokens=max_new_tokens,
-                                            cache_size=cache_size, sampling=sampling, key=key, tree=tree)
+                                            cache_size=cache_size, sampling=sampling, key=key, tree=tree,
+                                            draft_vocab=draft_vocab)
     else:
         raise ValueError(f"mode must be 'ar' or 'speculative', got {mode!r}")
     tokens = np.asarray(out.tokens)

@@ -172,6 +172,10 @@ class LossConfig(_Section):
     vocab_chunk: int = 0  # positions per chunk when computing [.., V] logits; 0 = no chunking
     label_mask_topk: int = 0  # reference --label_mask (off): 0 = off
     label_mask_topp: float = 0.0  # 0 = off
+    # Cross-entropy positions per row: 0 = every trained position (the reference); K > 0 computes the
+    # vocabulary-sized terms only at (up to) K trained positions per row, a random subset where a row has
+    # more, so prompt and padding positions cost nothing (the regression term still sees every position).
+    vocab_positions_per_row: int = 0
 
     def _validate(self):
         self._need(0 < self.decay <= 1, "decay", "must be in (0, 1]")
@@ -181,6 +185,10 @@ class LossConfig(_Section):
         self._need(self.vocab_chunk >= 0, "vocab_chunk", "must be >= 0")
         self._need(self.label_mask_topk >= 0, "label_mask_topk", "must be >= 0")
         self._need(0 <= self.label_mask_topp <= 1, "label_mask_topp", "must be in [0, 1]")
+        self._need(self.vocab_positions_per_row >= 0, "vocab_positions_per_row", "must be >= 0 (0 = all)")
+        self._need(not (self.vocab_positions_per_row and (self.label_mask_topk or self.label_mask_topp)),
+                   "vocab_positions_per_row", "cannot be combined with the label mask (it needs the teacher "
+                   "at every position); set it to 0")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -261,6 +269,7 @@ class TrainConfig(_Section):
     seed: int = 0  # head initialisation
     compute_dtype: DTYPES = "float32"  # head compute dtype (head parameters and optimizer state stay fp32)
     output_dir: str = "runs/default"
+    init_head_from: Optional[str] = None  # warm start: an exported head folder or a run dir (its latest step)
 
     def _validate(self):
         self._need(self.steps >= 1, "steps", "must be >= 1")

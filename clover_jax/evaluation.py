@@ -53,15 +53,23 @@ class RunStats:
                 "accept_rate_per_depth": self.accept_rates()}
 
 
+DV = "+dv"  # tree-name suffix: run that tree with the draft vocabulary
+
+
 def evaluate(loaded, head, prompts: Sequence[str], *, trees: Sequence[str] = ("clover2-26",), batch_size: int = 1,
              max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
-             categories: Sequence[str] | None = None, progress: bool = True) -> dict[str, Any]:
-    """Runs AR and speculative decoding (one run per tree) on the prompts; returns stats and mismatches."""
+             categories: Sequence[str] | None = None, progress: bool = True, draft_vocab=None) -> dict[str, Any]:
+    """Runs AR and speculative decoding (one run per tree) on the prompts; returns stats and mismatches.
+
+    A tree name ending in `+dv` (e.g. "chain-3+dv") runs that tree with the draft vocabulary `draft_vocab`
+    (token ids, `clover_jax.heads.draft_vocab`), so both can be compared in one run."""
     from tqdm.auto import tqdm
 
     ids = encode_prompts(loaded.tokenizer, list(prompts))
     runs = {"ar": RunStats("ar")} | {t: RunStats(t) for t in trees}
-    specs = {t: get_tree(t) for t in trees}
+    if any(t.endswith(DV) for t in trees) and draft_vocab is None:
+        raise ValueError(f"trees {[t for t in trees if t.endswith(DV)]} ask for a draft vocabulary; pass draft_vocab")
+    specs = {t: get_tree(t.removesuffix(DV)) for t in trees}
     max_nodes = max([s.num_nodes for s in specs.values()] + [0])
     warmed = set()
     mismatches = 0
@@ -74,7 +82,9 @@ def evaluate(loaded, head, prompts: Sequence[str], *, trees: Sequence[str] = ("c
         common = dict(cache_size=cache, temperature=temperature, top_p=top_p)
         outs = {}
         for name, run in runs.items():
-            kw = dict(common, mode="ar") if name == "ar" else dict(common, mode="speculative", head=head, tree=name)
+            kw = dict(common, mode="ar") if name == "ar" else dict(
+                common, mode="speculative", head=head, tree=name.removesuffix(DV),
+                draft_vocab=draft_vocab if name.endswith(DV) else None)
             key = (name, len(chunk), bucket)
             if key not in warmed:
                 t0 = time.perf_counter()

@@ -141,25 +141,32 @@ def _jitted(base_graph, head_graph, drafter, cache_size: int, greedy: bool, cach
     return jax.jit(fn)
 
 
+def drafter_for(head_type: type, tree_key, draft_vocab=None) -> object:
+    """The (cached) drafter of a head type for a tree and an optional draft vocabulary (token ids): equal
+    arguments give the same drafter object, so the jitted loop is reused."""
+    vocab = None if draft_vocab is None else tuple(int(i) for i in draft_vocab)
+    return _drafter_for(head_type, tree_key, vocab)
+
+
 @functools.lru_cache(maxsize=32)
-def drafter_for(head_type: type, tree_key) -> object:
+def _drafter_for(head_type: type, tree_key, draft_vocab) -> object:
     from clover_jax.decoding.tree import get_tree
     from clover_jax.heads.clover2 import Clover2Head
     from clover_jax.heads.clover2_draft import Clover2Drafter
 
     if issubclass(head_type, Clover2Head):
-        return Clover2Drafter(get_tree(tree_key))
+        return Clover2Drafter(get_tree(tree_key), draft_vocab=draft_vocab)
     raise TypeError(f"no drafter for head type {head_type.__name__}")
 
 
 def spec_generate(base, head, prompt, prompt_lengths, *, max_new_tokens: int, cache_size: int | None,
-                  sampling: SamplingParams, key, tree=None, eos_ids=None, drafter=None):
+                  sampling: SamplingParams, key, tree=None, eos_ids=None, drafter=None, draft_vocab=None):
     """Runs the jitted speculative loop; returns (DecodeOutput, stats dict, seconds)."""
     import numpy as np
 
     from clover_jax.api import plan_cache
 
-    drafter = drafter or drafter_for(type(head), tree or "clover2-26")
+    drafter = drafter or drafter_for(type(head), tree or "clover2-26", draft_vocab)
     drafter.check(head, base)
     lens = np.asarray(prompt_lengths)
     cache_size = plan_cache(lens, max_new_tokens, drafter.num_nodes, cache_size, None)

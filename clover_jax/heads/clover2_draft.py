@@ -5,6 +5,9 @@ Drafting, per step (drafters.md §2.4 / §10.5): head 0 gives the top-k children
 by depth, only the tree nodes that have children are expanded: `s = AD2(s_parent, E[token])`,
 `o = head_norm(FCout [s; E[token]])`, top-k of `W_lm o`. The tree tokens are gathered from the
 per-depth top-k with the tree's `draft_index`.
+
+With a draft vocabulary (`clover_jax.heads.draft_vocab`) the drafts are scored against only those rows of
+W_lm (gathered once per generation into the state) and the top-k ids mapped back to the full vocabulary.
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ def top_k_ids(logits: jax.Array, k: int, block: int = 128) -> jax.Array:
 class Clover2State:
     cache: KVCache  # Augmenting-Block cache [A_layers, B, S, K, H]
     s0: jax.Array  # [B, D]
+    vocab_rows: jax.Array | None = None  # [N, D] W_lm^T rows of the draft vocabulary (None: all V)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -57,6 +61,7 @@ class Clover2Drafter:
 
     spec: TreeSpec
     sampled_drafts: bool = False
+    draft_vocab: tuple[int, ...] | None = None  # sorted token ids the drafts are drawn from (None: all)
 
     def __post_init__(self):
         object.__setattr__(self, "buffers", build_buffers(self.spec))
@@ -76,19 +81,38 @@ class Clover2Drafter:
                              f"{head.cfg.num_heads} heads; use a shallower tree or a head with more heads")
         if self.spec.top_k > base.config.vocab_size:
             raise ValueError(f"tree top_k={self.spec.top_k} exceeds the vocabulary ({base.config.vocab_size})")
+        if self.draft_vocab is not None:
+            from clover_jax.heads.draft_vocab import check_draft_vocab
+
+            check_draft_vocab(self.draft_vocab, base.config.vocab_size)
+            if self.spec.top_k > len(self.draft_vocab):
+                raise ValueError(f"tree top_k={self.spec.top_k} exceeds the draft vocabulary "
+                                 f"({len(self.draft_vocab)} ids)")
 
     def init_state(self, head: Clover2Head, base, batch: int, cache_size: int) -> Clover2State:
+        rows = None
+        if self.draft_vocab is not None:
+            rows = base.lm_head_rows(jnp.asarray(self.draft_vocab, jnp.int32)).astype(head.cfg.dtype)
         return Clover2State(cache=head.init_cache(batch, cache_size),
-                            s0=jnp.zeros((batch, base.config.hidden_size), head.cfg.dtype))
+                            s0=jnp.zeros((batch, base.config.hidden_size), head.cfg.dtype), vocab_rows=rows)
 
     def start(self, head, base, state: Clover2State, f_prompt, y_prompt, lengths) -> Clover2State:
         s0, cache = head.commit(base, state.cache, f_prompt, y_prompt, lengths)
-        return Clover2State(cache=cache, s0=s0)
+        return state.replace(cache=cache, s0=s0)
 
     def commit(self, head, base, state: Clover2State, f_new, y_new, num_new) -> Clover2State:
         s0, cache = head.commit(base, state.cache, f_new, y_new, num_new)
         active = num_new > 0
-        return Clover2State(cache=cache, s0=jnp.where(active[:, None], s0, state.s0))
+        return state.replace(cache=cache, s0=jnp.where(active[:, None], s0, state.s0))
+
+    def _top_k(self, head: Clover2Head, base, state: Clover2State, o: jax.Array) -> jax.Array:
+        """Top-k draft token ids `[..., k]` of the head output `o [..., D]`."""
+        k = self.spec.top_k
+        if state.vocab_rows is None:
+            return top_k_ids(head.logits(base, o), k)
+        logits = jnp.einsum("...D,ND->...N", o.astype(state.vocab_rows.dtype), state.vocab_rows,
+                            preferred_element_type=jnp.float32)
+        return jnp.asarray(self.draft_vocab, jnp.int32)[top_k_ids(logits, k)]
 
     def propose(self, head: Clover2Head, base, state: Clover2State, root: jax.Array, key) -> Proposal:
         buf: TreeBuffers = self.buffers
@@ -97,8 +121,7 @@ class Clover2Drafter:
         num_expand = np.asarray(buf.num_expand)
         emax = buf.expand_nodes.shape[1]
         # step 0: the root is the only expanded node
-        logits0 = head.logits(base, head.head0(state.s0))  # [B, V]
-        top0 = top_k_ids(logits0, k)  # [B, k]
+        top0 = self._top_k(head, base, state, head.head0(state.s0))  # [B, k]
         per_step = [jnp.pad(top0[:, None, :], ((0, 0), (0, emax - 1), (0, 0)))]  # each [B, E, k]
         prev_states = state.s0[:, None, :]  # states of the nodes expanded at the previous step [B, E_prev, D]
         prev_top = top0[:, None, :]  # [B, E_prev, k]
@@ -109,7 +132,7 @@ class Clover2Drafter:
             tokens = prev_top[:, slots, ranks]  # [B, e] the expanded nodes' own tokens
             parent_states = prev_states[:, slots]  # [B, e, D]
             new_states, o = head.step(base, parent_states, tokens)
-            top = top_k_ids(head.logits(base, o), k)  # [B, e, k]
+            top = self._top_k(head, base, state, o)  # [B, e, k]
             per_step.append(jnp.pad(top, ((0, 0), (0, emax - e), (0, 0))))
             prev_states, prev_top = new_states, top
         cand = jnp.concatenate([root[:, None], jnp.stack(per_step, 1).reshape(b, -1)], axis=1)

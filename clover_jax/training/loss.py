@@ -142,8 +142,7 @@ def kd_loss(outputs: jax.Array, teacher_hidden: jax.Array, tokens: jax.Array, lo
     valid = valid.astype(bool)
     h = jax.lax.stop_gradient(teacher_hidden)
     y = jnp.concatenate([tokens[:, 1:], jnp.zeros((b, 1), tokens.dtype)], axis=1)  # x_{t+1}
-    valid_next = jnp.concatenate([valid[:, 1:], jnp.zeros((b, 1), bool)], axis=1)
-    lm = loss_mask.astype(bool) & valid & valid_next  # [B, T]; the target h_{t+1} exists
+    lm = trained_positions(loss_mask, valid)  # [B, T]; the target h_{t+1} exists
 
     ce, match, cor = _vocab_terms(outputs, h, y, lm_head, cfg)
     base_masks = [_shift(lm, i) for i in range(nh)]  # m^i_t = lm[t+i]
@@ -175,27 +174,130 @@ def kd_loss(outputs: jax.Array, teacher_hidden: jax.Array, tokens: jax.Array, lo
         "chain_correct": chain_correct,
         "mask_count": count,
         "loss_mask_count": jnp.stack([jnp.sum(x) for x in base_masks]).astype(jnp.float32),
+        "p_count": count,
+        "chain_count": count,
     }
     return loss, metrics
 
 
+def trained_positions(loss_mask, valid):
+    """`lm [B, T]` bool: positions whose next position exists and is trained (`kd_loss`'s base mask)."""
+    valid = valid.astype(bool)
+    valid_next = jnp.concatenate([valid[:, 1:], jnp.zeros((valid.shape[0], 1), bool)], axis=1)
+    return loss_mask.astype(bool) & valid & valid_next
+
+
+def kd_loss_packed(outputs: jax.Array, teacher_hidden: jax.Array, loss_mask: jax.Array, valid: jax.Array,
+                   lm_head: jax.Array, index: jax.Array, cfg: LossConfig = LossConfig()):
+    """`kd_loss` with the V-sized terms computed only at listed positions (vocabulary packing).
+
+    The regression term runs over every trained position as in `kd_loss`. The soft cross-entropy and the
+    accuracies run over `index [B, K]`: per row, K trained positions u (`lm[u]`, -1 = empty slot). Head i
+    is scored at start t = u - i against the teacher P_u = softmax(W_lm h_{u+1}), so one teacher
+    softmax serves every head and the cost is K (not T) positions per row: on chat data most positions
+    are prompt or padding, which the dense path computes and masks out. With every trained position
+    listed the loss equals `kd_loss`'s; with a random subset of them (`pack_positions`) the
+    cross-entropy is the same objective estimated on that subset, normalised by its own count.
+
+    Returns `(loss, metrics)` as `kd_loss`, plus `p_count [num_heads]` (the cross-entropy's count).
+    The label mask is not supported here (it needs the teacher at every position).
+    """
+    if cfg.label_mask:
+        raise ValueError("the label mask needs the teacher at every position; use the dense loss "
+                         "(loss.vocab_positions_per_row = 0) with it")
+    nh, b, t, _ = outputs.shape
+    h = jax.lax.stop_gradient(teacher_hidden)
+    lm = trained_positions(loss_mask, valid)
+    m = jnp.stack([_shift(lm, i) for i in range(nh)])  # m^i_t = lm[t+i]
+    targets = jnp.stack([_shift(h, 1 + i) for i in range(nh)]).astype(jnp.float32)
+    vl = jnp.mean(smooth_l1(outputs.astype(jnp.float32), targets), axis=-1)  # [nh, B, T]
+    count = jnp.sum(m, axis=(1, 2)).astype(jnp.float32)
+    vloss = jnp.sum(jnp.where(m, vl, 0.0), axis=(1, 2)) / (count + 1)
+
+    lm_head = jax.lax.stop_gradient(lm_head)
+    index = index.astype(jnp.int32)
+    u = jnp.clip(index, 0, t - 1)
+    listed = (index >= 0) & jnp.take_along_axis(lm, u, axis=1)  # [B, K]
+    take = lambda x, pos: jnp.take_along_axis(x, pos[..., None], axis=1)  # noqa: E731  [B, K, D]
+    t_logits = jax.lax.stop_gradient(_logits(take(h, jnp.minimum(u + 1, t - 1)), lm_head))  # [B, K, V]
+    t_prob = jax.nn.softmax(t_logits, axis=-1)
+    t_arg = jnp.argmax(t_logits, axis=-1)  # [B, K]
+    starts = jnp.stack([u - i for i in range(nh)])  # [nh, B, K]
+    pm = listed[None] & (starts >= 0)  # head i at t = u - i inside the row
+    o = jnp.stack([take(outputs[i], jnp.maximum(starts[i], 0)) for i in range(nh)])  # [nh, B, K, D]
+    s_logp = jax.nn.log_softmax(_logits(o, lm_head), axis=-1)  # [nh, B, K, V]
+    ce = -jnp.sum(t_prob[None] * s_logp, axis=-1)  # [nh, B, K]
+    match = pm & (jnp.argmax(s_logp, axis=-1) == t_arg[None])
+    p_count = jnp.sum(pm, axis=(1, 2)).astype(jnp.float32)
+    ploss = jnp.sum(jnp.where(pm, ce, 0.0), axis=(1, 2)) / (p_count + 1)
+    weights = cfg.head_weight * cfg.decay ** jnp.arange(nh, dtype=jnp.float32)
+    loss = jnp.sum(weights * (cfg.v_weight * vloss + cfg.p_weight * ploss))
+
+    # chained accuracy needs every head at the same start t: scatter the scores back to [nh, B, T]
+    rows = jnp.arange(b)[:, None]
+    dense = lambda x: jnp.stack([jnp.zeros((b, t), bool).at[rows, jnp.where(pm[i], starts[i], t)].set(  # noqa: E731
+        x[i], mode="drop") for i in range(nh)])
+    scored, right = dense(pm), dense(match)
+    chain_scored = jnp.cumprod(scored.astype(jnp.int32), axis=0)
+    chain_right = jnp.cumprod(right.astype(jnp.int32), axis=0)
+    correct = jnp.sum(match, axis=(1, 2)).astype(jnp.float32)
+    chain_correct = jnp.sum(chain_right, axis=(1, 2)).astype(jnp.float32)
+    chain_count = jnp.sum(chain_scored, axis=(1, 2)).astype(jnp.float32)
+    metrics = {
+        "loss": loss,
+        "vloss": vloss,
+        "ploss": ploss,
+        "acc": correct / jnp.maximum(p_count, 1),
+        "chain_acc": chain_correct / jnp.maximum(chain_count, 1),
+        "correct": correct,
+        "chain_correct": chain_correct,
+        "mask_count": count,
+        "p_count": p_count,
+        "chain_count": chain_count,
+        "loss_mask_count": count,
+    }
+    return loss, metrics
+
+
+def pack_positions(loss_mask, valid, per_row: int, rng=None):
+    """Host side: `index [B, per_row]` int32 of trained positions per row (`trained_positions`), for
+    `kd_loss_packed`. Rows with more than `per_row` of them keep a uniformly random subset (sorted) drawn
+    from `rng` (a `numpy.random.Generator`; None keeps the first ones); -1 fills the rest."""
+    import numpy as np
+
+    loss_mask, valid = np.asarray(loss_mask, bool), np.asarray(valid, bool)
+    valid_next = np.pad(valid[:, 1:], ((0, 0), (0, 1)))
+    lm = loss_mask & valid & valid_next
+    out = np.full((lm.shape[0], per_row), -1, np.int32)
+    for r, row in enumerate(lm):
+        pos = np.flatnonzero(row)
+        if len(pos) > per_row:
+            pos = np.sort(rng.choice(pos, per_row, replace=False)) if rng is not None else pos[:per_row]
+        out[r, :len(pos)] = pos
+    return out
+
+
 def clover2_loss_from_features(head, base: Llama, f: jax.Array, tokens: jax.Array, loss_mask: jax.Array,
                                valid: jax.Array, cfg: LossConfig = LossConfig(),
-                               teacher_hidden: jax.Array | None = None):
+                               teacher_hidden: jax.Array | None = None, index: jax.Array | None = None):
     """The loss from precomputed base features (the reference's stored `hidden_state_onnorm` f and,
-    optionally, `hidden_state` h; h defaults to RMSNorm_final(f))."""
+    optionally, `hidden_state` h; h defaults to RMSNorm_final(f)). With `index` (see `pack_positions`)
+    the vocabulary terms are packed (`kd_loss_packed`)."""
     f = jax.lax.stop_gradient(f)
     if teacher_hidden is None:
         teacher_hidden = rms_norm(f, jax.lax.stop_gradient(base.final_norm[...]), base.config.rms_norm_eps)
     outputs = head.train_outputs(base, f, tokens, valid)
+    if index is not None:
+        return kd_loss_packed(outputs, teacher_hidden, loss_mask, valid, base.lm_head_matrix(), index, cfg)
     return kd_loss(outputs, teacher_hidden, tokens, loss_mask, valid, base.lm_head_matrix(), cfg)
 
 
 def clover2_loss(head, base: Llama, tokens: jax.Array, loss_mask: jax.Array, valid: jax.Array,
-                 cfg: LossConfig = LossConfig()):
+                 cfg: LossConfig = LossConfig(), index: jax.Array | None = None):
     """Online self-distillation: runs the frozen base on `tokens [B, T]` (right padded by `valid`),
-    then the head with teacher forcing, and returns `(loss, metrics)` (see `kd_loss`)."""
+    then the head with teacher forcing, and returns `(loss, metrics)` (see `kd_loss`; `kd_loss_packed`
+    when `index` is given)."""
     b, t = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     f, _, _ = base.forward_hidden(tokens, positions, causal_mask(valid.astype(bool)))
-    return clover2_loss_from_features(head, base, f, tokens, loss_mask, valid, cfg)
+    return clover2_loss_from_features(head, base, f, tokens, loss_mask, valid, cfg, index=index)

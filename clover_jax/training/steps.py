@@ -32,10 +32,10 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from clover_jax.heads.clover2 import Clover2Config
 from clover_jax.parallel import BATCH_AXES
-from clover_jax.training.loss import LossConfig, clover2_loss
+from clover_jax.training.loss import LossConfig, clover2_loss, trained_positions
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-SUM_KEYS = ("v_sum", "p_sum", "correct", "chain_correct", "count")
+SUM_KEYS = ("v_sum", "p_sum", "correct", "chain_correct", "count", "p_count", "chain_count")
 
 
 # ------------------------------------------------------------------------------------------- config maps
@@ -83,21 +83,29 @@ def make_optimizer(optim_cfg, total_steps: int) -> tuple[optax.GradientTransform
 
 
 # ------------------------------------------------------------------------------------------------ losses
-def head_counts(batch: dict[str, jax.Array], num_heads: int) -> jax.Array:
-    """`[num_heads]` mask counts N_i of the loss (without label mask): sum_b sum_{t >= i} lm[b, t] with
-    lm = loss_mask & valid & valid[t+1] (exactly `kd_loss`'s `mask_count`)."""
-    valid = batch["valid"].astype(bool)
-    valid_next = jnp.pad(valid[:, 1:], ((0, 0), (0, 1)))
-    lm = (batch["loss_mask"].astype(bool) & valid & valid_next).astype(jnp.float32)  # [B, T]
-    per_t = jnp.sum(lm, axis=0)  # [T]
-    return jnp.stack([jnp.sum(per_t[i:]) for i in range(num_heads)])
+def head_counts(batch: dict[str, jax.Array], num_heads: int) -> tuple[jax.Array, jax.Array]:
+    """`[num_heads]` counts of the loss terms (without label mask), from the batch alone: N_i of the
+    regression, sum_b sum_{t >= i} lm[b, t] with lm = loss_mask & valid & valid[t+1] (`kd_loss`'s
+    `mask_count`), and those of the cross-entropy (`p_count`: N_i again, or the listed positions u >= i
+    when the batch carries a packed `loss_index`)."""
+    lm = trained_positions(batch["loss_mask"], batch["valid"])  # [B, T]
+    per_t = jnp.sum(lm.astype(jnp.float32), axis=0)  # [T]
+    v_counts = jnp.stack([jnp.sum(per_t[i:]) for i in range(num_heads)])
+    if "loss_index" not in batch:
+        return v_counts, v_counts
+    index = batch["loss_index"]
+    listed = (index >= 0) & jnp.take_along_axis(lm, jnp.clip(index, 0, lm.shape[1] - 1), axis=1)
+    p_counts = jnp.stack([jnp.sum(listed & (index >= i)) for i in range(num_heads)]).astype(jnp.float32)
+    return v_counts, p_counts
 
 
 def _sums(metrics: dict[str, jax.Array]) -> dict[str, jax.Array]:
     """Per-head un-normalised sums `[num_heads]` from `kd_loss` metrics (vloss = SV / (count + 1))."""
     c = jax.lax.stop_gradient(metrics["mask_count"])
-    return {"v_sum": metrics["vloss"] * (c + 1), "p_sum": metrics["ploss"] * (c + 1),
-            "correct": metrics["correct"], "chain_correct": metrics["chain_correct"], "count": c}
+    pc = jax.lax.stop_gradient(metrics["p_count"])
+    return {"v_sum": metrics["vloss"] * (c + 1), "p_sum": metrics["ploss"] * (pc + 1),
+            "correct": metrics["correct"], "chain_correct": metrics["chain_correct"], "count": c,
+            "p_count": pc, "chain_count": jax.lax.stop_gradient(metrics["chain_count"])}
 
 
 def head_weights(loss_cfg: LossConfig, num_heads: int) -> jax.Array:
@@ -106,12 +114,12 @@ def head_weights(loss_cfg: LossConfig, num_heads: int) -> jax.Array:
 
 def metrics_from_sums(sums: dict[str, jax.Array], loss_cfg: LossConfig) -> dict[str, jax.Array]:
     """Batch-level loss/metrics from summed per-head sums (the big-batch formula of `kd_loss`)."""
-    n = sums["count"]
-    vloss, ploss = sums["v_sum"] / (n + 1), sums["p_sum"] / (n + 1)
+    n, pn = sums["count"], sums["p_count"]
+    vloss, ploss = sums["v_sum"] / (n + 1), sums["p_sum"] / (pn + 1)
     w = head_weights(loss_cfg, n.shape[0])
     return {"loss": jnp.sum(w * (loss_cfg.v_weight * vloss + loss_cfg.p_weight * ploss)),
-            "vloss": vloss, "ploss": ploss, "acc": sums["correct"] / jnp.maximum(n, 1),
-            "chain_acc": sums["chain_correct"] / jnp.maximum(n, 1), "count": n}
+            "vloss": vloss, "ploss": ploss, "acc": sums["correct"] / jnp.maximum(pn, 1),
+            "chain_acc": sums["chain_correct"] / jnp.maximum(sums["chain_count"], 1), "count": n, "p_count": pn}
 
 
 def _split_micro(batch: dict[str, jax.Array], accum: int, mesh=None) -> dict[str, jax.Array]:
@@ -131,7 +139,8 @@ def make_loss_fn(head_graphdef, base_graphdef, loss_cfg: LossConfig) -> Callable
     def forward(params, base_state, batch):
         head = nnx.merge(head_graphdef, params)
         base = nnx.merge(base_graphdef, base_state)
-        return clover2_loss(head, base, batch["tokens"], batch["loss_mask"], batch["valid"], loss_cfg)
+        return clover2_loss(head, base, batch["tokens"], batch["loss_mask"], batch["valid"], loss_cfg,
+                            index=batch.get("loss_index"))
     return forward
 
 
@@ -148,7 +157,9 @@ def make_grad_fn(head_graphdef, base_graphdef, loss_cfg: LossConfig, num_heads: 
         s = _sums(m)
         if exact:  # this micro-batch's share of the big-batch loss
             w = head_weights(loss_cfg, num_heads)
-            loss = jnp.sum(w * (loss_cfg.v_weight * s["v_sum"] + loss_cfg.p_weight * s["p_sum"]) / (totals + 1))
+            v_tot, p_tot = totals
+            loss = jnp.sum(w * (loss_cfg.v_weight * s["v_sum"] / (v_tot + 1)
+                                + loss_cfg.p_weight * s["p_sum"] / (p_tot + 1)))
         else:
             loss = loss / accum
         return loss, s
@@ -207,7 +218,7 @@ def build_steps(head_graphdef, base_graphdef, tx: optax.GradientTransformation, 
         return (jax.jit(train_step, donate_argnums=(0, 1) if donate else ()), jax.jit(eval_step))
     rep = NamedSharding(mesh, P())
     bsh = NamedSharding(mesh, P(BATCH_AXES))
-    batch_sh = {"tokens": bsh, "loss_mask": bsh, "valid": bsh}
+    batch_sh = bsh  # a prefix: every batch array (tokens, masks, an optional loss_index) is split by rows
     train_jit = jax.jit(train_step, in_shardings=(param_shardings, opt_shardings, base_shardings, batch_sh, rep),
                         out_shardings=(param_shardings, opt_shardings, rep) + ((param_shardings,) if return_grads else ()),
                         donate_argnums=(0, 1) if donate else ())

@@ -26,13 +26,16 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from clover_jax import parallel
-from clover_jax.heads.clover2 import init_from_base
+from clover_jax.config import ConfigError
+from clover_jax.heads.clover2 import check_compatible, init_from_base
 from clover_jax.training import steps as steps_lib
 from clover_jax.training.checkpoint import Checkpointer, CheckpointError, head_metadata, to_jsonable
+from clover_jax.training.loss import pack_positions
 
 log = logging.getLogger(__name__)
 
@@ -130,6 +133,27 @@ def _same_sharding(x, sharding) -> bool:
 
 
 # ------------------------------------------------------------------------------------------------ trainer
+def warm_start(head, source: str, base):
+    """`head` with the parameters of the head at `source` (exported folder or run dir, see `load_head`);
+    the two must have the same configuration (number of heads and Augmenting-Block layers)."""
+    from clover_jax.heads.loading import load_head
+
+    try:
+        other = load_head(source, base)
+    except FileNotFoundError as e:
+        raise ConfigError(f"train.init_head_from: {e}") from None
+    check_compatible(other, base.config)
+    mine, theirs = head.cfg, other.cfg
+    for name in ("num_heads", "num_aug_layers", "embed_source"):
+        if getattr(mine, name) != getattr(theirs, name):
+            raise ConfigError(f"train.init_head_from: {source} has head.{name} = {getattr(theirs, name)!r}, "
+                              f"this config has {getattr(mine, name)!r}")
+    params = jax.tree.map(lambda x, y: jnp.asarray(y, x.dtype), nnx.state(head, nnx.Param),
+                          nnx.state(other, nnx.Param))
+    nnx.update(head, params)
+    return head
+
+
 class Trainer:
     """A Clover-2 head, its optimizer and the frozen base model on a mesh, with jitted train/eval steps."""
 
@@ -151,8 +175,10 @@ class Trainer:
         self.base_shardings = parallel.model_shardings(base_state, self.mesh)
         self.base_state = self._place(base_state, self.base_shardings)
 
-        # head: reference initialisation from the base, fp32 master params
+        # head: reference initialisation from the base (or a warm start), fp32 master params
         head = init_from_base(base, self.head_cfg, seed=cfg.train.seed)
+        if cfg.train.init_head_from:
+            head = warm_start(head, cfg.train.init_head_from, base)
         self.head_graphdef, params = nnx.split(head)
         params = nnx.to_pure_dict(params)
         self.param_shardings = parallel.model_shardings(params, self.mesh)
@@ -190,7 +216,16 @@ class Trainer:
     def device_batch(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
         """This process's rows -> global arrays on the batch sharding."""
         return {k: jax.make_array_from_process_local_data(self.batch_sharding, np.asarray(batch[k]))
-                for k in ("tokens", "loss_mask", "valid")}
+                for k in ("tokens", "loss_mask", "valid", "loss_index") if k in batch}
+
+    def with_loss_index(self, batch: dict[str, np.ndarray], step: int) -> dict[str, np.ndarray]:
+        """Adds the packed cross-entropy positions (`loss.vocab_positions_per_row`), drawn from a generator
+        seeded by (seed, step, process) so a resumed run draws the same subsets."""
+        k = self.cfg.loss.vocab_positions_per_row
+        if not k:
+            return batch
+        rng = np.random.default_rng((self.cfg.data.seed, step, jax.process_index()))
+        return {**batch, "loss_index": pack_positions(batch["loss_mask"], batch["valid"], k, rng)}
 
     def head(self):
         """The current head as an `nnx.Module` (shares the parameter arrays)."""
@@ -204,6 +239,7 @@ class Trainer:
         """One optimizer step on a host batch; returns the step's metrics (device arrays, not synced),
         and with `return_grads` also the gradients (a separately compiled variant of the step)."""
         s = self.state
+        batch = self.with_loss_index(batch, s.step)
         args = (s.params, s.opt_state, self.base_state, self.device_batch(batch), np.int32(s.step))
         if return_grads:
             if self._train_step_grads is None:

@@ -11,7 +11,7 @@ from clover_jax.heads.clover2 import Clover2Config, Clover2Head
 from clover_jax.models.cache import causal_mask
 from clover_jax.models.config import LlamaConfig
 from clover_jax.models.llama import init_llama, rms_norm
-from clover_jax.training.loss import LossConfig, clover2_loss, kd_loss
+from clover_jax.training.loss import LossConfig, clover2_loss, kd_loss, kd_loss_packed, pack_positions
 
 NH, B, T, D, V = 5, 3, 11, 16, 40
 LENGTHS = np.array([11, 8, 3])  # the last row is shorter than the number of heads
@@ -124,6 +124,49 @@ def test_chunking_changes_nothing_including_gradients():
     for i in range(1, NH):
         np.testing.assert_array_equal(np.asarray(g_full[i, :, T - i:]), 0)
     np.testing.assert_array_equal(np.asarray(g_full[:, 2, LENGTHS[2] - 1:]), 0)
+
+
+def test_packed_loss_with_every_position_listed_equals_the_dense_loss_and_gradients():
+    outputs, h, tokens, loss_mask, valid, w = _inputs(2)
+    index = jnp.asarray(pack_positions(loss_mask, valid, T))  # room for every trained position
+    dense = jax.jit(jax.value_and_grad(lambda o: kd_loss(o, h, tokens, loss_mask, valid, w)[0]))
+    packed = jax.jit(jax.value_and_grad(lambda o: kd_loss_packed(o, h, loss_mask, valid, w, index)[0]))
+    (l_d, g_d), (l_p, g_p) = dense(outputs), packed(outputs)
+    np.testing.assert_allclose(float(l_p), float(l_d), rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(g_p), np.asarray(g_d), atol=1e-7, rtol=1e-5)
+    _, md = kd_loss(outputs, h, tokens, loss_mask, valid, w)
+    _, mp = kd_loss_packed(outputs, h, loss_mask, valid, w, index)
+    for k in ("vloss", "ploss", "acc", "correct", "mask_count", "p_count"):
+        np.testing.assert_allclose(np.asarray(mp[k]), np.asarray(md[k]), rtol=1e-6, err_msg=k)
+    # the packed chain only counts heads scored at trained positions (the dense one scores every position)
+    assert np.all(np.asarray(mp["chain_correct"]) <= np.asarray(md["chain_correct"]))
+    assert float(mp["chain_correct"][0]) == float(md["chain_correct"][0]) > 0
+
+
+def test_packed_loss_on_a_subset_is_the_cross_entropy_over_that_subset():
+    outputs, h, tokens, loss_mask, valid, w = _inputs(3)
+    k = 4
+    index = pack_positions(loss_mask, valid, k, np.random.default_rng(0))
+    lm = np.asarray(loss_mask, bool) & np.asarray(valid) & np.pad(np.asarray(valid)[:, 1:], ((0, 0), (0, 1)))
+    assert np.all((index == -1) | lm[np.arange(B)[:, None], np.maximum(index, 0)])  # only trained positions
+    assert (index[0] >= 0).sum() == k and np.all(np.diff(index[0]) > 0)  # row 0 has more: a sorted subset
+    assert set(index[2][index[2] >= 0]) == set(np.flatnonzero(lm[2]))  # row 2 has fewer: all of them
+    _, m = kd_loss_packed(outputs, h, loss_mask, valid, w, jnp.asarray(index))
+    o, hh, ww = (np.asarray(a, np.float64) for a in (outputs, h, w))
+    for i in range(NH):
+        ces, right = [], []
+        for r in range(B):
+            for u in index[r][index[r] >= i]:  # head i scored at start u - i against the teacher at u + 1
+                logits = o[i, r, u - i] @ ww
+                logq = logits - logits.max() - np.log(np.sum(np.exp(logits - logits.max())))
+                ces.append(-np.sum(_softmax(hh[r, u + 1] @ ww) * logq))
+                right.append(np.argmax(logits) == np.argmax(hh[r, u + 1] @ ww))
+        np.testing.assert_allclose(float(m["ploss"][i]), np.sum(ces) / (len(ces) + 1), rtol=1e-5)
+        assert float(m["p_count"][i]) == len(ces) and float(m["correct"][i]) == np.sum(right)
+    _, md = kd_loss(outputs, h, tokens, loss_mask, valid, w)  # the regression term is not subsampled
+    np.testing.assert_allclose(np.asarray(m["vloss"]), np.asarray(md["vloss"]), rtol=1e-6)
+    with pytest.raises(ValueError, match="label mask"):
+        kd_loss_packed(outputs, h, loss_mask, valid, w, jnp.asarray(index), LossConfig(label_mask=True))
 
 
 # ----------------------------------------------------------------------------- with the models

@@ -19,23 +19,28 @@ ROOT = Path(__file__).resolve().parents[2]
 CFG = ("optim.eps=1e-3", "optim.clip_value=null", "optim.warmup_steps=0", "optim.lr=1e-3", "head.num_heads=2")
 
 
-def one_step(accum, mesh_shape=(1, 1, 1)):
+def one_step(accum, mesh_shape=(1, 1, 1), *overrides):
     mesh = parallel.make_mesh(*mesh_shape, devices=jax.devices("cpu")[:int(np.prod(mesh_shape))])
-    trainer = Trainer(make_cfg(*CFG, f"optim.grad_accum={accum}"), tiny_base(), mesh=mesh, donate=False)
+    trainer = Trainer(make_cfg(*CFG, f"optim.grad_accum={accum}", *overrides), tiny_base(), mesh=mesh,
+                      donate=False)
     metrics, grads = trainer.train_step(SyntheticBatcher(seed=5).batch(0), return_grads=True)
     return jax.device_get((metrics, grads, trainer.state.params))
 
 
-def test_grad_accumulation_equals_one_big_batch():
+@pytest.mark.parametrize("packed", [0, 3], ids=["dense", "packed-ce"])
+def test_grad_accumulation_equals_one_big_batch(packed):
     batch = SyntheticBatcher(seed=5).batch(0)
     # the two micro-batches (rows 0,2,4,6 and 1,3,5,7) have different mask counts, so averaging their
     # separately normalised losses (optax.MultiSteps) would not give the big-batch loss
     micro = [{k: v[j::2] for k, v in batch.items()} for j in range(2)]
-    counts = [float(steps_lib.head_counts(m, 2)[0]) for m in micro]
+    counts = [float(steps_lib.head_counts(m, 2)[0][0]) for m in micro]
     assert counts[0] != counts[1]
 
-    m1, g1, p1 = one_step(1)
-    m2, g2, p2 = one_step(2, (2, 2, 1))  # accumulated and sharded (micro-batches of 4 rows over 4 shards)
+    extra = (f"loss.vocab_positions_per_row={packed}",)  # packed: 3 cross-entropy positions per row
+    m1, g1, p1 = one_step(1, (1, 1, 1), *extra)
+    m2, g2, p2 = one_step(2, (2, 2, 1), *extra)  # accumulated and sharded (micro-batches of 4 rows over 4 shards)
+    if packed:
+        assert np.all(m1["p_count"] < m1["count"])
     np.testing.assert_allclose(m2["loss"], m1["loss"], rtol=1e-5)
     np.testing.assert_allclose(m2["acc"], m1["acc"], atol=1e-6)
     np.testing.assert_allclose(m2["count"], m1["count"])
