@@ -119,3 +119,23 @@ def test_cli_config_errors_are_one_line(args, message):
     lines = [line for line in out.stderr.splitlines() if line.strip() and "WARNING" not in line]
     assert len(lines) == 1 and lines[0].startswith(message), out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_warm_start_from_an_exported_head(tmp_path):
+    from clover_jax.config import ConfigError
+    from clover_jax.io.export import export_head
+
+    base = tiny_base()
+    mesh = parallel.make_mesh(1, 1, 1, devices=jax.devices("cpu")[:1])
+    first = Trainer(make_cfg(*CFG), base, mesh=mesh, donate=False)
+    first.train_step(SyntheticBatcher(seed=1).batch(0))
+    export_head(first.head(), tmp_path / "head", base=base, base_name="tiny")
+    warm = Trainer(make_cfg(*CFG, f"train.init_head_from={tmp_path / 'head'}"), base, mesh=mesh, donate=False)
+    for a, b in zip(jax.tree.leaves(warm.state.params), jax.tree.leaves(first.state.params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert warm.state.step == 0  # new optimizer state and schedule, the old weights
+    with pytest.raises(ConfigError, match="head.num_heads"):
+        Trainer(make_cfg(*CFG[:-1], "head.num_heads=3", f"train.init_head_from={tmp_path / 'head'}"), base,
+                mesh=mesh)
+    with pytest.raises(ConfigError, match="train.init_head_from"):
+        Trainer(make_cfg(*CFG, f"train.init_head_from={tmp_path / 'nothing'}"), base, mesh=mesh)
