@@ -270,12 +270,16 @@ class TrainConfig(_Section):
     compute_dtype: DTYPES = "float32"  # head compute dtype (head parameters and optimizer state stay fp32)
     output_dir: str = "runs/default"
     init_head_from: Optional[str] = None  # warm start: an exported head folder or a run dir (its latest step)
+    # Write <output_dir>/draft_vocab.json: the N most frequent trained tokens, for drafting from a reduced
+    # vocabulary at inference (infer.py --draft-vocab; clover_jax.heads.draft_vocab). 0 = do not write it.
+    draft_vocab_size: int = 0
 
     def _validate(self):
         self._need(self.steps >= 1, "steps", "must be >= 1")
         self._need(self.log_every >= 1, "log_every", "must be >= 1")
         self._need(self.eval_every >= 0, "eval_every", "must be >= 0 (0 = never)")
         self._need(self.eval_batches >= 0, "eval_batches", "must be >= 0 (0 = all)")
+        self._need(self.draft_vocab_size >= 0, "draft_vocab_size", "must be >= 0 (0 = none)")
 
 
 @dataclasses.dataclass(frozen=True)

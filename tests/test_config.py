@@ -172,3 +172,12 @@ def test_cli_arguments():
                               "--set", "train.steps=20", "--set", "optim.warmup_steps=5"])
     cfg = C.config_from_args(args)
     assert cfg.train.steps == 20 and cfg.optim.warmup_steps == 5
+
+
+def test_packed_cross_entropy_and_draft_vocab_keys():
+    cfg = load_config(CONFIGS / "smollm2-135m-clover2.yaml")
+    assert cfg.loss.vocab_positions_per_row == 64 and cfg.train.draft_vocab_size == 8192
+    with pytest.raises(ConfigError, match="loss.vocab_positions_per_row.*label mask"):
+        load_config(None, ["loss.vocab_positions_per_row=32", "loss.label_mask_topk=8"])
+    with pytest.raises(ConfigError, match="train.draft_vocab_size"):
+        load_config(None, ["train.draft_vocab_size=-1"])

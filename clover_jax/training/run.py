@@ -74,6 +74,17 @@ def build_data(cfg: ExperimentConfig, loaded) -> tuple[Any, list[dict[str, Any]]
     return batcher, eval_batches
 
 
+def write_draft_vocab(dataset, size: int, eos_ids, path: Path) -> Path:
+    """The `size` most frequent trained (loss-mask) tokens of `dataset`, plus the EOS ids, as a draft vocabulary."""
+    from clover_jax.heads.draft_vocab import coverage, frequent_tokens, save_draft_vocab
+
+    seqs = [ex.tokens[ex.loss_mask.astype(bool)] for ex in (dataset[i] for i in range(len(dataset)))]
+    ids = frequent_tokens(seqs, size, always=list(eos_ids or ()))
+    cov = coverage(ids, seqs)
+    log.info("draft vocabulary: %d ids covering %.4f of the trained tokens -> %s", len(ids), cov, path)
+    return save_draft_vocab(path, ids, source="trained tokens of the training set", coverage_of_source=round(cov, 5))
+
+
 def check_batch_layout(cfg: ExperimentConfig, mesh) -> None:
     shards = parallel.batch_divisor(mesh)
     b, a = cfg.data.batch_size, cfg.optim.grad_accum
@@ -133,6 +144,9 @@ def run_experiment(cfg: ExperimentConfig, *, resume: bool = False, progress: boo
             run_dir.mkdir(parents=True, exist_ok=True)
             save_config(cfg, run_dir / "config.yaml")
             (run_dir / "head.json").write_text(json.dumps(head_meta, indent=1))
+            if cfg.train.draft_vocab_size and hasattr(batcher, "dataset"):
+                write_draft_vocab(batcher.dataset, cfg.train.draft_vocab_size, base.config.eos_token_ids,
+                                  run_dir / "draft_vocab.json")
         summary = trainer.fit(batcher, eval_batches=eval_batches, checkpointer=ckpt, progress=progress,
                               on_step=on_step)
         summary["run_dir"] = str(run_dir)
