@@ -66,6 +66,12 @@ def main(argv=None) -> int:
         from clover_jax.heads.draft_vocab import load_draft_vocab
 
         draft_vocab = load_draft_vocab(args.draft_vocab)
+    elif head is not None:
+        from clover_jax.heads.draft_vocab import head_draft_vocab
+
+        draft_vocab = head_draft_vocab(args.head)  # the vocabulary the head was trained on, if any
+        if draft_vocab is not None:
+            print(f"drafting from the head's {len(draft_vocab)}-token training vocabulary", file=sys.stderr)
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
               chat=not args.no_chat, system=args.system, cache_size=args.cache_size, mode=args.mode, head=head,
               tree=args.tree, draft_vocab=draft_vocab)

@@ -78,7 +78,7 @@ def plots(result: dict, out: Path, trees: list[str]):
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for t in trees:
-        n = get_tree(t).num_nodes
+        n = get_tree(t.removesuffix("+dv")).num_nodes
         ax.scatter(n, result["runs"][t]["speedup_vs_ar"], label=t)
         ax.scatter(n, result["runs"][t]["tau"], marker="x", color="gray")
     ax.set_xlabel("tree size (tokens verified per step)")
@@ -116,11 +116,15 @@ def main():
     head = load_head(args.head, loaded.model)
     prompts, cats = load_questions(args.questions, args.limit or None, args.category)
     t0 = time.time()
-    draft_vocab = None
-    if args.draft_vocab:
-        from clover_jax.heads.draft_vocab import load_draft_vocab
+    from clover_jax.evaluation import DV
+    from clover_jax.heads.draft_vocab import head_draft_vocab, load_draft_vocab
 
-        draft_vocab = load_draft_vocab(args.draft_vocab)
+    draft_vocab = load_draft_vocab(args.draft_vocab) if args.draft_vocab else None
+    trained_on = head_draft_vocab(args.head)
+    if trained_on is not None:  # a head trained on a draft vocabulary drafts from it in every run
+        draft_vocab = trained_on if draft_vocab is None else draft_vocab
+        args.trees = [t if t.endswith(DV) else t + DV for t in args.trees]
+        print(f"the head was trained on a {len(trained_on)}-token draft vocabulary: every tree drafts from it (+dv)")
     result = evaluate(loaded, head, prompts, trees=args.trees, batch_size=args.batch_size,
                       max_new_tokens=args.max_new_tokens, temperature=args.temperature, categories=cats,
                       draft_vocab=draft_vocab)

@@ -176,6 +176,10 @@ class LossConfig(_Section):
     # vocabulary-sized terms only at (up to) K trained positions per row, a random subset where a row has
     # more, so prompt and padding positions cost nothing (the regression term still sees every position).
     vocab_positions_per_row: int = 0
+    # Cross-entropy over the draft vocabulary (the train.draft_vocab_size most frequent trained tokens, the
+    # ids written to draft_vocab.json) instead of all V: teacher and student distributions both restricted
+    # to it, as the head drafts with `draft_vocab=` at inference. Costs N/V of the vocabulary terms.
+    draft_vocab: bool = False
 
     def _validate(self):
         self._need(0 < self.decay <= 1, "decay", "must be in (0, 1]")
@@ -273,6 +277,10 @@ class TrainConfig(_Section):
     # Write <output_dir>/draft_vocab.json: the N most frequent trained tokens, for drafting from a reduced
     # vocabulary at inference (infer.py --draft-vocab; clover_jax.heads.draft_vocab). 0 = do not write it.
     draft_vocab_size: int = 0
+    # Run the frozen base once over the training and held-out sets before training and keep its last
+    # hidden states in host memory (bfloat16, T x hidden_size per example); steps then skip the base forward.
+    # For small models on one host: every host holds the features of the whole data set.
+    cache_features: bool = False
 
     def _validate(self):
         self._need(self.steps >= 1, "steps", "must be >= 1")
@@ -339,6 +347,9 @@ class ExperimentConfig:
         if self.optim.total_steps and self.optim.schedule != "constant" and self.optim.total_steps < self.train.steps:
             raise ConfigError(f"optim.total_steps: the schedule ({self.optim.total_steps} steps) ends before "
                               f"train.steps={self.train.steps}; use 0 to follow train.steps")
+        if self.loss.draft_vocab and not self.train.draft_vocab_size:
+            raise ConfigError("loss.draft_vocab: the cross-entropy over the draft vocabulary needs "
+                              "train.draft_vocab_size > 0 (how many tokens it holds)")
         if self.data.batch_size % self.optim.grad_accum:
             raise ConfigError(f"optim.grad_accum: data.batch_size={self.data.batch_size} is not divisible "
                               f"by grad_accum={self.optim.grad_accum}")

@@ -13,6 +13,7 @@ import socket
 import sys
 from pathlib import Path
 
+from clover_jax.heads.draft_vocab import DRAFT_VOCAB_FILE
 from clover_jax.io.export import ExportError, export_base, export_head
 
 
@@ -57,6 +58,9 @@ def export_head_from_run(run_dir, out, *, step=None, model=None, include_embeddi
                       model_card=card, extra_config={"training_step": step}, overwrite=overwrite)
     if config is not None:
         (out / "training_config.json").write_text(json.dumps(config, indent=2))
+    vocab = Path(run_dir) / DRAFT_VOCAB_FILE
+    if vocab.is_file():  # the head's draft vocabulary travels with it (the one it was trained on, if any)
+        (out / DRAFT_VOCAB_FILE).write_text(vocab.read_text())
     return out
 
 

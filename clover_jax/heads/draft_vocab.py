@@ -59,6 +59,25 @@ def check_draft_vocab(ids, vocab_size: int) -> np.ndarray:
     return np.sort(a).astype(np.int32)
 
 
+DRAFT_VOCAB_FILE = "draft_vocab.json"  # its name in a training run directory and in an exported head folder
+
+
+def head_draft_vocab(head_path) -> np.ndarray | None:
+    """The draft vocabulary a head was trained on (`loss.draft_vocab`), or None.
+
+    Such a head's cross-entropy only ever saw those tokens, so it must draft from them: a training run
+    directory or an exported head folder then holds `draft_vocab.json` with `"head_trained_on_it": true`.
+    A draft vocabulary written only as an inference option (the flag false or absent) gives None."""
+    path = Path(head_path) / DRAFT_VOCAB_FILE
+    if not path.is_file():
+        return None
+    try:
+        meta = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not a draft vocabulary file: {e}") from None
+    return load_draft_vocab(path) if meta.get("head_trained_on_it") else None
+
+
 def save_draft_vocab(path, ids, **meta) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

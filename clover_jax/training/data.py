@@ -553,6 +553,8 @@ class BucketedBatcher:
         self.bucket_of = np.searchsorted(np.asarray(bounds), dataset.lengths, side="left")  # [num_examples]
         self.epoch, self.index = 0, 0
         self._plan_epoch, self._plan = -1, []
+        # per-example base features [len, D] (`clover_jax.training.features.attach_features`), or None
+        self.features: list[np.ndarray] | None = None
         if not self.epoch_plan(0):
             raise DataError(f"no full batch of {batch_size} in {len(dataset)} examples with drop_remainder=True")
 
@@ -596,7 +598,15 @@ class BucketedBatcher:
             ex = self.dataset[int(i)]
             n = len(ex)
             tokens[r, :n], loss_mask[r, :n], valid[r, :n] = ex.tokens, ex.loss_mask, True
-        return {"tokens": tokens, "loss_mask": loss_mask, "valid": valid}
+        batch = {"tokens": tokens, "loss_mask": loss_mask, "valid": valid}
+        if self.features is not None:
+            f0 = self.features[0]
+            feats = np.zeros((per, length, f0.shape[-1]), f0.dtype)  # [B, T, D]
+            for r, i in enumerate(rows):
+                if i >= 0:
+                    feats[r, : len(self.features[int(i)])] = self.features[int(i)]
+            batch["features"] = feats
+        return batch
 
     def epoch_batches(self, epoch: int = 0) -> Iterator[dict[str, np.ndarray]]:
         """One epoch's batches, without moving the resumable position (e.g. for evaluation)."""

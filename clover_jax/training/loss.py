@@ -277,27 +277,50 @@ def pack_positions(loss_mask, valid, per_row: int, rng=None):
     return out
 
 
+def output_projection(base: Llama, vocab_ids: jax.Array | None = None) -> jax.Array:
+    """The frozen `[D, V]` lm_head, or its `[D, N]` columns `vocab_ids` (a draft vocabulary).
+
+    With a draft vocabulary both distributions of the cross-entropy live on those N tokens: the teacher's
+    is P restricted to them and renormalised, the student's a softmax over N logits, which is what the
+    head is asked for when it drafts from that vocabulary (`draft_vocab=` at inference). Every draft
+    depth's vocabulary projection then costs N/V of the full one in training as in drafting."""
+    if vocab_ids is None:
+        return base.lm_head_matrix()
+    return base.lm_head_rows(jnp.asarray(vocab_ids, jnp.int32)).T
+
+
 def clover2_loss_from_features(head, base: Llama, f: jax.Array, tokens: jax.Array, loss_mask: jax.Array,
                                valid: jax.Array, cfg: LossConfig = LossConfig(),
-                               teacher_hidden: jax.Array | None = None, index: jax.Array | None = None):
+                               teacher_hidden: jax.Array | None = None, index: jax.Array | None = None,
+                               vocab_ids: jax.Array | None = None):
     """The loss from precomputed base features (the reference's stored `hidden_state_onnorm` f and,
     optionally, `hidden_state` h; h defaults to RMSNorm_final(f)). With `index` (see `pack_positions`)
-    the vocabulary terms are packed (`kd_loss_packed`)."""
-    f = jax.lax.stop_gradient(f)
+    the vocabulary terms are packed (`kd_loss_packed`); with `vocab_ids` they run over that draft
+    vocabulary only (`output_projection`)."""
+    f = jax.lax.stop_gradient(f).astype(head.cfg.dtype)
     if teacher_hidden is None:
         teacher_hidden = rms_norm(f, jax.lax.stop_gradient(base.final_norm[...]), base.config.rms_norm_eps)
     outputs = head.train_outputs(base, f, tokens, valid)
+    lm_head = output_projection(base, vocab_ids)
     if index is not None:
-        return kd_loss_packed(outputs, teacher_hidden, loss_mask, valid, base.lm_head_matrix(), index, cfg)
-    return kd_loss(outputs, teacher_hidden, tokens, loss_mask, valid, base.lm_head_matrix(), cfg)
+        return kd_loss_packed(outputs, teacher_hidden, loss_mask, valid, lm_head, index, cfg)
+    return kd_loss(outputs, teacher_hidden, tokens, loss_mask, valid, lm_head, cfg)
 
 
-def clover2_loss(head, base: Llama, tokens: jax.Array, loss_mask: jax.Array, valid: jax.Array,
-                 cfg: LossConfig = LossConfig(), index: jax.Array | None = None):
-    """Online self-distillation: runs the frozen base on `tokens [B, T]` (right padded by `valid`),
-    then the head with teacher forcing, and returns `(loss, metrics)` (see `kd_loss`; `kd_loss_packed`
-    when `index` is given)."""
+def base_features(base: Llama, tokens: jax.Array, valid: jax.Array) -> jax.Array:
+    """The frozen base's pre-final-norm last-layer hidden states f `[B, T, D]` of right-padded `tokens`."""
     b, t = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     f, _, _ = base.forward_hidden(tokens, positions, causal_mask(valid.astype(bool)))
-    return clover2_loss_from_features(head, base, f, tokens, loss_mask, valid, cfg, index=index)
+    return f
+
+
+def clover2_loss(head, base: Llama, tokens: jax.Array, loss_mask: jax.Array, valid: jax.Array,
+                 cfg: LossConfig = LossConfig(), index: jax.Array | None = None,
+                 vocab_ids: jax.Array | None = None):
+    """Online self-distillation: runs the frozen base on `tokens [B, T]` (right padded by `valid`),
+    then the head with teacher forcing, and returns `(loss, metrics)` (see `kd_loss`; `kd_loss_packed`
+    when `index` is given)."""
+    f = base_features(base, tokens, valid)
+    return clover2_loss_from_features(head, base, f, tokens, loss_mask, valid, cfg, index=index,
+                                      vocab_ids=vocab_ids)

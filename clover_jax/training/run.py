@@ -52,6 +52,7 @@ def load_base(cfg: ExperimentConfig, mesh) -> Any:
 def build_data(cfg: ExperimentConfig, loaded) -> tuple[Any, list[dict[str, Any]]]:
     """(train batcher, held-out batches for evaluation) from `cfg.data` (see `clover_jax.training.data`)."""
     from clover_jax.training import data as data_lib
+    from clover_jax.training.features import attach_features
 
     if cfg.data.self_distill:  # the base model's own first-turn replies, generated once and cached on disk
         from clover_jax.training.self_distill import self_distilled_conversations
@@ -63,10 +64,14 @@ def build_data(cfg: ExperimentConfig, loaded) -> tuple[Any, list[dict[str, Any]]
     kw = dict(process_index=jax.process_index(), process_count=jax.process_count())
     batcher = data_lib.BucketedBatcher(train, cfg.data.batch_size, cfg.data.bucket_boundaries, seed=cfg.data.seed,
                                        shuffle=cfg.data.shuffle, **kw)
+    if cfg.train.cache_features:
+        attach_features(batcher, loaded.model, progress=jax.process_index() == 0)
     eval_batches: list[dict[str, Any]] = []
     if cfg.train.eval_every and len(held):
         held_batcher = data_lib.BucketedBatcher(held, cfg.data.batch_size, cfg.data.bucket_boundaries,
                                                 seed=cfg.data.seed, shuffle=False, **kw)
+        if cfg.train.cache_features:
+            attach_features(held_batcher, loaded.model, progress=False)
         limit = cfg.train.eval_batches or None
         eval_batches = list(itertools.islice(held_batcher.epoch_batches(0), limit))
     log.info("data: %d train / %d held-out examples, %d batches per epoch", len(train), len(held),
@@ -74,15 +79,25 @@ def build_data(cfg: ExperimentConfig, loaded) -> tuple[Any, list[dict[str, Any]]
     return batcher, eval_batches
 
 
-def write_draft_vocab(dataset, size: int, eos_ids, path: Path) -> Path:
-    """The `size` most frequent trained (loss-mask) tokens of `dataset`, plus the EOS ids, as a draft vocabulary."""
-    from clover_jax.heads.draft_vocab import coverage, frequent_tokens, save_draft_vocab
+def draft_vocab_of(dataset, size: int, eos_ids) -> tuple[Any, float]:
+    """(ids, coverage): the `size` most frequent trained (loss-mask) tokens of `dataset` plus the EOS ids, and
+    the share of the trained tokens they cover."""
+    from clover_jax.heads.draft_vocab import coverage, frequent_tokens
 
     seqs = [ex.tokens[ex.loss_mask.astype(bool)] for ex in (dataset[i] for i in range(len(dataset)))]
     ids = frequent_tokens(seqs, size, always=list(eos_ids or ()))
-    cov = coverage(ids, seqs)
+    return ids, coverage(ids, seqs)
+
+
+def write_draft_vocab(dataset, size: int, eos_ids, path: Path, head_trained_on_it: bool = False) -> Path:
+    """`draft_vocab_of(dataset, size, eos_ids)` saved as a draft vocabulary file; `head_trained_on_it` marks
+    the vocabulary of a head trained with `loss.draft_vocab` (which then drafts from it by default)."""
+    from clover_jax.heads.draft_vocab import save_draft_vocab
+
+    ids, cov = draft_vocab_of(dataset, size, eos_ids)
     log.info("draft vocabulary: %d ids covering %.4f of the trained tokens -> %s", len(ids), cov, path)
-    return save_draft_vocab(path, ids, source="trained tokens of the training set", coverage_of_source=round(cov, 5))
+    return save_draft_vocab(path, ids, source="trained tokens of the training set", coverage_of_source=round(cov, 5),
+                            head_trained_on_it=bool(head_trained_on_it))
 
 
 def check_batch_layout(cfg: ExperimentConfig, mesh) -> None:
@@ -132,7 +147,13 @@ def run_experiment(cfg: ExperimentConfig, *, resume: bool = False, progress: boo
             ckpt.check_all(head_meta)  # refuse before any save could rotate a bad checkpoint away
         if batcher is None:
             batcher, eval_batches = build_data(cfg, loaded)
-        trainer = Trainer(cfg, base, base_name=cfg.model.name_or_path, mesh=mesh, run_dir=run_dir)
+        vocab_ids = None
+        if cfg.loss.draft_vocab:  # every process derives the same ids from the same data
+            vocab_ids, cov = draft_vocab_of(batcher.dataset, cfg.train.draft_vocab_size, base.config.eos_token_ids)
+            log.info("cross-entropy over the draft vocabulary: %d ids covering %.4f of the trained tokens",
+                     len(vocab_ids), cov)
+        trainer = Trainer(cfg, base, base_name=cfg.model.name_or_path, mesh=mesh, run_dir=run_dir,
+                          vocab_ids=vocab_ids)
         if existing:
             data_state = trainer.restore(ckpt)
             batcher.load_state_dict(data_state)
@@ -146,7 +167,7 @@ def run_experiment(cfg: ExperimentConfig, *, resume: bool = False, progress: boo
             (run_dir / "head.json").write_text(json.dumps(head_meta, indent=1))
             if cfg.train.draft_vocab_size and hasattr(batcher, "dataset"):
                 write_draft_vocab(batcher.dataset, cfg.train.draft_vocab_size, base.config.eos_token_ids,
-                                  run_dir / "draft_vocab.json")
+                                  run_dir / "draft_vocab.json", head_trained_on_it=cfg.loss.draft_vocab)
         summary = trainer.fit(batcher, eval_batches=eval_batches, checkpointer=ckpt, progress=progress,
                               on_step=on_step)
         summary["run_dir"] = str(run_dir)

@@ -32,7 +32,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from clover_jax.heads.clover2 import Clover2Config
 from clover_jax.parallel import BATCH_AXES
-from clover_jax.training.loss import LossConfig, clover2_loss, trained_positions
+from clover_jax.training.loss import LossConfig, clover2_loss, clover2_loss_from_features, trained_positions
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 SUM_KEYS = ("v_sum", "p_sum", "correct", "chain_correct", "count", "p_count", "chain_count")
@@ -134,23 +134,28 @@ def _split_micro(batch: dict[str, jax.Array], accum: int, mesh=None) -> dict[str
 
 
 # ------------------------------------------------------------------------------------------------- steps
-def make_loss_fn(head_graphdef, base_graphdef, loss_cfg: LossConfig) -> Callable:
-    """(params, base_state, batch) -> (loss, kd_loss metrics): the Clover-2 loss with the base run online."""
+def make_loss_fn(head_graphdef, base_graphdef, loss_cfg: LossConfig, vocab_ids=None) -> Callable:
+    """(params, base_state, batch) -> (loss, kd_loss metrics): the Clover-2 loss, with the base run online
+    or, when the batch carries `features` (the base's cached pre-norm hidden states), from those.
+    `vocab_ids` (a draft vocabulary, or None for the full one) restricts the cross-entropy to those tokens."""
     def forward(params, base_state, batch):
         head = nnx.merge(head_graphdef, params)
         base = nnx.merge(base_graphdef, base_state)
-        return clover2_loss(head, base, batch["tokens"], batch["loss_mask"], batch["valid"], loss_cfg,
-                            index=batch.get("loss_index"))
+        args = (batch["tokens"], batch["loss_mask"], batch["valid"], loss_cfg)
+        kw = dict(index=batch.get("loss_index"), vocab_ids=vocab_ids)
+        if "features" in batch:
+            return clover2_loss_from_features(head, base, batch["features"], *args, **kw)
+        return clover2_loss(head, base, *args, **kw)
     return forward
 
 
 def make_grad_fn(head_graphdef, base_graphdef, loss_cfg: LossConfig, num_heads: int,
-                 grad_accum: int = 1, mesh=None) -> Callable:
+                 grad_accum: int = 1, mesh=None, vocab_ids=None) -> Callable:
     """(params, base_state, batch) -> (grads, sums): gradients of the big-batch loss w.r.t. the head params,
     accumulated over `grad_accum` micro-batches (see the module docstring), and per-head sums."""
     accum = int(grad_accum)
     exact = not loss_cfg.label_mask
-    forward = make_loss_fn(head_graphdef, base_graphdef, loss_cfg)
+    forward = make_loss_fn(head_graphdef, base_graphdef, loss_cfg, vocab_ids)
 
     def micro_objective(params, base_state, mb, totals):
         loss, m = forward(params, base_state, mb)
@@ -187,7 +192,7 @@ def make_grad_fn(head_graphdef, base_graphdef, loss_cfg: LossConfig, num_heads: 
 def build_steps(head_graphdef, base_graphdef, tx: optax.GradientTransformation, loss_cfg: LossConfig,
                 num_heads: int, *, grad_accum: int = 1, schedule: optax.Schedule | None = None,
                 mesh=None, param_shardings=None, opt_shardings=None, base_shardings=None,
-                donate: bool = True, return_grads: bool = False) -> tuple[Callable, Callable]:
+                donate: bool = True, return_grads: bool = False, vocab_ids=None) -> tuple[Callable, Callable]:
     """(train_step, eval_step), jitted with explicit shardings when `mesh` is given.
 
     train_step(params, opt_state, base_state, batch, step) -> (params', opt_state', metrics)
@@ -195,8 +200,8 @@ def build_steps(head_graphdef, base_graphdef, tx: optax.GradientTransformation, 
     eval_step(params, base_state, batch) -> per-head sums (v_sum, p_sum, correct, chain_correct, count) + tokens
     metrics: loss, vloss/ploss/acc/chain_acc/count `[num_heads]`, lr, grad_norm, tokens.
     """
-    forward = make_loss_fn(head_graphdef, base_graphdef, loss_cfg)
-    grad_fn = make_grad_fn(head_graphdef, base_graphdef, loss_cfg, num_heads, grad_accum, mesh)
+    forward = make_loss_fn(head_graphdef, base_graphdef, loss_cfg, vocab_ids)
+    grad_fn = make_grad_fn(head_graphdef, base_graphdef, loss_cfg, num_heads, grad_accum, mesh, vocab_ids)
 
     def train_step(params, opt_state, base_state, batch, step):
         grads, sums = grad_fn(params, base_state, batch)

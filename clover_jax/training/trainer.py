@@ -158,7 +158,7 @@ class Trainer:
     """A Clover-2 head, its optimizer and the frozen base model on a mesh, with jitted train/eval steps."""
 
     def __init__(self, cfg, base, *, base_name: str = "", mesh=None, run_dir: str | Path | None = None,
-                 donate: bool = True):
+                 donate: bool = True, vocab_ids=None):
         self.cfg = cfg
         self.mesh = mesh if mesh is not None else parallel.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tp)
         self.run_dir = Path(run_dir) if run_dir is not None else None
@@ -168,6 +168,10 @@ class Trainer:
         self.head_meta = head_metadata(self.head_cfg, base.config, base_name or cfg.model.name_or_path)
         self.total_steps = cfg.total_steps
         self.restored_config: dict[str, Any] | None = None
+        if cfg.loss.draft_vocab and vocab_ids is None:
+            raise ValueError("loss.draft_vocab is on but no draft vocabulary was given to the Trainer (vocab_ids)")
+        # the cross-entropy's vocabulary: the draft vocabulary's ids (loss.draft_vocab) or all of them
+        self.vocab_ids = None if vocab_ids is None else jnp.asarray(vocab_ids, jnp.int32)
 
         # frozen base: graphdef (static) + state placed on its shardings
         self.base_graphdef, base_state = nnx.split(base)
@@ -195,7 +199,7 @@ class Trainer:
             self.head_graphdef, self.base_graphdef, self.tx, self.loss_cfg, cfg.head.num_heads,
             grad_accum=cfg.optim.grad_accum, schedule=self.schedule, mesh=self.mesh,
             param_shardings=self.param_shardings, opt_shardings=self.opt_shardings,
-            base_shardings=self.base_shardings, donate=donate, **kw)
+            base_shardings=self.base_shardings, donate=donate, vocab_ids=self.vocab_ids, **kw)
         self._train_step, self._eval_step = self._build()
         self._train_step_grads = None
 
@@ -216,7 +220,7 @@ class Trainer:
     def device_batch(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
         """This process's rows -> global arrays on the batch sharding."""
         return {k: jax.make_array_from_process_local_data(self.batch_sharding, np.asarray(batch[k]))
-                for k in ("tokens", "loss_mask", "valid", "loss_index") if k in batch}
+                for k in ("tokens", "loss_mask", "valid", "loss_index", "features") if k in batch}
 
     def with_loss_index(self, batch: dict[str, np.ndarray], step: int) -> dict[str, np.ndarray]:
         """Adds the packed cross-entropy positions (`loss.vocab_positions_per_row`), drawn from a generator

@@ -11,7 +11,8 @@ from clover_jax.heads.clover2 import Clover2Config, Clover2Head
 from clover_jax.models.cache import causal_mask
 from clover_jax.models.config import LlamaConfig
 from clover_jax.models.llama import init_llama, rms_norm
-from clover_jax.training.loss import LossConfig, clover2_loss, kd_loss, kd_loss_packed, pack_positions
+from clover_jax.training.loss import (LossConfig, base_features, clover2_loss, clover2_loss_from_features, kd_loss,
+                                      kd_loss_packed, pack_positions)
 
 NH, B, T, D, V = 5, 3, 11, 16, 40
 LENGTHS = np.array([11, 8, 3])  # the last row is shorter than the number of heads
@@ -217,3 +218,33 @@ def test_clover2_loss_end_to_end_and_gradients_only_reach_the_head():
     for path, g in jax.tree_util.tree_leaves_with_path(g_head):
         g = np.asarray(g)
         assert np.isfinite(g).all() and np.any(g), jax.tree_util.keystr(path)
+
+
+def test_draft_vocabulary_loss_is_the_reference_loss_on_those_tokens():
+    """vocab_ids: teacher P restricted to the ids and renormalised, student softmax over the ids only."""
+    base = _host_random(nnx.eval_shape(lambda: init_llama(CFG)), 0)
+    head = _host_random(nnx.eval_shape(lambda: Clover2Head(CFG, Clover2Config(num_heads=3), rngs=nnx.Rngs(0))), 1)
+    rng = np.random.RandomState(4)
+    b, t = 2, 9
+    tokens = jnp.asarray(rng.randint(0, CFG.vocab_size, (b, t)), jnp.int32)
+    valid = jnp.arange(t)[None] < jnp.array([[9], [7]])
+    loss_mask = jnp.asarray(rng.rand(b, t) < 0.8, jnp.float32)
+    ids = np.sort(rng.choice(CFG.vocab_size, 20, replace=False)).astype(np.int32)
+    f = base_features(base, tokens, valid)
+    loss_fn = jax.jit(lambda ids: clover2_loss_from_features(head, base, f, tokens, loss_mask, valid, vocab_ids=ids))
+
+    loss, metrics = loss_fn(jnp.asarray(ids))
+    outputs = head.train_outputs(base, f, tokens, valid)
+    hpost = rms_norm(f, base.final_norm[...], CFG.rms_norm_eps)
+    w = np.asarray(base.lm_head_matrix())
+    ref = reference_loss(outputs, hpost, np.asarray(tokens), np.asarray(loss_mask), np.array([9, 7]), w[:, ids],
+                         LossConfig())
+    np.testing.assert_allclose(float(loss), ref["loss"], rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(metrics["ploss"]), ref["ploss"], rtol=1e-5)
+    np.testing.assert_array_equal(np.asarray(metrics["correct"]), ref["correct"])
+    # every id listed: the full-vocabulary loss; a proper subset: a different cross-entropy, same regression
+    full_loss, full = clover2_loss(head, base, tokens, loss_mask, valid)
+    all_loss, _ = loss_fn(jnp.arange(CFG.vocab_size, dtype=jnp.int32))
+    np.testing.assert_allclose(float(all_loss), float(full_loss), rtol=1e-6)
+    assert not np.allclose(np.asarray(metrics["ploss"]), np.asarray(full["ploss"]), rtol=1e-3)
+    np.testing.assert_allclose(np.asarray(metrics["vloss"]), np.asarray(full["vloss"]), rtol=1e-6)

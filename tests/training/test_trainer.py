@@ -13,7 +13,7 @@ import pytest
 from clover_jax import parallel
 from clover_jax.training import steps as steps_lib
 from clover_jax.training.trainer import Trainer
-from training_helpers import SyntheticBatcher, make_cfg, tiny_base
+from training_helpers import TINY, SyntheticBatcher, make_cfg, tiny_base
 
 ROOT = Path(__file__).resolve().parents[2]
 CFG = ("optim.eps=1e-3", "optim.clip_value=null", "optim.warmup_steps=0", "optim.lr=1e-3", "head.num_heads=2")
@@ -139,3 +139,80 @@ def test_warm_start_from_an_exported_head(tmp_path):
                 mesh=mesh)
     with pytest.raises(ConfigError, match="train.init_head_from"):
         Trainer(make_cfg(*CFG, f"train.init_head_from={tmp_path / 'nothing'}"), base, mesh=mesh)
+
+
+def _tiny_dataset(lengths=(5, 16, 9, 12, 3, 16, 7, 11, 14, 6, 15, 10)):
+    from clover_jax.training.data import Example, TokenizedDataset
+
+    rng = np.random.default_rng(0)
+    examples = [Example(str(i), rng.integers(0, 64, n).astype(np.int32), (np.arange(n) >= 2).astype(np.int32))
+                for i, n in enumerate(lengths)]
+    return TokenizedDataset(examples, pad_id=0, max_length=16)
+
+
+def test_cached_base_features_give_the_online_step():
+    from clover_jax.training.data import BucketedBatcher
+    from clover_jax.training.features import attach_features
+    from clover_jax.training.loss import base_features
+
+    base, ds = tiny_base(), _tiny_dataset()
+    batcher = attach_features(BucketedBatcher(ds, 8, [8, 16], seed=0), base, batch_size=3, dtype=jnp.float32,
+                              progress=False)
+    for i in (0, 4, 5):  # each example's features: the base over that example alone, whatever its batch-mates
+        ex = ds[i]
+        alone = base_features(base, jnp.asarray(ex.tokens[None]), jnp.ones((1, len(ex)), bool))[0]
+        np.testing.assert_allclose(batcher.features[i], np.asarray(alone), atol=1e-5)
+    batch = next(batcher)
+    assert batch["features"].shape == (*batch["tokens"].shape, TINY.hidden_size)
+    assert not np.any(batch["features"][~batch["valid"]]) and np.any(batch["features"][batch["valid"]])
+
+    mesh = parallel.make_mesh(1, 1, 1, devices=jax.devices("cpu")[:1])
+    results = []
+    for b in ({k: v for k, v in batch.items() if k != "features"}, batch):
+        trainer = Trainer(make_cfg(*CFG), base, mesh=mesh, donate=False)
+        results.append(jax.device_get(trainer.train_step(b, return_grads=True)))
+    (m_online, g_online), (m_cached, g_cached) = results
+    np.testing.assert_allclose(m_cached["loss"], m_online["loss"], rtol=1e-5)
+    for a, c in zip(jax.tree.leaves(g_online), jax.tree.leaves(g_cached)):
+        np.testing.assert_allclose(c, a, rtol=1e-4, atol=1e-6)
+
+    default = attach_features(BucketedBatcher(ds, 8, [8, 16], seed=0), base, progress=False)
+    assert default.features[0].dtype == jnp.bfloat16  # the memory-saving default
+
+
+def test_draft_vocabulary_training_run_marks_its_vocabulary_and_exports_it(tmp_path):
+    from clover_jax.config import ConfigError
+    from clover_jax.export import export_head_from_run
+    from clover_jax.heads.draft_vocab import head_draft_vocab, load_draft_vocab
+    from clover_jax.io.export import export_base
+    from clover_jax.training.data import BucketedBatcher
+    from clover_jax.training.features import attach_features
+    from clover_jax.training.run import run_experiment
+
+    with pytest.raises(ConfigError, match="loss.draft_vocab.*train.draft_vocab_size"):
+        make_cfg("loss.draft_vocab=true")
+    base, ds = tiny_base(), _tiny_dataset()
+    with pytest.raises(ValueError, match="loss.draft_vocab"):
+        Trainer(make_cfg("loss.draft_vocab=true", "train.draft_vocab_size=16"), base,
+                mesh=parallel.make_mesh(1, 1, 1, devices=jax.devices("cpu")[:1]))
+
+    run = tmp_path / "run"
+    cfg = make_cfg("loss.draft_vocab=true", "train.draft_vocab_size=16", "train.steps=4",
+                   "loss.vocab_positions_per_row=4", output_dir=str(run))
+    batcher = attach_features(BucketedBatcher(ds, 8, [8, 16], seed=0), base, progress=False)
+    summary = run_experiment(cfg, progress=False, mesh=parallel.make_mesh(1, 1, 1, devices=jax.devices("cpu")[:1]),
+                             loaded=base, batcher=batcher, eval_batches=[])
+    assert summary["final_step"] == 4 and np.isfinite(summary["last_log"]["loss"])
+    ids = head_draft_vocab(run)
+    assert ids is not None and len(ids) == 16
+    np.testing.assert_array_equal(ids, load_draft_vocab(run / "draft_vocab.json"))
+
+    base_dir = export_base(base, tmp_path / "base")
+    out = export_head_from_run(run, tmp_path / "head", model=str(base_dir))
+    np.testing.assert_array_equal(head_draft_vocab(out), ids)  # the exported head drafts from it too
+
+    # a draft vocabulary written only as an inference option is not the head's training vocabulary
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    (plain / "draft_vocab.json").write_text('{"size": 2, "ids": [1, 2]}')
+    assert head_draft_vocab(plain) is None
