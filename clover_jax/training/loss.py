@@ -297,7 +297,7 @@ def clover2_loss_from_features(head, base: Llama, f: jax.Array, tokens: jax.Arra
     optionally, `hidden_state` h; h defaults to RMSNorm_final(f)). With `index` (see `pack_positions`)
     the vocabulary terms are packed (`kd_loss_packed`); with `vocab_ids` they run over that draft
     vocabulary only (`output_projection`)."""
-    f = jax.lax.stop_gradient(f).astype(head.cfg.dtype)
+    f = jax.lax.stop_gradient(f)
     if teacher_hidden is None:
         teacher_hidden = rms_norm(f, jax.lax.stop_gradient(base.final_norm[...]), base.config.rms_norm_eps)
     outputs = head.train_outputs(base, f, tokens, valid)

@@ -139,6 +139,15 @@ def run_experiment(cfg: ExperimentConfig, *, resume: bool = False, progress: boo
         if existing and not resume:
             raise CheckpointError(f"{ckpt.directory}: already holds checkpoints (steps {existing}); pass --resume "
                                   "to continue that run, or choose another --output-dir")
+        if existing and max(existing) >= cfg.train.steps and batcher is None:
+            # finished: nothing to train, so skip the data set-up (self-distillation, base features)
+            base_config = base_config_of(cfg.model.name_or_path) if loaded is None else (
+                loaded.model if hasattr(loaded, "model") else loaded).config
+            ckpt.check_all(head_metadata(steps_lib.head_config(cfg), base_config, cfg.model.name_or_path))
+            log.info("%s: the run is finished (checkpoint at step %d >= train.steps=%d); nothing to do",
+                     ckpt.directory, max(existing), cfg.train.steps)
+            return {"start_step": max(existing), "final_step": max(existing), "steps_run": 0, "stopped_early": False,
+                    "checkpoint_step": max(existing), "run_dir": str(run_dir), "config": config_to_dict(cfg)}
         if loaded is None:
             loaded = load_base(cfg, mesh)
         base = loaded.model if hasattr(loaded, "model") else loaded

@@ -144,7 +144,8 @@ def make_loss_fn(head_graphdef, base_graphdef, loss_cfg: LossConfig, vocab_ids=N
         args = (batch["tokens"], batch["loss_mask"], batch["valid"], loss_cfg)
         kw = dict(index=batch.get("loss_index"), vocab_ids=vocab_ids)
         if "features" in batch:
-            return clover2_loss_from_features(head, base, batch["features"], *args, **kw)
+            f = batch["features"].astype(base.dtype)  # stored in bfloat16; the online path's dtype
+            return clover2_loss_from_features(head, base, f, *args, **kw)
         return clover2_loss(head, base, *args, **kw)
     return forward
 

@@ -127,6 +127,19 @@ def test_refuses_to_overwrite_without_resume(uninterrupted):
     assert snapshot(run_dir / "checkpoints") == before
 
 
+def test_resuming_a_finished_run_skips_the_data(uninterrupted):
+    """--resume on a finished run returns at once: no data set-up (make_cfg's data source would fail to load:
+    the tiny model has no tokenizer), and the checkpoints are still checked against the config."""
+    run_dir, summary, _, _ = uninterrupted
+    before = snapshot(run_dir / "checkpoints")
+    again = run_experiment(cfg_for(run_dir), resume=True, progress=False, mesh=one_device_mesh(), loaded=tiny_base())
+    assert again["steps_run"] == 0 and again["final_step"] == summary["final_step"] == STEPS
+    with pytest.raises(CheckpointError, match="head config num_heads is 3 in the checkpoint but 2"):
+        run_experiment(cfg_for(run_dir, "head.num_heads=2"), resume=True, progress=False, mesh=one_device_mesh(),
+                       loaded=tiny_base())
+    assert snapshot(run_dir / "checkpoints") == before
+
+
 def test_incompatible_checkpoint(uninterrupted):
     run_dir, _, _, _ = uninterrupted
     before = snapshot(run_dir / "checkpoints")
