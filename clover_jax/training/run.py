@@ -69,7 +69,8 @@ def build_data(cfg: ExperimentConfig, loaded) -> tuple[Any, list[dict[str, Any]]
     eval_batches: list[dict[str, Any]] = []
     if cfg.train.eval_every and len(held):
         held_batcher = data_lib.BucketedBatcher(held, cfg.data.batch_size, cfg.data.bucket_boundaries,
-                                                seed=cfg.data.seed, shuffle=False, **kw)
+                                                seed=cfg.data.seed, shuffle=True, **kw)  # seeded: every evaluation
+        # sees the same batches, drawn from all length buckets (unshuffled, the first ones are the shortest)
         if cfg.train.cache_features:
             attach_features(held_batcher, loaded.model, progress=False)
         limit = cfg.train.eval_batches or None
