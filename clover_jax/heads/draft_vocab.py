@@ -71,11 +71,8 @@ def head_draft_vocab(head_path) -> np.ndarray | None:
     path = Path(head_path) / DRAFT_VOCAB_FILE
     if not path.is_file():
         return None
-    try:
-        meta = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: not a draft vocabulary file: {e}") from None
-    return load_draft_vocab(path) if meta.get("head_trained_on_it") else None
+    meta = _read_draft_vocab(path)
+    return np.asarray(meta["ids"], np.int32) if meta.get("head_trained_on_it") else None
 
 
 def save_draft_vocab(path, ids, **meta) -> Path:
@@ -87,15 +84,22 @@ def save_draft_vocab(path, ids, **meta) -> Path:
     return path
 
 
+def _read_draft_vocab(path: Path) -> dict:
+    """The file's JSON object, which must hold an 'ids' list (a ValueError naming the file otherwise)."""
+    try:
+        meta = json.loads(path.read_text())
+        if not isinstance(meta["ids"], list):
+            raise TypeError("'ids' is not a list")
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise ValueError(f"{path}: not a draft vocabulary file (a JSON object with an 'ids' list): {e}") from None
+    return meta
+
+
 def load_draft_vocab(path) -> np.ndarray:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"draft vocabulary file not found: {path}")
-    try:
-        ids = json.loads(path.read_text())["ids"]
-    except (json.JSONDecodeError, KeyError, TypeError) as e:
-        raise ValueError(f"{path}: not a draft vocabulary file (a JSON object with an 'ids' list): {e}") from None
-    return np.asarray(ids, np.int32)
+    return np.asarray(_read_draft_vocab(path)["ids"], np.int32)
 
 
 def coverage(ids, sequences: Iterable[Sequence[int]]) -> float:
