@@ -1,7 +1,8 @@
 """Generate with a Llama-family model, plainly or with speculative decoding, and report speed.
 
   python infer.py --model smollm2-135m-instruct --prompt "What is the capital of France?"
-  python infer.py --model smollm2-135m-instruct --prompts-file ../shared/data/mt_bench/question.jsonl --limit 8
+  python infer.py --model smollm2-135m-instruct --prompts-file mt_bench --limit 8
+  python infer.py --mode speculative --prompt "..."     # SmolLM2 with its shipped head, smollm2-135m-instruct-clover2
   python infer.py --model smollm2-135m-instruct --head runs/smollm2-clover2 --mode speculative --prompt "..."
 """
 
@@ -21,7 +22,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m-instruct", help="HF folder, .gguf file or known name")
     p.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
-    p.add_argument("--prompts-file", help="JSONL: MT-Bench/Spec-Bench questions ('turns'), or {'prompt': ...}")
+    p.add_argument("--prompts-file", help="mt_bench | spec_bench (shipped), or a JSONL file of questions ('turns') or {'prompt': ...} lines")
     p.add_argument("--category", help="only questions of this category (with --prompts-file)")
     p.add_argument("--limit", type=int, default=0, help="at most this many prompts from the file")
     p.add_argument("--batch-size", type=int, default=1)
@@ -35,8 +36,10 @@ def parse_args(argv=None):
     p.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     p.add_argument("--system", default=None, help="system prompt for the chat template")
     p.add_argument("--mode", choices=["ar", "speculative"], default="ar")
-    p.add_argument("--head", help="draft head: a training run dir (Orbax) or an exported head folder")
-    p.add_argument("--tree", default="clover2-26", help="clover2-26 | medusa-63 | chain-N | tree.json")
+    p.add_argument("--head", help="draft head: a registered name (smollm2-135m-instruct-clover2), a training run dir "
+                   "(Orbax) or an exported head folder; default: the model's shipped head, if it has one")
+    p.add_argument("--tree", default=None, help="clover2-26 | small-10 | medusa-63 | chain-N | tree.json (default: "
+                   "the shipped head's tree, else clover2-26)")
     p.add_argument("--draft-vocab", help="draft only from these token ids (JSON from python -m "
                    "clover_jax.heads.draft_vocab); output is unchanged, drafting is cheaper")
     p.add_argument("--quiet", action="store_true", help="print only the summary")
@@ -52,8 +55,14 @@ def main(argv=None) -> int:
         print("error: give --prompt or --prompts-file", file=sys.stderr)
         return 2
     if args.mode == "speculative" and not args.head:
-        print("error: --mode speculative needs --head", file=sys.stderr)
-        return 2
+        from clover_jax import pretrained
+
+        args.head = pretrained.default_head(args.model)
+        if not args.head:
+            print(f"error: --mode speculative needs --head (no head is shipped for {args.model!r}; shipped: "
+                  f"{', '.join(pretrained.HEADS)})", file=sys.stderr)
+            return 2
+        print(f"drafting with the shipped head {args.head}", file=sys.stderr)
     dtype = jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32
     loaded = load_model(args.model, dtype=dtype)
     head = None
@@ -61,6 +70,10 @@ def main(argv=None) -> int:
         from clover_jax.heads.loading import load_head
 
         head = load_head(args.head, loaded.model)
+        if args.tree is None:
+            from clover_jax import pretrained
+
+            args.tree = pretrained.default_tree(args.head) or "clover2-26"
     draft_vocab = None
     if args.draft_vocab:
         from clover_jax.heads.draft_vocab import load_draft_vocab

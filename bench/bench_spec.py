@@ -1,5 +1,6 @@
 """Speculative vs autoregressive decoding (ours, same run), and transformers `generate` as the peer.
 
+  python bench/bench_spec.py --questions mt_bench --limit 80 --trees chain-3 chain-4   # the shipped head
   python bench/bench_spec.py --head runs/smollm2-clover2 --questions mt_bench --limit 80 \
       --trees clover2-26 chain-4 small-10 --batch-size 1 --max-new-tokens 128 --out-dir artifacts/eval_mt
 
@@ -21,11 +22,11 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
-
 
 def load_questions(which: str, limit: int | None, category: str | None):
-    path = Path(which) if Path(which).is_file() else DATA / which / "question.jsonl"
+    from clover_jax.io.prompts import questions_path
+
+    path = questions_path(which)
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     if category:
         rows = [r for r in rows if r.get("category") == category]
@@ -92,7 +93,8 @@ def plots(result: dict, out: Path, trees: list[str]):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m-instruct")
-    ap.add_argument("--head", required=True, help="training run dir or exported head folder")
+    ap.add_argument("--head", default="smollm2-135m-instruct-clover2",
+                    help="registered head name (default: the shipped SmolLM2 head), training run dir or exported folder")
     ap.add_argument("--questions", default="mt_bench", help="mt_bench | spec_bench | path to question.jsonl")
     ap.add_argument("--category")
     ap.add_argument("--limit", type=int, default=0)

@@ -7,6 +7,7 @@ batching; the jitted loops live in `clover_jax.decoding`.
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from typing import Any, Sequence
 
@@ -106,6 +107,19 @@ def plan_cache(prompt_lens: np.ndarray, max_new_tokens: int, extra: int, cache_s
     return cache_size
 
 
+def resolve_head(source, model, tree=None, draft_vocab=None):
+    """(head module, tree, draft vocabulary) for a head given by name or path (see `generate`): the tree
+    defaults to the registered head's, the draft vocabulary to the one the head was trained on."""
+    from clover_jax import pretrained
+    from clover_jax.heads.draft_vocab import head_draft_vocab
+    from clover_jax.heads.loading import load_head
+
+    head = load_head(source, model)
+    tree = tree if tree is not None else pretrained.default_tree(source)
+    draft_vocab = draft_vocab if draft_vocab is not None else head_draft_vocab(source)
+    return head, tree, draft_vocab
+
+
 def generate(model, prompts: Sequence[Any], *, tokenizer=None, max_new_tokens: int = 128, temperature: float = 0.0,
              top_k: int = 0, top_p: float = 1.0, seed: int = 0, chat: bool = True, system: str | None = None,
              cache_size: int | None = None, mode: str = "ar", head=None, tree=None, draft_vocab=None,
@@ -116,7 +130,11 @@ def generate(model, prompts: Sequence[Any], *, tokenizer=None, max_new_tokens: i
       model: a `Llama` or the `LoadedModel` returned by `load_model` (then its tokenizer is used).
       prompts: strings (chat template applied when `chat`), message lists, or token-id lists.
       mode: "ar" (plain autoregressive) or "speculative" (needs `head`, optionally `tree`).
-      draft_vocab: token ids the drafts are drawn from (`clover_jax.heads.draft_vocab`); None: all.
+      head: a draft head module, or where to load one: a registered name (`clover_jax.pretrained`, e.g.
+        "smollm2-135m-instruct-clover2"), an exported head folder or a training run directory.
+      tree: a tree name or JSON file; None: the registered head's default tree, else "clover2-26".
+      draft_vocab: token ids the drafts are drawn from (`clover_jax.heads.draft_vocab`); None: all, or, for
+        a head given by name or path, the vocabulary it was trained on (if any).
     """
     if hasattr(model, "tokenizer") and hasattr(model, "model"):
         tokenizer = tokenizer or model.tokenizer
@@ -145,6 +163,8 @@ def generate(model, prompts: Sequence[Any], *, tokenizer=None, max_new_tokens: i
 
         if head is None:
             raise ValueError("mode='speculative' needs a draft head (head=...)")
+        if isinstance(head, (str, os.PathLike)):
+            head, tree, draft_vocab = resolve_head(head, model, tree, draft_vocab)
         out, stats, seconds = spec_generate(model, head, arr, lens, max_new_tokens=max_new_tokens,
                                             cache_size=cache_size, sampling=sampling, key=key, tree=tree,
                                             draft_vocab=draft_vocab)

@@ -6,7 +6,7 @@ Every section checks its own types (from the dataclass annotations) and values w
 config built in Python is validated like one read from YAML. Errors are `ConfigError`s (the same class as
 `clover_jax.models.config.ConfigError`) whose message starts with the dotted key, e.g.
 `optim.lr: expected float, got 'abc'`. Defaults are the Clover-2 reference recipe
-(docs: research/drafters.md §2.3 and §10).
+(`XiaoBin1992/clover`, `clover/train/main_clover2.py` and its training scripts).
 """
 
 from __future__ import annotations
@@ -153,7 +153,10 @@ class HeadConfig(_Section):
     num_heads: int = 5  # tokens drafted per step: head 0 + 4 RNN steps
     num_aug_layers: int = 2  # decoder layers in the Augmenting Block
     embed_source: Literal["lm_head", "input"] = "lm_head"  # reference: E = copy(W_lm)
-    rope_theta: Optional[float] = None  # None: the base model's rope_theta (the reference hard-codes 10000)
+    # Augmenting-Block RoPE: a number = plain RoPE with that base; the default is the reference's 10000 (its
+    # layers ignore the base's rope_theta), so exported heads compute the same function in the reference code.
+    # null: the base model's own RoPE (rope_theta and rope_scaling).
+    rope_theta: Optional[float] = 10000.0
 
     def _validate(self):
         self._need(self.num_heads >= 1, "num_heads", "must be >= 1")
@@ -163,7 +166,7 @@ class HeadConfig(_Section):
 
 @dataclasses.dataclass(frozen=True)
 class LossConfig(_Section):
-    """L = sum_i decay^i (v_weight * vloss_i + p_weight * ploss_i), drafters.md §2.3."""
+    """L = sum_i decay^i (v_weight * vloss_i + p_weight * ploss_i), as the Clover-2 reference."""
 
     _name = "loss"
     decay: float = 0.7
@@ -234,7 +237,7 @@ class DataConfig(_Section):
 
 @dataclasses.dataclass(frozen=True)
 class OptimConfig(_Section):
-    """optax.chain(clip(clip_value), adamw(schedule, b1, b2, eps, weight_decay)), drafters.md §10.4."""
+    """optax.chain(clip(clip_value), adamw(schedule, b1, b2, eps, weight_decay)), as the Clover-2 reference trainer."""
 
     _name = "optim"
     lr: float = 1e-3

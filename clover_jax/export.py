@@ -1,6 +1,7 @@
 """Export trained heads and base models as Hugging Face folders, optionally pushing them to the hub.
 
   python -m clover_jax.export head --checkpoint runs/smollm2-135m-clover2 [--step N] --out exported/head
+  python -m clover_jax.export head --checkpoint smollm2-135m-instruct-clover2 --out exported/head  # shipped head
   python -m clover_jax.export base --model smollm2-135m-instruct --out exported/smollm2
   ... --push-to-hub USER/REPO   (needs network and a token; fails fast without, the local folder stays)
 """
@@ -14,7 +15,7 @@ import sys
 from pathlib import Path
 
 from clover_jax.heads.draft_vocab import DRAFT_VOCAB_FILE
-from clover_jax.io.export import ExportError, export_base, export_head
+from clover_jax.io.export import HEAD_CONFIG_KEYS, ExportError, export_base, export_head
 
 
 def push_to_hub(folder: Path, repo_id: str, private: bool = False, timeout: float = 5.0) -> str:
@@ -36,8 +37,49 @@ def push_to_hub(folder: Path, repo_id: str, private: bool = False, timeout: floa
     return f"https://huggingface.co/{repo_id}"
 
 
-def export_head_from_run(run_dir, out, *, step=None, model=None, include_embedding=True, overwrite=False) -> Path:
+def export_head_from_folder(folder, out, *, model=None, include_embedding=True, overwrite=False,
+                            dtype="float32") -> Path:
+    """Re-exports an exported head folder or a registered head (`clover_jax.pretrained`), e.g. to add the frozen
+    tensors a shipped head leaves out; its model card, training config and draft vocabulary come along."""
+    from clover_jax import pretrained
+    from clover_jax.io.export import import_head
+    from clover_jax.io.loader import load_model
+
+    src = pretrained.head_path(folder)
+    meta = json.loads((src / "config.json").read_text())
+    base_name = model or (meta.get("base_model") or {}).get("name_or_path")
+    if not base_name:
+        raise ExportError(f"{src}: config.json names no base model; pass --model")
+    loaded = load_model(base_name, with_tokenizer=False)
+    head = import_head(src, loaded.model)
+    card = (src / "README.md").read_text() if (src / "README.md").is_file() else None
+    extra = {k: v for k, v in meta.items() if k not in HEAD_CONFIG_KEYS}
+    out = export_head(head, out, base=loaded.model, base_name=base_name, include_embedding=include_embedding,
+                      model_card=card, extra_config=extra, overwrite=overwrite, dtype=_np_dtype(dtype))
+    for name in ("training_config.json", DRAFT_VOCAB_FILE):
+        if (src / name).is_file():
+            (out / name).write_text((src / name).read_text())
+    return out
+
+
+def _np_dtype(name: str):
+    import numpy as np
+
+    if name == "bfloat16":
+        import ml_dtypes
+
+        return ml_dtypes.bfloat16
+    return np.dtype(name)
+
+
+def export_head_from_run(run_dir, out, *, step=None, model=None, include_embedding=True, overwrite=False,
+                         dtype="float32") -> Path:
+    from clover_jax import pretrained
     from clover_jax.io.export import default_model_card
+
+    if (pretrained.head_path(run_dir) / "config.json").is_file() and not (Path(run_dir) / "checkpoints").exists():
+        return export_head_from_folder(run_dir, out, model=model, include_embedding=include_embedding,
+                                       overwrite=overwrite, dtype=dtype)
     from clover_jax.io.loader import load_model
     from clover_jax.training.checkpoint import Checkpointer, checkpoint_dir_of, load_head_from_run
 
@@ -55,7 +97,8 @@ def export_head_from_run(run_dir, out, *, step=None, model=None, include_embeddi
         f"\n## Training\n\nDistilled from `{base_name}` with clover_jax for {step} steps "
         f"(Clover-2 loss: SmoothL1 to the base hidden state + soft cross-entropy to the base distribution).\n")
     out = export_head(head, out, base=loaded.model, base_name=base_name, include_embedding=include_embedding,
-                      model_card=card, extra_config={"training_step": step}, overwrite=overwrite)
+                      model_card=card, extra_config={"training_step": step}, overwrite=overwrite,
+                      dtype=_np_dtype(dtype))
     if config is not None:
         (out / "training_config.json").write_text(json.dumps(config, indent=2))
     vocab = Path(run_dir) / DRAFT_VOCAB_FILE
@@ -69,10 +112,16 @@ def main(argv=None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="what", required=True)
     h = sub.add_parser("head", help="export a trained draft head from a training run")
-    h.add_argument("--checkpoint", required=True, help="training run dir (or its checkpoints dir)")
+    h.add_argument("--checkpoint", required=True, help="training run dir (or its checkpoints dir), an exported "
+                   "head folder or a registered head name (smollm2-135m-instruct-clover2)")
     h.add_argument("--step", type=int, default=None)
     h.add_argument("--model", default=None, help="base model (default: the one the head was trained on)")
-    h.add_argument("--no-embedding", action="store_true", help="omit the frozen embedding copy (rebuilt on load)")
+    h.add_argument("--no-embedding", action="store_true",
+                   help="omit the frozen tensors (clover_embed_tokens.weight and lm_head.weight, copies of the base "
+                   "model's, read from it on load); by default both are written, so the folder loads with strict "
+                   "key matching into the reference Clover-2 module")
+    h.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32",
+                   help="storage type of the tensors")
     b = sub.add_parser("base", help="export a base model as a transformers LlamaForCausalLM folder")
     b.add_argument("--model", required=True)
     b.add_argument("--max-shard-gb", type=float, default=2.0)
@@ -85,7 +134,8 @@ def main(argv=None) -> int:
     try:
         if args.what == "head":
             out = export_head_from_run(args.checkpoint, args.out, step=args.step, model=args.model,
-                                       include_embedding=not args.no_embedding, overwrite=args.overwrite)
+                                       include_embedding=not args.no_embedding, overwrite=args.overwrite,
+                                       dtype=args.dtype)
         else:
             from clover_jax.io.loader import load_model
 

@@ -19,10 +19,22 @@ def test_infer_prints_answer_and_speed(capsys):
     assert "Paris" in out and "tokens/s" in out
 
 
-def test_infer_needs_a_prompt_and_a_head(capsys):
+def test_infer_needs_a_prompt_and_a_head(capsys, tmp_path):
     assert infer.main([]) == 2
-    assert infer.main(["--prompt", "hi", "--mode", "speculative"]) == 2
-    assert "needs --head" in capsys.readouterr().err
+    # a model with no shipped head: speculative decoding needs --head (before anything is loaded)
+    assert infer.main(["--prompt", "hi", "--mode", "speculative", "--model", str(tmp_path / "my-model")]) == 2
+    err = capsys.readouterr().err
+    assert "needs --head" in err and "smollm2-135m-instruct-clover2" in err
+
+
+@pytest.mark.slow
+def test_infer_speculative_uses_the_shipped_head(capsys):
+    assert infer.main(["--prompt", "What is the capital of France?", "--max-new-tokens", "24",
+                       "--mode", "speculative"]) == 0
+    captured = capsys.readouterr()
+    assert "shipped head smollm2-135m-instruct-clover2" in captured.err
+    assert "drafting from the head's 8192-token training vocabulary" in captured.err
+    assert "Paris" in captured.out and "tau = " in captured.out
 
 
 def test_train_unknown_key_is_one_line_error(capsys):

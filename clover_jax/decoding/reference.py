@@ -1,6 +1,6 @@
 """Plain numpy reference of the acceptors in `verify.py`: loops, one row at a time.
 
-A test oracle and documentation: each function follows drafters.md §2.4 / §8.5 step by step,
+A test oracle and documentation: each function follows the acceptance rules of `verify.py` step by step,
 using only `parent` (children are recomputed from it) and `paths` (for the path-based greedy rule
 and the reported `best_path`). Arithmetic is float32 in the same order of operations as the JAX
 code, so decisions agree except at ties within rounding. Each function returns a dict with the
@@ -110,10 +110,10 @@ def _sample_accept(tree_tokens, p, q, buffers, u_accept, u_sample, sampled: bool
 
 
 def sample_accept_topk(tree_tokens, p, buffers, u_accept, u_sample) -> dict:
-    """Rule (b) of drafters.md §8.5 (deterministic children)."""
+    """Rule (b) of `verify.py` (deterministic children)."""
     return _sample_accept(tree_tokens, p, None, buffers, u_accept, u_sample, sampled=False)
 
 
 def sample_accept_sampled(tree_tokens, p, q, buffers, u_accept, u_sample) -> dict:
-    """Rule (a) of drafters.md §8.5 (children drawn without replacement from q)."""
+    """Rule (a) of `verify.py` (children drawn without replacement from q)."""
     return _sample_accept(tree_tokens, p, q, buffers, u_accept, u_sample, sampled=True)

@@ -5,7 +5,7 @@ minimum). Tree buffers (`tree.TreeBuffers`) may be shared `[...]` or per-row `[B
 (dynamic trees); only `paths`, `children` and `num_children` are read. Shapes use B batch, U tree
 nodes, V vocab, P paths, Dmax max depth, C max children of a node.
 
-Three rules (research notes drafters.md §2.4 and §8.5):
+Three rules (tree speculative sampling: SpecInfer, Miao et al. 2024, arXiv 2305.09781; Medusa/EAGLE code):
 - `greedy_accept`: the longest path whose drafts equal the target's argmax (Medusa/EAGLE
   `evaluate_posterior`), bonus = argmax at the last accepted node.
 - `sample_accept_topk`: rule (b), deterministic children (top-k / beam drafts): walking down from

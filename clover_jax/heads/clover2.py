@@ -1,6 +1,6 @@
 """Clover-2 draft head (arXiv 2408.00264; reference `XiaoBin1992/clover:clover/model/clover2.py`).
 
-Pieces (research notes `drafters.md` §2.2, §10.2-10.3; reference parameter names in §11):
+Pieces (the reference's `Clover2Model`; `clover_jax.io.export` maps them to its parameter names):
   AD1   attention decoder on (base pre-norm feature f_t, token embedding e_t = E[x_{t+1}])
   aug   Augmenting Block: `num_aug_layers` Llama decoder layers with their own KV cache, + aug_norm
   FC0   head 0:          o^0 = head_norm(FC0 s^0),                s^0 = aug output
@@ -25,10 +25,13 @@ import jax.numpy as jnp
 from flax import nnx
 
 from clover_jax.models.cache import KVCache, causal_mask, check_room, prefix_mask
-from clover_jax.models.config import LlamaConfig
+from clover_jax.models.config import LlamaConfig, RopeScaling
 from clover_jax.models.llama import DecoderStack, Llama, rms_norm
 
 EMBED_SOURCES = ("lm_head", "input")
+# The reference's Augmenting Block builds `LlamaRotaryEmbedding(head_dim, max_position_embeddings)`, which
+# ignores the base's `rope_theta` and `rope_scaling`: plain RoPE with base 10000 for every base model.
+REFERENCE_ROPE_THETA = 10000.0
 _AD_NAMES = ("norm", "wq", "bq", "wk", "bk", "wv", "bv")
 # Config fields that fix parameter shapes (or the token space) and must agree with the base model.
 _COMPAT_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads",
@@ -42,7 +45,9 @@ class Clover2Config:
     num_heads: int = 5  # depths drafted per step: head 0 + (num_heads-1) RNN steps
     num_aug_layers: int = 2  # decoder layers in the Augmenting Block
     embed_source: str = "lm_head"  # "lm_head" (reference: frozen copy of W_lm^T) or "input" (base embed)
-    rope_theta: float | None = None  # None: the base's rope_theta; the reference used 10000 always
+    # RoPE of the Augmenting Block: a number is plain RoPE with that base (the reference: 10000 whatever the
+    # base model uses, no scaling); None: the base model's own RoPE (its rope_theta and rope_scaling).
+    rope_theta: float | None = REFERENCE_ROPE_THETA
     dtype: Any = jnp.float32  # compute dtype (norms, cosine and logits stay float32)
     param_dtype: Any = jnp.float32
     remat: bool = False  # rematerialise the Augmenting Block layers in the backward pass
@@ -120,6 +125,14 @@ def check_compatible(head: "Clover2Head", base_config: LlamaConfig) -> None:
                              f"the base model needs {tuple(want)}")
 
 
+def aug_block_config(base_config: LlamaConfig, rope_theta: float | None) -> LlamaConfig:
+    """The Augmenting Block's layer config: the base's, with plain RoPE of base `rope_theta` (None: the
+    base's own RoPE, theta and scaling)."""
+    if rope_theta is None:
+        return base_config
+    return dataclasses.replace(base_config, rope_theta=float(rope_theta), rope_scaling=RopeScaling())
+
+
 # ----------------------------------------------------------------------------- module
 class Clover2Head(nnx.Module):
     """Clover-2 draft head; parameters only (caches and decode state are explicit arguments)."""
@@ -132,8 +145,7 @@ class Clover2Head(nnx.Module):
                              f"{c.num_attention_heads} heads; it must divide evenly")
         self.base_config = base_config
         self.cfg = cfg
-        aug_config = base_config if cfg.rope_theta is None else dataclasses.replace(
-            base_config, rope_theta=float(cfg.rope_theta))
+        aug_config = aug_block_config(base_config, cfg.rope_theta)
         pd = cfg.param_dtype
 
         def uniform(shape):  # torch nn.init.uniform_(t, b=0.01): U[0, 0.01)

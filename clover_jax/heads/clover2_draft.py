@@ -1,7 +1,7 @@
 """Clover-2 drafting over a static tree: the `Drafter` the speculative loop uses with a Clover2Head.
 
 State: the Augmenting Block's KV cache and s^0 (the block's output at the last committed position).
-Drafting, per step (drafters.md §2.4 / §10.5): head 0 gives the top-k children of the root; then, depth
+Drafting, per step (as the reference's tree drafting, `XiaoBin1992/clover`): head 0 gives the top-k children of the root; then, depth
 by depth, only the tree nodes that have children are expanded: `s = AD2(s_parent, E[token])`,
 `o = head_norm(FCout [s; E[token]])`, top-k of `W_lm o`. The tree tokens are gathered from the
 per-depth top-k with the tree's `draft_index`.

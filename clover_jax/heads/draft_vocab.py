@@ -67,8 +67,11 @@ def head_draft_vocab(head_path) -> np.ndarray | None:
 
     Such a head's cross-entropy only ever saw those tokens, so it must draft from them: a training run
     directory or an exported head folder then holds `draft_vocab.json` with `"head_trained_on_it": true`.
-    A draft vocabulary written only as an inference option (the flag false or absent) gives None."""
-    path = Path(head_path) / DRAFT_VOCAB_FILE
+    A draft vocabulary written only as an inference option (the flag false or absent) gives None.
+    `head_path` may also be a registered head name (`clover_jax.pretrained`)."""
+    from clover_jax import pretrained
+
+    path = pretrained.head_path(head_path) / DRAFT_VOCAB_FILE
     if not path.is_file():
         return None
     meta = _read_draft_vocab(path)

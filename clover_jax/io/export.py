@@ -1,5 +1,5 @@
 """Export to / import from Hugging Face folders: base models (transformers LlamaForCausalLM layout) and
-Clover-2 heads (the reference implementation's parameter names and torch layouts, drafters.md §11).
+Clover-2 heads (the reference implementation's parameter names and torch layouts, `Clover2Model` of `XiaoBin1992/clover`).
 
 Folders are written to a temporary sibling and renamed into place, so a failure never leaves a
 partial folder behind, and an existing folder is only replaced when `overwrite=True`.
@@ -137,8 +137,13 @@ def head_name_table(num_aug_layers: int, base_config: LlamaConfig) -> dict[str, 
     return t
 
 
-def head_to_reference(head, base=None, include_embedding: bool = True) -> dict[str, np.ndarray]:
-    """The head's tensors under the reference Clover-2 names and torch `[out, in]` layouts."""
+def head_to_reference(head, base=None, include_embedding: bool = True, include_lm_head: bool = False,
+                      ) -> dict[str, np.ndarray]:
+    """The head's tensors under the reference Clover-2 names and torch `[out, in]` layouts.
+
+    `include_embedding` adds the frozen embedding copy `clover_embed_tokens.weight` `[V, H]` and
+    `include_lm_head` the frozen base `lm_head.weight` `[V, H]`: the reference module registers both, so a
+    folder with both loads into it with strict key matching. Both are read from `base`; neither is trained."""
     state = jax.tree.map(_np, nnx.to_pure_dict(nnx.state(head, nnx.Param)))
     out = {ref: (state[ours].T if tr else state[ours]) for ref, (ours, tr) in
            head_name_table(head.cfg.num_aug_layers, head.base_config).items()}
@@ -153,18 +158,32 @@ def head_to_reference(head, base=None, include_embedding: bool = True) -> dict[s
         else:
             emb = _np(base.embed[...])
         out["clover_embed_tokens.weight"] = np.ascontiguousarray(emb)
+    if include_lm_head:
+        if base is None:
+            raise ExportError("lm_head.weight is read from the base model: pass base=...")
+        out["lm_head.weight"] = np.ascontiguousarray(_np(base.lm_head_matrix()).T)
     return {k: np.ascontiguousarray(v) for k, v in out.items()}
 
 
+# the keys head_config_dict writes (anything else in an exported config.json is extra information)
+HEAD_CONFIG_KEYS = frozenset({"head_type", "architectures", "num_heads", "num_layers", "embed_source", "rope_theta",
+                              "rope_scaling", "rope_follows_base", "hidden_size", "vocab_size", "base_model"})
+
+
 def head_config_dict(head, base_name: str | None = None, extra: dict | None = None) -> dict:
+    """config.json of an exported head. `rope_theta` / `rope_scaling` are what the Augmenting Block actually
+    uses (the reference's plain RoPE with base 10000 unless the head follows the base's RoPE)."""
     c, b = head.cfg, head.base_config
+    aug = head.aug.config
     return {
         "head_type": HEAD_TYPE,
         "architectures": ["Clover2Model"],
         "num_heads": c.num_heads,
         "num_layers": c.num_aug_layers,
         "embed_source": c.embed_source,
-        "rope_theta": c.rope_theta,
+        "rope_theta": float(aug.rope_theta),
+        "rope_scaling": aug.to_hf_dict().get("rope_scaling"),
+        "rope_follows_base": c.rope_theta is None,
         "hidden_size": b.hidden_size,
         "vocab_size": b.vocab_size,
         "base_model": {"name_or_path": base_name, **b.to_hf_dict()},
@@ -173,10 +192,15 @@ def head_config_dict(head, base_name: str | None = None, extra: dict | None = No
 
 
 def export_head(head, out_dir, *, base=None, base_name: str | None = None, include_embedding: bool = True,
-                model_card: str | None = None, extra_config: dict | None = None,
-                max_shard_bytes: int = DEFAULT_SHARD_BYTES, overwrite: bool = False) -> Path:
-    """Writes a hub-ready head folder: model.safetensors (+ index), config.json, README.md."""
-    tensors = head_to_reference(head, base, include_embedding)
+                include_lm_head: bool | None = None, model_card: str | None = None, extra_config: dict | None = None,
+                max_shard_bytes: int = DEFAULT_SHARD_BYTES, overwrite: bool = False, dtype=np.float32) -> Path:
+    """Writes a hub-ready head folder: model.safetensors (+ index), config.json, README.md.
+
+    `include_lm_head` (default: as `include_embedding`) writes the base `lm_head.weight` too; `dtype` is the
+    tensors' storage type (float32, float16 or bfloat16 via ml_dtypes)."""
+    include_lm_head = include_embedding if include_lm_head is None else include_lm_head
+    tensors = {k: v.astype(dtype) for k, v in
+               head_to_reference(head, base, include_embedding, include_lm_head).items()}
     with _AtomicDir(out_dir, overwrite) as tmp:
         write_safetensors(tensors, tmp, max_shard_bytes)
         (tmp / "config.json").write_text(json.dumps(head_config_dict(head, base_name, extra_config), indent=2))
@@ -221,8 +245,10 @@ def import_head(path, base, *, dtype=None):
     for key in ("hidden_size", "vocab_size"):
         if meta.get(key) != getattr(bc, key):
             raise ExportError(f"{path}: head {key}={meta.get(key)} does not match the base model's {getattr(bc, key)}")
+    # rope_theta null (older exports) or rope_follows_base: the base model's RoPE; else plain RoPE, that base
+    rope_theta = None if meta.get("rope_follows_base") or meta.get("rope_theta") is None else float(meta["rope_theta"])
     cfg = Clover2Config(num_heads=int(meta["num_heads"]), num_aug_layers=int(meta["num_layers"]),
-                        embed_source=meta.get("embed_source", "lm_head"), rope_theta=meta.get("rope_theta"),
+                        embed_source=meta.get("embed_source", "lm_head"), rope_theta=rope_theta,
                         **({"dtype": dtype, "param_dtype": dtype} if dtype is not None else {}))
     get, keys = read_safetensors_dir(path)
     keys = set(keys)

@@ -1,7 +1,7 @@
 """Cached base features: the frozen base model's last hidden states, computed once per training example.
 
 Training a draft head runs the frozen base over every batch only to read its pre-final-norm hidden
-states f (the reference stores them on disk: `hidden_state_onnorm`, research notes §2.3). Over several
+states f (the reference stores them on disk: `hidden_state_onnorm` in `XiaoBin1992/clover`'s `ge_data` scripts). Over several
 epochs of a small data set that forward is repeated for nothing; on a 2-core CPU it is about half of a
 SmolLM2 step. `attach_features` runs it once per example, in length-bucketed batches, and hands the
 states to the batcher, whose batches then carry `features [B, T, D]`; the train step uses them in place

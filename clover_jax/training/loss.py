@@ -1,4 +1,4 @@
-"""Clover-2 knowledge-distillation loss (reference `clover/train/main_clover2.py`; notes §2.3, §10.4).
+"""Clover-2 knowledge-distillation loss (reference `XiaoBin1992/clover`, `clover/train/main_clover2.py`).
 
 For head i (0-based) at start position t (t <= T-1-i), with o^i_t the head output (predicts x_{t+2+i}),
 h_t the base post-final-norm hidden state and W_lm the frozen lm_head:

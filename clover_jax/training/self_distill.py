@@ -14,7 +14,8 @@ import argparse
 from pathlib import Path
 
 from clover_jax.api import encode_prompts, generate
-from clover_jax.training.data import Conversation, build_self_distill, first_turn_prompt, load_conversations
+from clover_jax.training.distill_cache import SelfDistillCache, build_self_distill, first_turn_prompt
+from clover_jax.training.sources import Conversation, load_conversations
 
 
 def make_generate_fn(loaded, temperature: float = 0.0, seed: int = 0):
@@ -55,8 +56,6 @@ def export_chat_file(cache_path, out_path) -> int:
     Lets a run train on whatever part of the cache is done (e.g. after stopping a long generation).
     """
     import json
-
-    from clover_jax.training.data import SelfDistillCache
 
     cache = SelfDistillCache(cache_path)
     with open(out_path, "w") as f:

@@ -1,4 +1,4 @@
-"""Training a Clover-2 head by knowledge distillation from a frozen base model (drafters.md §2.3, §10.4).
+"""Training a Clover-2 head by knowledge distillation from a frozen base model (Clover-2, arXiv 2408.00264; reference `XiaoBin1992/clover`, `clover/train/main_clover2.py`).
 
     trainer = Trainer(cfg, base_model, base_name="smollm2-135m-instruct")   # head = init_from_base(base)
     summary = trainer.fit(batcher, eval_batches=held_out, checkpointer=ckpt)
@@ -134,8 +134,8 @@ def _same_sharding(x, sharding) -> bool:
 
 # ------------------------------------------------------------------------------------------------ trainer
 def warm_start(head, source: str, base):
-    """`head` with the parameters of the head at `source` (exported folder or run dir, see `load_head`);
-    the two must have the same configuration (number of heads and Augmenting-Block layers)."""
+    """`head` with the parameters of the head at `source` (a registered name, an exported folder or a run dir,
+    see `load_head`); the two must have the same configuration (heads, Augmenting-Block layers, RoPE)."""
     from clover_jax.heads.loading import load_head
 
     try:
@@ -144,7 +144,7 @@ def warm_start(head, source: str, base):
         raise ConfigError(f"train.init_head_from: {e}") from None
     check_compatible(other, base.config)
     mine, theirs = head.cfg, other.cfg
-    for name in ("num_heads", "num_aug_layers", "embed_source"):
+    for name in ("num_heads", "num_aug_layers", "embed_source", "rope_theta"):
         if getattr(mine, name) != getattr(theirs, name):
             raise ConfigError(f"train.init_head_from: {source} has head.{name} = {getattr(theirs, name)!r}, "
                               f"this config has {getattr(mine, name)!r}")

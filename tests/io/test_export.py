@@ -19,8 +19,9 @@ CFG = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidde
 
 
 def _reference_table(h, v, i_dim, n_layers, kv_dim):
-    """The reference Clover-2 names and torch shapes (drafters.md §11), written out by hand."""
-    t = {"clover_embed_tokens.weight": (v, h), "clover_norm.weight": (h,), "clover_head_norm.weight": (h,),
+    """The reference Clover-2 names and torch shapes (`Clover2Model` of XiaoBin1992/clover), written out by hand;
+    the frozen `lm_head.weight` and `clover_embed_tokens.weight` included, as the reference module registers them."""
+    t = {"lm_head.weight": (v, h), "clover_embed_tokens.weight": (v, h), "clover_norm.weight": (h,), "clover_head_norm.weight": (h,),
          "clover_head_mlp.weight": (h, h), "clover_head_mlp.bias": (h,),
          "clover_head_mlp2.weight": (h, 2 * h), "clover_head_mlp2.bias": (h,)}
     for ad in ("clover_head_mlp_rnn", "clover_head_mlp_rnn2"):

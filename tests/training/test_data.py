@@ -12,7 +12,6 @@ import pytest
 from clover_jax.config import DataConfig
 from clover_jax.training import data as D
 
-SHARED = Path("/work/shared/data")
 
 
 @pytest.fixture(scope="module")
@@ -136,14 +135,12 @@ def test_read_questions(tmp_path):
     assert [q["question_id"] for q in D.read_questions(path, category="math")] == [2]
     with pytest.raises(D.DataError, match="no questions in category 'coding'"):
         D.read_questions(path, category="coding")
-    mt = SHARED / "mt_bench" / "question.jsonl"
-    if mt.is_file():
-        qs = D.read_questions(mt)
-        assert len(qs) == 80 and all(len(q["turns"]) == 2 for q in qs)
-        assert len({q["category"] for q in qs}) == 8
-    sb = SHARED / "spec_bench" / "question.jsonl"
-    if sb.is_file():
-        assert len(D.read_questions(sb)) == 480
+    from clover_jax.io.prompts import questions_path
+
+    qs = D.read_questions(questions_path("mt_bench"))  # shipped with the package
+    assert len(qs) == 80 and all(len(q["turns"]) == 2 for q in qs)
+    assert len({q["category"] for q in qs}) == 8
+    assert len(D.read_questions(questions_path("spec_bench"))) == 480
 
 
 def test_missing_and_unknown_files(tmp_path):
