@@ -29,8 +29,9 @@ from clover_jax.models.config import LlamaConfig, RopeScaling
 from clover_jax.models.llama import DecoderStack, Llama, rms_norm
 
 EMBED_SOURCES = ("lm_head", "input")
-# The reference's Augmenting Block builds `LlamaRotaryEmbedding(head_dim, max_position_embeddings)`, which
-# ignores the base's `rope_theta` and `rope_scaling`: plain RoPE with base 10000 for every base model.
+# The reference's Augmenting Block builds its rotary embedding with base 10000 whatever the base's `rope_theta`
+# (it applies linear/dynamic `rope_scaling` on top when the draft config has one, and fails on Llama 3's "llama3"
+# type). A number here is plain RoPE with that base, no scaling: the reference's function for unscaled bases.
 REFERENCE_ROPE_THETA = 10000.0
 _AD_NAMES = ("norm", "wq", "bq", "wk", "bk", "wv", "bv")
 # Config fields that fix parameter shapes (or the token space) and must agree with the base model.
