@@ -7,19 +7,23 @@ batching; the jitted loops live in `clover_jax.decoding`.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import os
 import time
 from typing import Any, Sequence
 
 import jax
 import numpy as np
+from flax import nnx
 
 from clover_jax.decoding.autoregressive import ar_generate
 from clover_jax.decoding.sampling import SamplingParams
 from clover_jax.models.cache import CacheOverflowError
+from clover_jax.validation import (InputError, check_bool, check_choice, check_float, check_int, check_memory,
+                                   check_token_ids, estimate_generate_memory)
 
 
-class PromptError(ValueError):
+class PromptError(InputError):
     """A prompt that cannot be generated from (empty, too long, wrong type)."""
 
 
@@ -54,28 +58,46 @@ class GenerationResult:
         return self.num_generated / self.seconds if self.seconds > 0 else float("nan")
 
 
-def encode_prompts(tokenizer, prompts: Sequence[Any], chat: bool = True, system: str | None = None) -> list[list[int]]:
-    """Strings (chat-templated when `chat`), message lists, or token-id lists -> token-id lists."""
+def encode_prompts(tokenizer, prompts: Sequence[Any], chat: bool = True, system: str | None = None,
+                   vocab_size: int | None = None) -> list[list[int]]:
+    """Strings (chat-templated when `chat`), message lists, or token-id lists -> token-id lists.
+
+    Token ids, given or from the tokenizer, are checked against `vocab_size` when it is given."""
     out = []
     for i, p in enumerate(prompts):
         if isinstance(p, str):
             if not p.strip():
-                raise PromptError(f"prompt {i} is empty")
+                raise PromptError(f"prompts[{i}]: prompt {i} is empty")
             if tokenizer is None:
-                raise PromptError("text prompts need a tokenizer (pass tokenizer=...)")
+                raise PromptError(f"prompts[{i}]: text prompts need a tokenizer (pass tokenizer=...)")
             if chat and getattr(tokenizer, "chat_template", None):
                 msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": p}]
                 ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
                 ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
             else:
                 ids = tokenizer.encode(p, add_special_tokens=True)
+            where = f"prompts[{i}] (as tokenized)"
         elif isinstance(p, (list, tuple)) and p and isinstance(p[0], dict):
+            if tokenizer is None:
+                raise PromptError(f"prompts[{i}]: message lists need a tokenizer (pass tokenizer=...)")
+            bad = [m for m in p if not isinstance(m, dict) or not isinstance(m.get("content"), str) or "role" not in m]
+            if bad:
+                raise PromptError(f"prompts[{i}]: every message must be a dict with 'role' and a string 'content', "
+                                  f"got {bad[0]!r}")
             ids = tokenizer.apply_chat_template(list(p), add_generation_prompt=True, tokenize=True)
             ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+            where = f"prompts[{i}] (as tokenized)"
+        elif isinstance(p, (list, tuple, np.ndarray)) or hasattr(p, "__array__"):
+            ids = check_token_ids(f"prompts[{i}]", p if isinstance(p, (list, tuple)) else np.asarray(p),
+                                  vocab_size if vocab_size is not None else 2 ** 31)
+            where = f"prompts[{i}]"
         else:
-            ids = [int(x) for x in np.asarray(p).reshape(-1)]
+            raise PromptError(f"prompts[{i}]: expected a string, a list of messages or a list of token ids, got "
+                              f"{type(p).__name__} {p!r:.80}")
         if len(ids) == 0:
-            raise PromptError(f"prompt {i} is empty after tokenization")
+            raise PromptError(f"prompts[{i}]: prompt {i} is empty after tokenization")
+        if vocab_size is not None:
+            check_token_ids(where, list(ids), vocab_size)
         out.append(list(ids))
     return out
 
@@ -91,7 +113,10 @@ def pad_prompts(ids: list[list[int]], pad_id: int, bucket: int | None = None):
 
 def plan_cache(prompt_lens: np.ndarray, max_new_tokens: int, extra: int, cache_size: int | None,
                max_positions: int | None) -> int:
-    """The static cache size, or a clear error if the given one cannot hold prompt + new tokens + extra."""
+    """The static cache size, or a clear error if the given one cannot hold prompt + new tokens + extra
+    (and, when `max_positions` is given, if prompt + new tokens run past the model's context)."""
+    if max_positions is not None:
+        check_context(prompt_lens, max_new_tokens, max_positions)
     need = int(prompt_lens.max()) + int(max_new_tokens) + int(extra)
     if cache_size is None:
         cache_size = round_up(max(need, bucket_length(int(prompt_lens.max())) + 1), 256)
@@ -102,9 +127,25 @@ def plan_cache(prompt_lens: np.ndarray, max_new_tokens: int, extra: int, cache_s
             + (f" and {extra} slots for the draft tree" if extra else "")
             + f" it needs {need} cache slots but cache_size={cache_size}"
         )
-    if max_positions is not None and need > max_positions:
-        raise PromptError(f"prompt + max_new_tokens = {need} exceeds the model's context ({max_positions})")
     return cache_size
+
+
+def check_context(prompt_lens: np.ndarray, max_new_tokens: int, max_positions: int | None,
+                  tree_depth: int = 0) -> None:
+    """PromptError when the longest prompt + max_new_tokens (+ the deepest draft past the last token) would
+    run past the model's context (`max_position_embeddings`)."""
+    if not max_positions:
+        return
+    row = int(np.asarray(prompt_lens).argmax())
+    longest = int(prompt_lens[row])
+    need = longest + int(max_new_tokens) + max(int(tree_depth) - 1, 0)
+    if need > max_positions:
+        room = max_positions - longest - max(int(tree_depth) - 1, 0)
+        raise PromptError(
+            f"max_new_tokens: prompt {row} has {longest} tokens; with max_new_tokens={max_new_tokens}"
+            + (f" and drafts {tree_depth} deep" if tree_depth else "")
+            + f" it reaches position {need}, past the model's context max_position_embeddings={max_positions}"
+            + (f"; use max_new_tokens <= {room}" if room >= 1 else "; shorten the prompt"))
 
 
 def resolve_head(source, model, tree=None, draft_vocab=None):
@@ -118,6 +159,101 @@ def resolve_head(source, model, tree=None, draft_vocab=None):
     tree = tree if tree is not None else pretrained.default_tree(source)
     draft_vocab = draft_vocab if draft_vocab is not None else head_draft_vocab(source)
     return head, tree, draft_vocab
+
+
+@dataclasses.dataclass
+class GenerationPlan:
+    """Everything `generate` checked and resolved before compiling: see `prepare_generate`."""
+
+    model: Any  # the Llama
+    tokenizer: Any
+    ids: list[list[int]]
+    prompt: np.ndarray  # [B, T] right-padded to the length bucket
+    prompt_lengths: np.ndarray  # [B]
+    max_new_tokens: int
+    sampling: SamplingParams
+    seed: int
+    cache_size: int
+    mode: str
+    head: Any = None
+    drafter: Any = None
+    memory: dict[str, int] = dataclasses.field(default_factory=dict)  # estimated bytes per part
+
+
+def _is_model(model) -> bool:
+    return hasattr(model, "config") and hasattr(model, "forward_hidden")
+
+
+def prepare_generate(model, prompts: Sequence[Any], *, tokenizer=None, max_new_tokens: int = 128,
+                     temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0, chat: bool = True,
+                     system: str | None = None, cache_size: int | None = None, mode: str = "ar", head=None,
+                     tree=None, draft_vocab=None, decode_text: bool = True, check_free_memory: bool = True
+                     ) -> GenerationPlan:
+    """Checks every argument of `generate` (same signature) and resolves the head, tree and cache, without
+    compiling anything. Errors (`clover_jax.validation.InputError`) name the argument, the value and the
+    limit: types and ranges, finite sampling parameters, token ids within the vocabulary, prompt + new tokens
+    (+ the draft tree) within the model's context and the cache, and the estimated memory of the call
+    within what the device has free (`check_free_memory`)."""
+    if hasattr(model, "tokenizer") and hasattr(model, "model"):
+        tokenizer = tokenizer or model.tokenizer
+        model = model.model
+    if not _is_model(model):
+        raise InputError(f"model: expected a Llama or the LoadedModel of load_model, got {type(model).__name__}")
+    config = model.config
+    max_new_tokens = check_int("max_new_tokens", max_new_tokens, minimum=1)
+    temperature = check_float("temperature", temperature, minimum=0.0)
+    top_k = check_int("top_k", top_k, minimum=0)
+    top_p = check_float("top_p", top_p, above=0.0, maximum=1.0)
+    seed = check_int("seed", seed, minimum=-(2 ** 63), maximum=2 ** 63 - 1)
+    check_bool("chat", chat)
+    check_bool("decode_text", decode_text)
+    if system is not None and not isinstance(system, str):
+        raise InputError(f"system: expected a string or None, got {type(system).__name__}")
+    cache_size = check_int("cache_size", cache_size, minimum=1, allow_none=True)
+    check_choice("mode", mode, ("ar", "speculative"))
+    if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts
+                                            and isinstance(prompts[0], (numbers.Integral, float))):
+        prompts = [prompts]
+    if isinstance(prompts, np.ndarray) and prompts.ndim == 1:
+        prompts = [prompts]
+    if prompts is None or (not isinstance(prompts, np.ndarray) and not isinstance(prompts, Sequence)):
+        raise PromptError(f"prompts: expected a list of prompts, got {type(prompts).__name__}")
+    if len(prompts) == 0:
+        raise PromptError("prompts: no prompts given (an empty list)")
+    if mode == "speculative" and head is None:
+        raise InputError("head: mode='speculative' needs a draft head (head=...)")
+    sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+    ids = encode_prompts(tokenizer, prompts, chat=chat, system=system, vocab_size=config.vocab_size)
+    pad_id = config.pad_token_id if config.pad_token_id is not None else 0
+    arr, lens = pad_prompts(ids, pad_id)
+    drafter = None
+    if mode == "speculative":
+        from clover_jax.decoding.speculative import drafter_for
+
+        if isinstance(head, (str, os.PathLike)):
+            head, tree, draft_vocab = resolve_head(head, model, tree, draft_vocab)
+        if draft_vocab is not None:
+            from clover_jax.heads.draft_vocab import check_draft_vocab
+
+            draft_vocab = check_draft_vocab(draft_vocab, config.vocab_size)
+        drafter = drafter_for(type(head), tree or "clover2-26", draft_vocab)
+        drafter.check(head, model)
+    depth = drafter.max_depth if drafter is not None else 0
+    check_context(lens, max_new_tokens, getattr(config, "max_position_embeddings", None), depth)
+    cache_size = plan_cache(lens, max_new_tokens, drafter.num_nodes if drafter is not None else 0, cache_size, None)
+    dtype_bytes = np.dtype(model.dtype).itemsize
+    memory = estimate_generate_memory(
+        config, batch=len(ids), cache_size=cache_size, prompt_len=arr.shape[1], dtype_bytes=dtype_bytes,
+        tree_nodes=drafter.num_nodes if drafter is not None else 0,
+        head_layers=getattr(getattr(head, "cfg", None), "num_aug_layers", 0),
+        draft_rows=len(draft_vocab) if draft_vocab is not None else config.vocab_size)
+    if check_free_memory:
+        weights = sum(int(x.nbytes) for x in jax.tree.leaves(nnx.state(model)))
+        check_memory(memory, weights_bytes=weights,
+                     what=f"generate(batch={len(ids)} prompts, cache_size={cache_size}, mode={mode!r})")
+    return GenerationPlan(model=model, tokenizer=tokenizer, ids=ids, prompt=arr, prompt_lengths=lens,
+                          max_new_tokens=max_new_tokens, sampling=sampling, seed=seed, cache_size=cache_size,
+                          mode=mode, head=head, drafter=drafter, memory=memory)
 
 
 def generate(model, prompts: Sequence[Any], *, tokenizer=None, max_new_tokens: int = 128, temperature: float = 0.0,
@@ -135,44 +271,37 @@ def generate(model, prompts: Sequence[Any], *, tokenizer=None, max_new_tokens: i
       tree: a tree name or JSON file; None: the registered head's default tree, else "clover2-26".
       draft_vocab: token ids the drafts are drawn from (`clover_jax.heads.draft_vocab`); None: all, or, for
         a head given by name or path, the vocabulary it was trained on (if any).
+
+    Every argument is checked before anything compiles (`prepare_generate`); a bad one raises an
+    `InputError` naming it, its value and the limit.
     """
-    if hasattr(model, "tokenizer") and hasattr(model, "model"):
-        tokenizer = tokenizer or model.tokenizer
-        model = model.model
-    if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
-        prompts = [prompts]
-    if not prompts:
-        raise PromptError("no prompts given")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
-    ids = encode_prompts(tokenizer, prompts, chat=chat, system=system)
-    pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
-    arr, lens = pad_prompts(ids, pad_id)
-    key = jax.random.key(seed)
-    if mode == "ar":
-        cache_size = plan_cache(lens, max_new_tokens, 0, cache_size, None)
+    plan = prepare_generate(model, prompts, tokenizer=tokenizer, max_new_tokens=max_new_tokens,
+                            temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, chat=chat, system=system,
+                            cache_size=cache_size, mode=mode, head=head, tree=tree, draft_vocab=draft_vocab,
+                            decode_text=decode_text)
+    return run_plan(plan, decode_text=decode_text)
+
+
+def run_plan(plan: GenerationPlan, decode_text: bool = True) -> GenerationResult:
+    """Runs a checked `GenerationPlan` (the jitted loop compiles on its first shapes)."""
+    model, lens, tokenizer = plan.model, plan.prompt_lengths, plan.tokenizer
+    key = jax.random.key(plan.seed)
+    if plan.mode == "ar":
         t0 = time.perf_counter()
-        out = ar_generate(model, arr, lens, max_new_tokens=max_new_tokens, cache_size=cache_size,
-                          sampling=sampling, key=key)
+        out = ar_generate(model, plan.prompt, lens, max_new_tokens=plan.max_new_tokens, cache_size=plan.cache_size,
+                          sampling=plan.sampling, key=key)
         out = jax.block_until_ready(out)
         seconds = time.perf_counter() - t0
         stats = {}
-    elif mode == "speculative":
+    else:
         from clover_jax.decoding.speculative import spec_generate
 
-        if head is None:
-            raise ValueError("mode='speculative' needs a draft head (head=...)")
-        if isinstance(head, (str, os.PathLike)):
-            head, tree, draft_vocab = resolve_head(head, model, tree, draft_vocab)
-        out, stats, seconds = spec_generate(model, head, arr, lens, max_new_tokens=max_new_tokens,
-                                            cache_size=cache_size, sampling=sampling, key=key, tree=tree,
-                                            draft_vocab=draft_vocab)
-    else:
-        raise ValueError(f"mode must be 'ar' or 'speculative', got {mode!r}")
+        out, stats, seconds = spec_generate(model, plan.head, plan.prompt, lens, max_new_tokens=plan.max_new_tokens,
+                                            cache_size=plan.cache_size, sampling=plan.sampling, key=key,
+                                            drafter=plan.drafter)
     tokens = np.asarray(out.tokens)
     lengths = np.asarray(out.lengths)
-    gen = [tokens[i, lens[i]: lengths[i]].tolist() for i in range(len(ids))]
+    gen = [tokens[i, lens[i]: lengths[i]].tolist() for i in range(len(plan.ids))]
     texts = [tokenizer.decode(g, skip_special_tokens=True) for g in gen] if (decode_text and tokenizer) else None
     return GenerationResult(token_ids=gen, texts=texts, prompt_lengths=lens.tolist(), steps=int(out.steps),
                             row_steps=np.asarray(out.row_steps).tolist(), seconds=seconds, stats=stats)

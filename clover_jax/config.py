@@ -485,7 +485,16 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         raw = {} if raw is None else raw
         if not isinstance(raw, dict):
             raise ConfigError(f"{where}the config must be a mapping of sections, got {type(raw).__name__}")
-    return _from_dict(apply_overrides(raw, overrides), where)
+    merged = apply_overrides(raw, overrides)
+    try:
+        return _from_dict(merged, "")
+    except ConfigError as e:
+        # name where the bad value came from: a --set override or the YAML file
+        msg = str(e)
+        overridden = [parse_override(item)[:2] for item in overrides or []]
+        if any(msg.startswith(f"{sec}.{key}:") or msg.startswith(f"{sec}.{key} ") for sec, key in overridden):
+            raise ConfigError(f"--set {msg}") from None
+        raise ConfigError(f"{where}{msg}") from None
 
 
 def config_to_dict(cfg: ExperimentConfig) -> dict[str, dict[str, Any]]:

@@ -15,6 +15,7 @@ import numpy as np
 
 from clover_jax.api import bucket_length, encode_prompts, generate, round_up
 from clover_jax.decoding.tree import get_tree
+from clover_jax.validation import InputError
 
 
 @dataclasses.dataclass
@@ -68,7 +69,7 @@ def evaluate(loaded, head, prompts: Sequence[str], *, trees: Sequence[str] = ("c
     ids = encode_prompts(loaded.tokenizer, list(prompts))
     runs = {"ar": RunStats("ar")} | {t: RunStats(t) for t in trees}
     if any(t.endswith(DV) for t in trees) and draft_vocab is None:
-        raise ValueError(f"trees {[t for t in trees if t.endswith(DV)]} ask for a draft vocabulary; pass draft_vocab")
+        raise InputError(f"trees {[t for t in trees if t.endswith(DV)]} ask for a draft vocabulary; pass draft_vocab")
     specs = {t: get_tree(t.removesuffix(DV)) for t in trees}
     max_nodes = max([s.num_nodes for s in specs.values()] + [0])
     warmed = set()

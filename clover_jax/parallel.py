@@ -29,6 +29,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
+from clover_jax.validation import InputError
+
 log = logging.getLogger(__name__)
 
 AXES = ("data", "fsdp", "tp")
@@ -65,7 +67,7 @@ _RULES: dict[str, tuple] = {
 }
 
 
-class MeshError(ValueError):
+class MeshError(InputError):
     """A mesh shape that does not fit the devices; the message names the sizes."""
 
 
@@ -123,7 +125,7 @@ def maybe_initialize_distributed(mode: bool | str = "auto") -> bool:
     slice with several workers). Must run before anything touches a JAX backend.
     """
     if mode not in (True, False, "auto"):
-        raise ValueError(f"mesh.multi_host must be true, false or 'auto', got {mode!r}")
+        raise InputError(f"mesh.multi_host must be true, false or 'auto', got {mode!r}")
     if mode is False:
         return False
     if jax.distributed.is_initialized():

@@ -12,6 +12,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from clover_jax.validation import check_float, check_int
+
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
@@ -22,12 +24,9 @@ class SamplingParams:
     top_p: float = 1.0
 
     def __post_init__(self):
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        object.__setattr__(self, "temperature", check_float("temperature", self.temperature, minimum=0.0))
+        object.__setattr__(self, "top_k", check_int("top_k", self.top_k, minimum=0))
+        object.__setattr__(self, "top_p", check_float("top_p", self.top_p, above=0.0, maximum=1.0))
 
     @property
     def greedy(self) -> bool:

@@ -29,11 +29,13 @@ from typing import Any, Sequence
 import numpy as np
 from flax import struct
 
+from clover_jax.validation import InputError
+
 MAX_DEPTH = 32  # deeper trees are rejected: no drafter is useful that far out
 DEFAULT_TOP_K = 10  # Medusa / EAGLE / Clover TOPK, used for bare-list JSON files
 
 
-class TreeSpecError(ValueError):
+class TreeSpecError(InputError):
     """An invalid tree spec; the message names the offending path."""
 
 
@@ -319,8 +321,13 @@ def chain(k: int) -> TreeSpec:
 
 def from_json(path: str | os.PathLike) -> TreeSpec:
     """A spec from `{"choices": [...], "top_k": k}` or a bare list of paths (top_k 10)."""
-    with open(path) as f:
-        data = json.load(f)
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except json.JSONDecodeError as e:
+        raise TreeSpecError(f"tree file {os.fspath(path)}: not valid JSON ({e})") from None
+    except UnicodeDecodeError as e:
+        raise TreeSpecError(f"tree file {os.fspath(path)}: not a text file ({e})") from None
     name = os.path.basename(os.fspath(path))
     if isinstance(data, list):
         return TreeSpec(data, top_k=DEFAULT_TOP_K, name=name)

@@ -27,6 +27,7 @@ from flax import nnx
 from clover_jax.models.cache import KVCache, causal_mask, check_room, prefix_mask
 from clover_jax.models.config import LlamaConfig, RopeScaling
 from clover_jax.models.llama import DecoderStack, Llama, rms_norm
+from clover_jax.validation import InputError
 
 EMBED_SOURCES = ("lm_head", "input")
 # The reference's Augmenting Block builds its rotary embedding with base 10000 whatever the base's `rope_theta`
@@ -55,11 +56,11 @@ class Clover2Config:
 
     def __post_init__(self):
         if self.num_heads < 1:
-            raise ValueError(f"num_heads must be >= 1, got {self.num_heads}")
+            raise InputError(f"num_heads must be >= 1, got {self.num_heads}")
         if self.num_aug_layers < 1:
-            raise ValueError(f"num_aug_layers must be >= 1, got {self.num_aug_layers}")
+            raise InputError(f"num_aug_layers must be >= 1, got {self.num_aug_layers}")
         if self.embed_source not in EMBED_SOURCES:
-            raise ValueError(f"embed_source must be one of {EMBED_SOURCES}, got {self.embed_source!r}")
+            raise InputError(f"embed_source must be one of {EMBED_SOURCES}, got {self.embed_source!r}")
 
 
 # ----------------------------------------------------------------------------- pure functions
@@ -110,7 +111,7 @@ def check_compatible(head: "Clover2Head", base_config: LlamaConfig) -> None:
     for name in _COMPAT_FIELDS:
         hv, bv = getattr(head.base_config, name), getattr(base_config, name)
         if hv != bv:
-            raise ValueError(f"Clover-2 head does not fit the base model: {name} is {hv} in the head "
+            raise InputError(f"Clover-2 head does not fit the base model: {name} is {hv} in the head "
                              f"but {bv} in the base model")
     d, aug = base_config.hidden_size, head.aug
     shapes = {
@@ -122,7 +123,7 @@ def check_compatible(head: "Clover2Head", base_config: LlamaConfig) -> None:
     }
     for what, (got, want) in shapes.items():
         if tuple(got) != tuple(want):
-            raise ValueError(f"Clover-2 head does not fit the base model: {what} has shape {tuple(got)}, "
+            raise InputError(f"Clover-2 head does not fit the base model: {what} has shape {tuple(got)}, "
                              f"the base model needs {tuple(want)}")
 
 
@@ -142,7 +143,7 @@ class Clover2Head(nnx.Module):
         c = base_config
         d = c.hidden_size
         if d % c.num_attention_heads:
-            raise ValueError(f"the attention decoder splits hidden_size={d} into num_attention_heads="
+            raise InputError(f"the attention decoder splits hidden_size={d} into num_attention_heads="
                              f"{c.num_attention_heads} heads; it must divide evenly")
         self.base_config = base_config
         self.cfg = cfg

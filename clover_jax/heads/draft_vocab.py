@@ -24,18 +24,20 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
+from clover_jax.validation import InputError
+
 
 def frequent_tokens(sequences: Iterable[Sequence[int]], size: int, always: Sequence[int] = ()) -> np.ndarray:
     """The `size` most frequent token ids over `sequences` (ties: the smaller id first), sorted by id,
     always including `always` (end-of-sequence ids, say). int32 `[size]`."""
     if size < 1:
-        raise ValueError(f"draft vocabulary size must be >= 1, got {size}")
+        raise InputError(f"draft vocabulary size must be >= 1, got {size}")
     counts = Counter()
     for seq in sequences:
         counts.update(int(t) for t in seq)
     keep = [int(t) for t in dict.fromkeys(always)]
     if len(keep) > size:
-        raise ValueError(f"draft vocabulary size {size} is smaller than the {len(keep)} ids it must include")
+        raise InputError(f"draft vocabulary size {size} is smaller than the {len(keep)} ids it must include")
     ranked = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
     chosen = set(keep)
     for tok, _ in ranked:
@@ -49,13 +51,13 @@ def check_draft_vocab(ids, vocab_size: int) -> np.ndarray:
     """`ids` as a sorted, duplicate-free int32 array of valid token ids, or a ValueError naming the problem."""
     a = np.asarray(ids)
     if a.ndim != 1 or a.size == 0 or not np.issubdtype(a.dtype, np.integer):
-        raise ValueError(f"draft vocabulary must be a non-empty 1-D list of token ids, got shape {a.shape} "
+        raise InputError(f"draft vocabulary must be a non-empty 1-D list of token ids, got shape {a.shape} "
                          f"of {a.dtype}")
     if a.min() < 0 or a.max() >= vocab_size:
-        raise ValueError(f"draft vocabulary holds token id {int(a.min() if a.min() < 0 else a.max())} outside "
+        raise InputError(f"draft vocabulary holds token id {int(a.min() if a.min() < 0 else a.max())} outside "
                          f"the model's vocabulary [0, {vocab_size})")
     if len(np.unique(a)) != len(a):
-        raise ValueError("draft vocabulary holds duplicate token ids")
+        raise InputError("draft vocabulary holds duplicate token ids")
     return np.sort(a).astype(np.int32)
 
 
@@ -94,7 +96,7 @@ def _read_draft_vocab(path: Path) -> dict:
         if not isinstance(meta["ids"], list):
             raise TypeError("'ids' is not a list")
     except (json.JSONDecodeError, KeyError, TypeError) as e:
-        raise ValueError(f"{path}: not a draft vocabulary file (a JSON object with an 'ids' list): {e}") from None
+        raise InputError(f"{path}: not a draft vocabulary file (a JSON object with an 'ids' list): {e}") from None
     return meta
 
 

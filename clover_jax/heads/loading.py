@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 
@@ -11,16 +12,35 @@ def load_head(path, base, step: int | None = None):
     'smollm2-135m-instruct-clover2'), an exported head folder (config.json with `head_type`) or a training run
     directory (Orbax checkpoints; the latest step unless `step` is given)."""
     from clover_jax import pretrained
+    from clover_jax.validation import InputError, check_int
 
+    if not isinstance(path, (str, os.PathLike)) or not str(path).strip():
+        raise InputError(f"head: expected a registered head name, a head folder or a run directory, got {path!r}")
+    if not (hasattr(base, "config") and hasattr(base, "forward_hidden")):
+        raise InputError(f"base: expected the base Llama (LoadedModel.model), got {type(base).__name__}")
+    check_int("step", step, minimum=0, allow_none=True)
     path = pretrained.head_path(path)
     if not path.exists():
         known = ", ".join(pretrained.HEADS)
-        raise FileNotFoundError(f"draft head not found: {path} is neither a folder nor a registered head ({known})")
+        raise FileNotFoundError(f"head: draft head not found: {path} is neither a folder nor a registered head "
+                                f"({known})")
     cfg = path / "config.json"
-    if cfg.is_file() and "head_type" in json.loads(cfg.read_text()):
+    if cfg.is_file() and "head_type" in _read_json(cfg):
         from clover_jax.io.export import import_head
 
         return import_head(path, base)
     from clover_jax.training.checkpoint import load_head_from_run
 
     return load_head_from_run(path, base, step=step)
+
+
+def _read_json(path: Path) -> dict:
+    from clover_jax.validation import InputError
+
+    try:
+        out = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise InputError(f"head: {path} is not valid JSON ({e})") from None
+    if not isinstance(out, dict):
+        raise InputError(f"head: {path} holds {type(out).__name__}, not a JSON object")
+    return out

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from clover_jax.models.config import ConfigError, LlamaConfig
+from clover_jax.validation import InputError, WeightFileError
 
 _GGUF_TO_HF = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -39,7 +40,8 @@ def _reader(path: str | Path):
     try:
         return gguf.GGUFReader(str(path))
     except Exception as e:  # noqa: BLE001 - gguf raises plain ValueError/struct errors
-        raise ValueError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
+        raise WeightFileError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e}); the file is truncated, "
+                              "corrupt or not GGUF: download or convert it again") from None
 
 
 def _field(reader, key, default=None):
@@ -97,8 +99,13 @@ def gguf_tensors(reader, config: LlamaConfig) -> dict[str, np.ndarray]:
 
     out = {}
     for t in reader.tensors:
-        arr = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
-        arr = arr.reshape(tuple(reversed([int(s) for s in t.shape])))
+        try:
+            arr = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+            arr = arr.reshape(tuple(reversed([int(s) for s in t.shape])))
+        except Exception as e:  # noqa: BLE001 - a short or damaged tensor fails in numpy or gguf in many ways
+            source = getattr(getattr(reader, "data", None), "filename", None) or "GGUF file"
+            raise WeightFileError(f"{source}: tensor {t.name!r} cannot be read ({type(e).__name__}: {e}); the file is "
+                                  "truncated or corrupt: download or convert it again") from None
         name = t.name
         if name in _GGUF_TO_HF:
             out[_GGUF_TO_HF[name]] = arr
@@ -121,7 +128,7 @@ def gguf_tokenizer(reader, source: str = "gguf"):
 
     model_kind = _field(reader, "tokenizer.ggml.model")
     if model_kind != "gpt2":
-        raise ValueError(f"{source}: tokenizer model {model_kind!r} is not supported (byte-level BPE 'gpt2' only)")
+        raise InputError(f"{source}: tokenizer model {model_kind!r} is not supported (byte-level BPE 'gpt2' only)")
     tokens = _field(reader, "tokenizer.ggml.tokens")
     merges = _field(reader, "tokenizer.ggml.merges")
     types = _field(reader, "tokenizer.ggml.token_type")

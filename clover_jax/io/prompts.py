@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from clover_jax.validation import InputError
+
 DATA_DIR = Path(__file__).resolve().parents[1] / "data"
 QUESTION_SETS = {"mt_bench": DATA_DIR / "mt_bench.jsonl", "spec_bench": DATA_DIR / "spec_bench.jsonl"}
 
@@ -33,7 +35,7 @@ def read_prompts(path: str | Path, category: str | None = None, limit: int | Non
         try:
             rec = json.loads(line)
         except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{n}: not valid JSON ({e})") from None
+            raise InputError(f"{path}:{n}: not valid JSON ({e})") from None
         if category and rec.get("category") != category:
             continue
         if "turns" in rec:
@@ -41,10 +43,10 @@ def read_prompts(path: str | Path, category: str | None = None, limit: int | Non
         else:
             text = rec.get("prompt") or rec.get("text")
         if not text:
-            raise ValueError(f"{path}:{n}: no 'turns'[{turn}] / 'prompt' / 'text' field")
+            raise InputError(f"{path}:{n}: no 'turns'[{turn}] / 'prompt' / 'text' field")
         out.append(text)
         if limit and len(out) >= limit:
             break
     if not out:
-        raise ValueError(f"{path}: no prompts" + (f" in category {category!r}" if category else ""))
+        raise InputError(f"{path}: no prompts" + (f" in category {category!r}" if category else ""))
     return out

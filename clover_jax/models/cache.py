@@ -14,8 +14,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from clover_jax.validation import InputError
 
-class CacheOverflowError(ValueError):
+
+class CacheOverflowError(InputError):
     """Raised when a write would go past the end of a KV cache."""
 
 

@@ -13,6 +13,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+from clover_jax.validation import InputError
+
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
@@ -22,7 +24,7 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 ROPE_SCALING_TYPES = ("default", "linear", "dynamic", "llama3")
 
 
-class ConfigError(ValueError):
+class ConfigError(InputError):
     """A model config that clover_jax cannot use; the message names the field."""
 
 

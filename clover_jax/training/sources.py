@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
 from clover_jax.config import DataConfig, source_kind
+from clover_jax.validation import InputError
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +33,7 @@ ROLES = {
 }
 
 
-class DataError(ValueError):
+class DataError(InputError):
     """Data that cannot be used for training (empty after filtering, unknown format, bad template)."""
 
 

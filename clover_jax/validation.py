@@ -1,0 +1,189 @@
+"""Checks of user input at the API boundary, run before anything is compiled.
+
+Every entry point (`generate`, `load_model`, `load_head`, the configs, and through them `infer.py`,
+`train.py`, `python -m clover_jax.export` and `bench/`) goes through these. Each failure is an `InputError`
+(a `ValueError`) whose message names the argument, the value given and the limit it broke, e.g.
+`max_new_tokens: expected an integer >= 1, got 0`. The command-line tools print such errors as one
+`error: ...` line and exit with status 2 (`clover_jax.cli`).
+
+Memory: `estimate_generate_memory` adds up what one `generate` call allocates (KV caches at batch x cache
+length, the prefill's attention scores and MLP activations, the draft tree's logits) and
+`check_memory` compares it with what the device has free: `Device.memory_stats()` on accelerators (the
+allocator's `bytes_limit - bytes_in_use`), the host's available memory (`MemAvailable` of /proc/meminfo, else
+`os.sysconf`) on CPU.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import operator
+import os
+from typing import Any, Sequence
+
+import numpy as np
+
+
+class InputError(ValueError):
+    """Bad user input; the message names the argument, the value and the limit."""
+
+
+class InsufficientMemoryError(InputError):
+    """The estimated memory of a call exceeds what the device has free."""
+
+
+class WeightFileError(InputError):
+    """A weight file (safetensors, GGUF) that cannot be read: truncated, corrupt or not that format."""
+
+
+# ------------------------------------------------------------------------------------------- scalars
+def check_int(name: str, value: Any, *, minimum: int | None = None, maximum: int | None = None,
+              allow_none: bool = False) -> int | None:
+    """`value` as an int within [minimum, maximum]; bools, floats (also 2.0) and strings are refused."""
+    if value is None and allow_none:
+        return None
+    if isinstance(value, (bool, np.bool_)):
+        raise InputError(f"{name}: expected an integer, got {value!r}")
+    try:
+        out = operator.index(value)
+    except TypeError:
+        raise InputError(f"{name}: expected an integer, got {value!r} ({type(value).__name__})") from None
+    _check_range(name, out, minimum, maximum, "an integer")
+    return int(out)
+
+
+def check_float(name: str, value: Any, *, minimum: float | None = None, maximum: float | None = None,
+                above: float | None = None, allow_none: bool = False) -> float | None:
+    """`value` as a finite float within [minimum, maximum] (and > `above`); NaN and infinities are refused."""
+    if value is None and allow_none:
+        return None
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        raise InputError(f"{name}: expected a number, got {value!r} ({type(value).__name__})")
+    out = float(value)
+    if not math.isfinite(out):
+        raise InputError(f"{name}: expected a finite number, got {out!r}")
+    if above is not None and not out > above:
+        limit = f"> {above}" + (f" and <= {maximum}" if maximum is not None else "")
+        raise InputError(f"{name}: expected a number {limit}, got {out!r}")
+    _check_range(name, out, minimum, maximum, "a number")
+    return out
+
+
+def _check_range(name, value, minimum, maximum, what: str) -> None:
+    if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
+        if minimum is not None and maximum is not None:
+            limit = f"in [{minimum}, {maximum}]"
+        elif minimum is not None:
+            limit = f">= {minimum}"
+        else:
+            limit = f"<= {maximum}"
+        raise InputError(f"{name}: expected {what} {limit}, got {value!r}")
+
+
+def check_choice(name: str, value: Any, choices: Sequence[Any]) -> Any:
+    if value not in choices:
+        raise InputError(f"{name}: expected one of {', '.join(map(repr, choices))}, got {value!r}")
+    return value
+
+
+def check_bool(name: str, value: Any) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise InputError(f"{name}: expected True or False, got {value!r}")
+    return bool(value)
+
+
+# ------------------------------------------------------------------------------------------- tokens
+def check_token_ids(name: str, ids: Any, vocab_size: int) -> list[int]:
+    """A 1-D sequence of integer token ids in [0, vocab_size) as a list; `name` is the argument (e.g.
+    'prompts[2]'). Floats (NaN too), bools and nested lists are refused, naming the position."""
+    arr = np.asarray(ids, dtype=object) if not isinstance(ids, np.ndarray) else ids
+    if arr.ndim != 1:
+        raise InputError(f"{name}: expected a flat list of token ids, got an array of shape {arr.shape}")
+    if isinstance(ids, np.ndarray) and np.issubdtype(ids.dtype, np.integer):
+        out = ids.astype(np.int64).tolist()
+    else:
+        out = []
+        for j, x in enumerate(arr.tolist()):
+            if isinstance(x, bool) or not isinstance(x, numbers.Integral):
+                raise InputError(f"{name}[{j}]: token ids must be integers, got {x!r} ({type(x).__name__})")
+            out.append(int(x))
+    for j, x in enumerate(out):
+        if not 0 <= x < vocab_size:
+            raise InputError(f"{name}[{j}]: token id {x} is outside the model's vocabulary [0, {vocab_size})")
+    return out
+
+
+# ------------------------------------------------------------------------------------------- memory
+GIB = 1024 ** 3
+
+
+def _fmt(nbytes: float) -> str:
+    return f"{nbytes / GIB:.2f} GiB" if nbytes >= GIB / 10 else f"{nbytes / 1024 ** 2:.1f} MiB"
+
+
+def available_memory(device=None) -> tuple[int | None, str]:
+    """(free bytes, where they were read) for `device` (default: the first JAX device), or (None, why)."""
+    import jax
+
+    device = device or jax.devices()[0]
+    try:
+        stats = device.memory_stats()
+    except Exception:  # noqa: BLE001 - not implemented on some backends
+        stats = None
+    if stats and stats.get("bytes_limit"):
+        free = int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+        return free, f"{device} (bytes_limit {_fmt(stats['bytes_limit'])} - bytes_in_use)"
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024, "host memory (/proc/meminfo MemAvailable)"
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "host memory (sysconf)"
+    except (ValueError, OSError, AttributeError):
+        return None, "unknown"
+
+
+def estimate_generate_memory(config, *, batch: int, cache_size: int, prompt_len: int, dtype_bytes: int,
+                             tree_nodes: int = 0, head_layers: int = 0, draft_rows: int = 0) -> dict[str, int]:
+    """Bytes one `generate` call allocates beyond the weights, by part (an estimate, on the low side).
+
+    KV caches `[L, B, S, K, H]` (keys and values, base and the draft head's Augmenting Block) are held
+    twice while the jitted loop starts (the initial value and the loop carry); the prefill's attention
+    scores `[B, N, T, T]` and probabilities are float32; the MLP's `[B, T, I]` gate and up activations; the
+    verification's logits `[B, U, V]` float32 (three copies when sampling warps them).
+    """
+    c = config
+    kv_row = 2 * cache_size * c.num_key_value_heads * c.head_dim * dtype_bytes
+    parts = {
+        "KV cache": 2 * c.num_hidden_layers * batch * kv_row,
+        "prefill attention": 2 * batch * c.num_attention_heads * prompt_len * prompt_len * 4,
+        "prefill activations": batch * prompt_len * (2 * c.intermediate_size + 4 * c.hidden_size) * 4,
+        "token buffers": 2 * batch * cache_size * 4,
+    }
+    if tree_nodes:
+        parts["draft-head cache"] = 2 * head_layers * batch * kv_row
+        parts["tree logits"] = 3 * batch * tree_nodes * c.vocab_size * 4
+        parts["draft logits"] = batch * tree_nodes * max(draft_rows, 1) * 4
+    return parts
+
+
+def check_memory(parts: dict[str, int], *, weights_bytes: int, what: str, device=None,
+                 available: tuple[int | None, str] | None = None) -> None:
+    """InsufficientMemoryError when the parts add up to more than the device has free (weights already
+    loaded are counted as used there, so they are only reported)."""
+    free, where = available if available is not None else available_memory(device)
+    need = sum(parts.values())
+    if free is None or need <= free:
+        return
+    detail = ", ".join(f"{k} {_fmt(v)}" for k, v in sorted(parts.items(), key=lambda kv: -kv[1]) if v)
+    raise InsufficientMemoryError(
+        f"{what} needs about {_fmt(need)} beyond the {_fmt(weights_bytes)} of weights ({detail}), but only "
+        f"{_fmt(free)} are free on {where}; lower the batch size, max_new_tokens or cache_size")
+
+
+__all__ = ["InputError", "InsufficientMemoryError", "WeightFileError", "available_memory", "check_bool",
+           "check_choice", "check_float", "check_int", "check_memory", "check_token_ids",
+           "estimate_generate_memory"]
