@@ -57,8 +57,8 @@ def _accept(proposal, logits, key, sampling, greedy: bool, sampled_drafts: bool)
     return verify.sample_accept_topk(proposal.tokens, p, proposal.buffers, u_accept, u_sample)
 
 
-def _spec_generate(base_graph, base_state, head_graph, head_state_params, prompt, prompt_lengths, max_new_tokens,
-                   eos_ids, sampling, key, *, drafter, cache_size: int, greedy: bool, cache_dtype):
+def _spec_generate(base_graph, base_state, head_graph, head_state_params, drafter_arrays, prompt, prompt_lengths,
+                   max_new_tokens, eos_ids, sampling, key, *, drafter, cache_size: int, greedy: bool, cache_dtype):
     base = nnx.merge(base_graph, base_state)
     head = nnx.merge(head_graph, head_state_params)
     c = base.config
@@ -73,7 +73,10 @@ def _spec_generate(base_graph, base_state, head_graph, head_state_params, prompt
     # the head reads (f_t, x_{t+1}) pairs: the prompt shifted by one, then the root
     y_prompt = jnp.concatenate([prompt[:, 1:], jnp.zeros((b, 1), prompt.dtype)], axis=1)
     y_prompt = y_prompt.at[rows, prompt_lengths - 1].set(root)
-    hs = drafter.start(head, base, drafter.init_state(head, base, b, cache_size), hidden, y_prompt, prompt_lengths)
+    # the drafter's arrays (tree buffers, draft vocabulary) come in as an argument, not as program constants
+    hs0 = (drafter.init_state(head, base, b, cache_size, drafter_arrays) if drafter_arrays is not None
+           else drafter.init_state(head, base, b, cache_size))
+    hs = drafter.start(head, base, hs0, hidden, y_prompt, prompt_lengths)
 
     tokens = jnp.zeros((b, cache_size), jnp.int32).at[:, :t].set(prompt, mode="drop")
     tokens = tokens.at[rows, prompt_lengths].set(root, mode="drop")
@@ -174,8 +177,9 @@ def spec_generate(base, head, prompt, prompt_lengths, *, max_new_tokens: int, ca
     head_graph, head_params = nnx.split(head)
     eos = jnp.asarray(list(eos_ids if eos_ids is not None else base.config.eos_token_ids) or [-1], jnp.int32)
     fn = _jitted(base_graph, head_graph, drafter, int(cache_size), sampling.greedy, jnp.dtype(base.dtype))
+    arrays = drafter.arrays() if hasattr(drafter, "arrays") else None
     t0 = time.perf_counter()
-    out, st = fn(base_state, head_params, jnp.asarray(prompt, jnp.int32), jnp.asarray(lens, jnp.int32),
+    out, st = fn(base_state, head_params, arrays, jnp.asarray(prompt, jnp.int32), jnp.asarray(lens, jnp.int32),
                  jnp.asarray(max_new_tokens, jnp.int32), eos, sampling.arrays(), key)
     out = jax.block_until_ready(out)
     seconds = time.perf_counter() - t0

@@ -23,6 +23,7 @@ from clover_jax.decoding.tree import TreeBuffers, TreeSpec, build_buffers
 from clover_jax.heads.clover2 import Clover2Head, check_compatible
 from clover_jax.heads.protocol import Proposal
 from clover_jax.models.cache import KVCache
+from clover_jax.validation import InputError
 
 
 def top_k_ids(logits: jax.Array, k: int, block: int = 128) -> jax.Array:
@@ -53,6 +54,8 @@ class Clover2State:
     cache: KVCache  # Augmenting-Block cache [A_layers, B, S, K, H]
     s0: jax.Array  # [B, D]
     vocab_rows: jax.Array | None = None  # [N, D] W_lm^T rows of the draft vocabulary (None: all V)
+    vocab_ids: jax.Array | None = None  # [N] int32 the draft vocabulary's token ids (None: all V)
+    buffers: TreeBuffers | None = None  # the tree's index arrays (None: the drafter's own, as constants)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -77,24 +80,35 @@ class Clover2Drafter:
     def check(self, head: Clover2Head, base) -> None:
         check_compatible(head, base.config)
         if self.max_depth > head.cfg.num_heads:
-            raise ValueError(f"tree {self.spec.name!r} is {self.max_depth} drafts deep but the head has only "
+            raise InputError(f"tree {self.spec.name!r} is {self.max_depth} drafts deep but the head has only "
                              f"{head.cfg.num_heads} heads; use a shallower tree or a head with more heads")
         if self.spec.top_k > base.config.vocab_size:
-            raise ValueError(f"tree top_k={self.spec.top_k} exceeds the vocabulary ({base.config.vocab_size})")
+            raise InputError(f"tree top_k={self.spec.top_k} exceeds the vocabulary ({base.config.vocab_size})")
         if self.draft_vocab is not None:
             from clover_jax.heads.draft_vocab import check_draft_vocab
 
             check_draft_vocab(self.draft_vocab, base.config.vocab_size)
             if self.spec.top_k > len(self.draft_vocab):
-                raise ValueError(f"tree top_k={self.spec.top_k} exceeds the draft vocabulary "
+                raise InputError(f"tree top_k={self.spec.top_k} exceeds the draft vocabulary "
                                  f"({len(self.draft_vocab)} ids)")
 
-    def init_state(self, head: Clover2Head, base, batch: int, cache_size: int) -> Clover2State:
+    def arrays(self) -> dict:
+        """The drafter's arrays (tree buffers, draft-vocabulary ids), to pass into a jitted loop as an argument
+        and on to `init_state`: arrays closed over in a jitted function become constants of its program, which
+        XLA folds and copies at every compile."""
+        ids = None if self.draft_vocab is None else jnp.asarray(self.draft_vocab, jnp.int32)
+        return {"buffers": jax.tree.map(jnp.asarray, self.buffers), "vocab_ids": ids}
+
+    def init_state(self, head: Clover2Head, base, batch: int, cache_size: int, arrays: dict | None = None
+                   ) -> Clover2State:
+        """The drafting state of a fresh batch; `arrays` is `self.arrays()` (passed into the jitted loop)."""
+        arrays = self.arrays() if arrays is None else arrays
         rows = None
-        if self.draft_vocab is not None:
-            rows = base.lm_head_rows(jnp.asarray(self.draft_vocab, jnp.int32)).astype(head.cfg.dtype)
+        if arrays["vocab_ids"] is not None:
+            rows = base.lm_head_rows(arrays["vocab_ids"]).astype(head.cfg.dtype)
         return Clover2State(cache=head.init_cache(batch, cache_size),
-                            s0=jnp.zeros((batch, base.config.hidden_size), head.cfg.dtype), vocab_rows=rows)
+                            s0=jnp.zeros((batch, base.config.hidden_size), head.cfg.dtype), vocab_rows=rows,
+                            vocab_ids=arrays["vocab_ids"], buffers=arrays["buffers"])
 
     def start(self, head, base, state: Clover2State, f_prompt, y_prompt, lengths) -> Clover2State:
         s0, cache = head.commit(base, state.cache, f_prompt, y_prompt, lengths)
@@ -112,7 +126,8 @@ class Clover2Drafter:
             return top_k_ids(head.logits(base, o), k)
         logits = jnp.einsum("...D,ND->...N", o.astype(state.vocab_rows.dtype), state.vocab_rows,
                             preferred_element_type=jnp.float32)
-        return jnp.asarray(self.draft_vocab, jnp.int32)[top_k_ids(logits, k)]
+        ids = state.vocab_ids if state.vocab_ids is not None else jnp.asarray(self.draft_vocab, jnp.int32)
+        return ids[top_k_ids(logits, k)]
 
     def propose(self, head: Clover2Head, base, state: Clover2State, root: jax.Array, key) -> Proposal:
         buf: TreeBuffers = self.buffers
@@ -136,6 +151,7 @@ class Clover2Drafter:
             per_step.append(jnp.pad(top, ((0, 0), (0, emax - e), (0, 0))))
             prev_states, prev_top = new_states, top
         cand = jnp.concatenate([root[:, None], jnp.stack(per_step, 1).reshape(b, -1)], axis=1)
-        tree_tokens = cand[:, np.asarray(buf.draft_index)]  # [B, U]
+        arrays = state.buffers if state.buffers is not None else jax.tree.map(jnp.asarray, buf)
+        tree_tokens = jnp.take(cand, arrays.draft_index, axis=1)  # [B, U]
         tree_tokens = tree_tokens.at[:, 0].set(root)
-        return Proposal(tokens=tree_tokens, buffers=jax.tree.map(jnp.asarray, buf))
+        return Proposal(tokens=tree_tokens, buffers=arrays)
