@@ -13,9 +13,11 @@ import sys
 
 import jax.numpy as jnp
 
-from clover_jax.api import bucket_length, encode_prompts, generate, round_up
+from clover_jax.api import bucket_length, encode_prompts, prepare_generate, round_up, run_plan
+from clover_jax.cli import add_debug_argument, run_cli
 from clover_jax.io.loader import load_model
 from clover_jax.io.prompts import read_prompts
+from clover_jax.validation import InputError, check_float, check_int
 
 
 def parse_args(argv=None):
@@ -43,11 +45,33 @@ def parse_args(argv=None):
     p.add_argument("--draft-vocab", help="draft only from these token ids (JSON from python -m "
                    "clover_jax.heads.draft_vocab); output is unchanged, drafting is cheaper")
     p.add_argument("--quiet", action="store_true", help="print only the summary")
+    add_debug_argument(p)
     return p.parse_args(argv)
 
 
+def check_args(args) -> None:
+    """The numeric arguments' ranges, before anything is loaded (errors name the flag, value and limit)."""
+    check_int("--batch-size", args.batch_size, minimum=1)
+    check_int("--limit", args.limit, minimum=0)
+    check_int("--max-new-tokens", args.max_new_tokens, minimum=1)
+    check_float("--temperature", args.temperature, minimum=0.0)
+    check_int("--top-k", args.top_k, minimum=0)
+    check_float("--top-p", args.top_p, above=0.0, maximum=1.0)
+    check_int("--cache-size", args.cache_size, minimum=1, allow_none=True)
+    for i, text in enumerate(args.prompt):
+        if not text.strip():
+            raise InputError(f"--prompt: prompt {i} is empty")
+    if args.limit and not args.prompts_file:
+        raise InputError(f"--limit: {args.limit} applies to --prompts-file, which is not given")
+
+
 def main(argv=None) -> int:
+    return run_cli(_main, argv)
+
+
+def _main(argv=None) -> int:
     args = parse_args(argv)
+    check_args(args)
     prompts = list(args.prompt)
     if args.prompts_file:
         prompts += read_prompts(args.prompts_file, category=args.category, limit=args.limit or None)
@@ -63,6 +87,18 @@ def main(argv=None) -> int:
                   f"{', '.join(pretrained.HEADS)})", file=sys.stderr)
             return 2
         print(f"drafting with the shipped head {args.head}", file=sys.stderr)
+    if args.mode == "speculative":  # the tree and the head's folder before the model is loaded
+        from clover_jax import pretrained
+        from clover_jax.decoding.tree import get_tree
+
+        if args.tree is None:
+            args.tree = pretrained.default_tree(args.head) or "clover2-26"
+        tree_nodes = get_tree(args.tree).num_nodes
+        if not pretrained.head_path(args.head).exists():
+            raise InputError(f"--head: draft head {args.head!r} not found: neither a folder nor a registered head "
+                             f"({', '.join(pretrained.HEADS)})")
+    else:
+        tree_nodes = 0
     dtype = jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32
     loaded = load_model(args.model, dtype=dtype)
     head = None
@@ -70,10 +106,6 @@ def main(argv=None) -> int:
         from clover_jax.heads.loading import load_head
 
         head = load_head(args.head, loaded.model)
-        if args.tree is None:
-            from clover_jax import pretrained
-
-            args.tree = pretrained.default_tree(args.head) or "clover2-26"
     draft_vocab = None
     if args.draft_vocab:
         from clover_jax.heads.draft_vocab import load_draft_vocab
@@ -97,12 +129,15 @@ def main(argv=None) -> int:
         batch = encode_prompts(loaded.tokenizer, texts, chat=not args.no_chat, system=args.system)
         shape_key = (len(batch), bucket_length(max(len(b) for b in batch)))
         if args.cache_size is None:  # the same cache for the warm-up and the timed call
-            kw["cache_size"] = round_up(shape_key[1] + args.max_new_tokens + 64, 256)
+            kw["cache_size"] = round_up(shape_key[1] + args.max_new_tokens + max(64, tree_nodes), 256)
+        # every check (context, cache, memory) with the values asked for, before the warm-up compiles
+        plan = prepare_generate(loaded, batch, **kw, seed=args.seed + start)
         if shape_key not in seen_shapes:  # compile outside the timed call (max_new_tokens is traced)
-            warm = generate(loaded, batch, **{**kw, "max_new_tokens": 1}, seed=args.seed)
+            warm = run_plan(prepare_generate(loaded, batch, **{**kw, "max_new_tokens": 1}, seed=args.seed,
+                                             check_free_memory=False))
             compile_seconds += warm.seconds
             seen_shapes.add(shape_key)
-        res = generate(loaded, batch, **kw, seed=args.seed + start)
+        res = run_plan(plan)
         total_tokens += res.num_generated
         total_seconds += res.seconds
         if res.stats.get("accept_hist") is not None:

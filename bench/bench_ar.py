@@ -12,6 +12,7 @@ import argparse
 import json
 import os
 import platform
+import sys
 import time
 
 import numpy as np
@@ -68,7 +69,7 @@ def bench_transformers(model, tokenizer_pad, prompt_ids, batch, max_new, eos):
     return {"tokens": int(total_tok), "seconds": total_s, "tok_per_s": total_tok / total_s}, outputs
 
 
-def main():
+def _main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--questions", default="mt_bench", help="mt_bench | spec_bench | a question.jsonl file")
@@ -77,7 +78,10 @@ def main():
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--threads", type=int, default=2, help="torch threads (XLA uses all cores)")
     ap.add_argument("--json", help="write results here")
-    args = ap.parse_args()
+    from clover_jax.cli import add_debug_argument
+
+    add_debug_argument(ap)
+    args = ap.parse_args(argv)
 
     import torch
     import transformers
@@ -113,5 +117,12 @@ def main():
             json.dump({"args": vars(args), "rows": rows}, f, indent=1)
 
 
+def main(argv=None) -> int:
+    """Runs the benchmark; bad input is one `error: ...` line and exit status 2 (`clover_jax.cli`)."""
+    from clover_jax.cli import run_cli
+
+    return run_cli(_main, argv) or 0
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

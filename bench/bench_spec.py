@@ -90,7 +90,7 @@ def plots(result: dict, out: Path, trees: list[str]):
     plt.close(fig)
 
 
-def main():
+def _main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--head", default="smollm2-135m-instruct-clover2",
@@ -106,7 +106,10 @@ def main():
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--peer", action="store_true", help="also time transformers + torch generate (greedy)")
     ap.add_argument("--out-dir", default="artifacts/eval")
-    args = ap.parse_args()
+    from clover_jax.cli import add_debug_argument
+
+    add_debug_argument(ap)
+    args = ap.parse_args(argv)
 
     from clover_jax.evaluation import evaluate
     from clover_jax.heads.loading import load_head
@@ -174,5 +177,12 @@ def main():
     plots(result, out, args.trees)
 
 
+def main(argv=None) -> int:
+    """Runs the benchmark; bad input is one `error: ...` line and exit status 2 (`clover_jax.cli`)."""
+    from clover_jax.cli import run_cli
+
+    return run_cli(_main, argv) or 0
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

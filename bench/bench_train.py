@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import sys
 import time
 
 import numpy as np
@@ -27,7 +28,7 @@ VARIANTS = {
 }
 
 
-def main(argv=None):
+def _main(argv=None):
     import jax
 
     from clover_jax.config import load_config
@@ -45,6 +46,9 @@ def main(argv=None):
     ap.add_argument("--draft-vocab", type=int, default=8192)
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     ap.add_argument("--json")
+    from clover_jax.cli import add_debug_argument
+
+    add_debug_argument(ap)
     args = ap.parse_args(argv)
 
     base_cfg = load_config(args.config).replace(
@@ -97,5 +101,12 @@ def main(argv=None):
             json.dump({"rows": rows, "feature_seconds": feat_s, "args": vars(args)}, f, indent=1)
 
 
+def main(argv=None) -> int:
+    """Runs the benchmark; bad input is one `error: ...` line and exit status 2 (`clover_jax.cli`)."""
+    from clover_jax.cli import run_cli
+
+    return run_cli(_main, argv) or 0
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -108,6 +108,15 @@ def export_head_from_run(run_dir, out, *, step=None, model=None, include_embeddi
 
 
 def main(argv=None) -> int:
+    from clover_jax.cli import run_cli
+
+    return run_cli(_main, argv)
+
+
+def _main(argv=None) -> int:
+    from clover_jax.cli import add_debug_argument
+    from clover_jax.validation import check_float, check_int
+
     ap = argparse.ArgumentParser(prog="python -m clover_jax.export", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="what", required=True)
@@ -130,24 +139,25 @@ def main(argv=None) -> int:
         p.add_argument("--overwrite", action="store_true")
         p.add_argument("--push-to-hub", metavar="REPO_ID")
         p.add_argument("--private", action="store_true")
+        add_debug_argument(p)
     args = ap.parse_args(argv)
-    try:
-        if args.what == "head":
-            out = export_head_from_run(args.checkpoint, args.out, step=args.step, model=args.model,
-                                       include_embedding=not args.no_embedding, overwrite=args.overwrite,
-                                       dtype=args.dtype)
-        else:
-            from clover_jax.io.loader import load_model
+    if args.what == "head":
+        check_int("--step", args.step, minimum=0, allow_none=True)
+    else:
+        check_float("--max-shard-gb", args.max_shard_gb, above=0.0)
+    if args.what == "head":
+        out = export_head_from_run(args.checkpoint, args.out, step=args.step, model=args.model,
+                                   include_embedding=not args.no_embedding, overwrite=args.overwrite,
+                                   dtype=args.dtype)
+    else:
+        from clover_jax.io.loader import load_model
 
-            loaded = load_model(args.model)
-            out = export_base(loaded.model, args.out, tokenizer=loaded.tokenizer,
-                              max_shard_bytes=int(args.max_shard_gb * 1024**3), overwrite=args.overwrite)
-        print(f"exported to {out}")
-        if args.push_to_hub:
-            print(f"pushed to {push_to_hub(Path(out), args.push_to_hub, args.private)}")
-    except (ExportError, FileNotFoundError, ValueError, RuntimeError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+        loaded = load_model(args.model)
+        out = export_base(loaded.model, args.out, tokenizer=loaded.tokenizer,
+                          max_shard_bytes=int(args.max_shard_gb * 1024**3), overwrite=args.overwrite)
+    print(f"exported to {out}")
+    if args.push_to_hub:
+        print(f"pushed to {push_to_hub(Path(out), args.push_to_hub, args.private)}")
     return 0
 
 

@@ -20,12 +20,13 @@ from flax import nnx
 
 from clover_jax.io.hf import _layer_table, params_to_hf, read_safetensors_dir
 from clover_jax.models.config import LlamaConfig
+from clover_jax.validation import InputError
 
 DEFAULT_SHARD_BYTES = 2 * 1024**3
 HEAD_TYPE = "clover2"
 
 
-class ExportError(ValueError):
+class ExportError(InputError):
     """A folder or checkpoint that cannot be exported or imported; the message names it."""
 
 
@@ -58,8 +59,28 @@ def write_safetensors(tensors: dict[str, np.ndarray], out_dir: Path, max_shard_b
         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
 
 
+def _current_umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def publish_permissions(folder: Path, umask: int | None = None) -> None:
+    """Folders 0755 and files 0644 (less what the umask removes), as a plain `mkdir` / `open` would give:
+    `tempfile.mkdtemp` makes the folder 0700 and a rename keeps that."""
+    umask = _current_umask() if umask is None else umask
+    for root, dirs, files in os.walk(folder):
+        os.chmod(root, 0o777 & ~umask)
+        for name in files:
+            p = os.path.join(root, name)
+            if not os.path.islink(p):
+                os.chmod(p, 0o666 & ~umask)
+
+
 class _AtomicDir:
-    """Context manager: yields a temp dir next to `out`, renamed to `out` on success, removed on error."""
+    """Context manager: yields a temp dir next to `out`, renamed to `out` on success, removed on error.
+    The result has ordinary permissions (`publish_permissions`); a place that cannot be written is an
+    ExportError naming `out`."""
 
     def __init__(self, out: str | os.PathLike, overwrite: bool):
         self.out = Path(out)
@@ -67,22 +88,35 @@ class _AtomicDir:
 
     def __enter__(self) -> Path:
         if self.out.exists() and not self.overwrite:
-            raise ExportError(f"{self.out} already exists (pass overwrite=True / --overwrite to replace it)")
-        self.out.parent.mkdir(parents=True, exist_ok=True)
-        self.tmp = Path(tempfile.mkdtemp(prefix=f".{self.out.name}.tmp", dir=self.out.parent))
+            raise ExportError(f"out: {self.out} already exists (pass overwrite=True / --overwrite to replace it)")
+        if self.out.exists() and not self.out.is_dir():
+            raise ExportError(f"out: {self.out} is a file, not a folder")
+        try:
+            self.out.parent.mkdir(parents=True, exist_ok=True)
+            self.tmp = Path(tempfile.mkdtemp(prefix=f".{self.out.name}.tmp", dir=self.out.parent))
+        except OSError as e:
+            raise ExportError(f"out: cannot write the folder {self.out}: {e.strerror or e}") from None
         return self.tmp
 
     def __exit__(self, exc_type, exc, tb):
         if exc_type is not None:
             shutil.rmtree(self.tmp, ignore_errors=True)
+            if isinstance(exc, OSError) and not isinstance(exc, ExportError):  # e.g. a full disk while writing
+                raise ExportError(f"out: writing {self.out} failed: {exc.strerror or exc}; nothing was "
+                                  "written") from None
             return False
-        if self.out.exists():
-            old = self.out.with_name(f".{self.out.name}.old{os.getpid()}")
-            self.out.rename(old)
-            self.tmp.rename(self.out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            self.tmp.rename(self.out)
+        try:
+            publish_permissions(self.tmp)
+            if self.out.exists():
+                old = self.out.with_name(f".{self.out.name}.old{os.getpid()}")
+                self.out.rename(old)
+                self.tmp.rename(self.out)
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                self.tmp.rename(self.out)
+        except OSError as e:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            raise ExportError(f"out: cannot write the folder {self.out}: {e.strerror or e}") from None
         return False
 
 

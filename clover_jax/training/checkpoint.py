@@ -185,6 +185,10 @@ class Checkpointer:
     def step_dir(self, step: int) -> Path:
         return self.directory / str(step)
 
+    def reload(self) -> None:
+        """Re-reads the steps on disk (after checkpoints were moved)."""
+        self.manager.reload()
+
     def _need_step(self, step: int | None) -> int:
         steps = self.all_steps()
         if step is None:
@@ -192,7 +196,7 @@ class Checkpointer:
                 raise CheckpointError(f"{self.directory}: no checkpoint found")
             return steps[-1]
         if int(step) not in steps:
-            raise CheckpointError(f"{self.directory}: no checkpoint for step {step} (available steps: "
+            raise CheckpointError(f"{self.directory}: step: no checkpoint for step {step} (available steps: "
                                   f"{steps or 'none'})")
         return int(step)
 

@@ -61,6 +61,7 @@ def build_data(cfg: ExperimentConfig, loaded) -> tuple[Any, list[dict[str, Any]]
     else:
         convs = data_lib.load_conversations(cfg.data)
     train, held = data_lib.build_datasets(cfg.data, loaded.tokenizer, convs, progress=jax.process_index() == 0)
+    _warn_small_data(cfg, train)
     kw = dict(process_index=jax.process_index(), process_count=jax.process_count())
     batcher = data_lib.BucketedBatcher(train, cfg.data.batch_size, cfg.data.bucket_boundaries, seed=cfg.data.seed,
                                        shuffle=cfg.data.shuffle, **kw)
@@ -78,6 +79,14 @@ def build_data(cfg: ExperimentConfig, loaded) -> tuple[Any, list[dict[str, Any]]
     log.info("data: %d train / %d held-out examples, %d batches per epoch", len(train), len(held),
              batcher.batches_per_epoch)
     return batcher, eval_batches
+
+
+def _warn_small_data(cfg: ExperimentConfig, train) -> None:
+    """A warning naming both numbers when the batch is larger than the training set (batches are padded)."""
+    if len(train) < cfg.data.batch_size:
+        log.warning("data.batch_size=%d is larger than the %d training examples: every batch is padded with %d "
+                    "empty rows; lower data.batch_size to at most %d or add data", cfg.data.batch_size, len(train),
+                    cfg.data.batch_size - len(train), len(train))
 
 
 def draft_vocab_of(dataset, size: int, eos_ids) -> tuple[Any, float]:
@@ -123,23 +132,71 @@ def config_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     return out
 
 
+def discard_checkpoints_after(ckpt: Checkpointer, step: int, run_dir: Path) -> list[int]:
+    """Moves the checkpoints of steps after `step` to `<run_dir>/discarded_checkpoints/` (nothing is deleted),
+    so a run resumed from `step` neither reads nor keeps them; returns their steps."""
+    later = [s for s in ckpt.all_steps() if s > step]
+    if not later:
+        return []
+    aside = run_dir / "discarded_checkpoints"
+    aside.mkdir(parents=True, exist_ok=True)
+    for s in later:
+        target = aside / str(s)
+        n = 1
+        while target.exists():
+            target, n = aside / f"{s}.{n}", n + 1
+        ckpt.step_dir(s).rename(target)
+    ckpt.reload()
+    log.warning("--from-step %d: moved the checkpoints of steps %s to %s", step, later, aside)
+    return later
+
+
+def _resume_hint(e: CheckpointError, steps: list[int], bad_step: int | None) -> CheckpointError:
+    """The error with the way forward: resume from an earlier, readable step."""
+    earlier = [s for s in steps if bad_step is None or s < bad_step]
+    if not earlier:
+        return e
+    return CheckpointError(f"{e}; to continue from an earlier checkpoint run again with --resume --from-step N "
+                           f"(earlier steps: {earlier})")
+
+
 def run_experiment(cfg: ExperimentConfig, *, resume: bool = False, progress: bool = True, mesh=None,
                    loaded=None, batcher=None, eval_batches=None,
-                   on_step: Callable[[int, Trainer], None] | None = None) -> dict[str, Any]:
+                   on_step: Callable[[int, Trainer], None] | None = None, from_step: int | None = None
+                   ) -> dict[str, Any]:
     """Trains a head as `cfg` says; returns the loop's summary. With `resume`, continues from the latest
-    checkpoint in `cfg.checkpoint_dir` (or starts fresh when there is none); without it, refuses to start
-    where checkpoints already exist."""
+    checkpoint in `cfg.checkpoint_dir` (or starts fresh when there is none, with a warning); without it, refuses
+    to start where checkpoints already exist. `from_step` (with `resume`) continues from that step instead of
+    the latest, moving later checkpoints aside (`discard_checkpoints_after`). A run that fails before its
+    first checkpoint leaves no empty checkpoint directory behind."""
+    if from_step is not None and not resume:
+        raise ConfigError(f"from_step={from_step} needs resume=True")
     parallel.maybe_initialize_distributed(cfg.mesh.multi_host)
     mesh = mesh if mesh is not None else parallel.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tp)
     check_batch_layout(cfg, mesh)
     run_dir = Path(cfg.train.output_dir)
+    ckpt_dir = Path(cfg.checkpoint_dir)
+    created = [d for d in (run_dir, ckpt_dir) if not d.exists()]  # removed again if the start fails
     ckpt = Checkpointer(cfg.checkpoint_dir, save_every=cfg.checkpoint.save_every, keep=cfg.checkpoint.keep,
                         async_save=cfg.checkpoint.async_save, save_on_preemption=cfg.checkpoint.save_on_preemption)
+    started = False
     try:
         existing = ckpt.all_steps()
         if existing and not resume:
             raise CheckpointError(f"{ckpt.directory}: already holds checkpoints (steps {existing}); pass --resume "
                                   "to continue that run, or choose another --output-dir")
+        if resume and not existing:
+            if from_step is not None:
+                raise CheckpointError(f"{ckpt.directory}: no checkpoint to resume from (--from-step {from_step}); "
+                                      "check --output-dir / train.output_dir")
+            log.warning("--resume: %s holds no checkpoint; starting from step 0 (is train.output_dir / "
+                        "--output-dir the run's directory?)", ckpt.directory)
+        if from_step is not None:
+            if from_step not in existing:
+                raise CheckpointError(f"{ckpt.directory}: --from-step {from_step}: no checkpoint of that step "
+                                      f"(available steps: {existing})")
+            discard_checkpoints_after(ckpt, from_step, run_dir)
+            existing = ckpt.all_steps()
         if existing and max(existing) >= cfg.train.steps and batcher is None:
             # finished: nothing to train, so skip the data set-up (self-distillation, base features)
             base_config = base_config_of(cfg.model.name_or_path) if loaded is None else (
@@ -147,6 +204,7 @@ def run_experiment(cfg: ExperimentConfig, *, resume: bool = False, progress: boo
             ckpt.check_all(head_metadata(steps_lib.head_config(cfg), base_config, cfg.model.name_or_path))
             log.info("%s: the run is finished (checkpoint at step %d >= train.steps=%d); nothing to do",
                      ckpt.directory, max(existing), cfg.train.steps)
+            started = True
             return {"start_step": max(existing), "final_step": max(existing), "steps_run": 0, "stopped_early": False,
                     "checkpoint_step": max(existing), "run_dir": str(run_dir), "config": config_to_dict(cfg)}
         if loaded is None:
@@ -154,7 +212,11 @@ def run_experiment(cfg: ExperimentConfig, *, resume: bool = False, progress: boo
         base = loaded.model if hasattr(loaded, "model") else loaded
         head_meta = head_metadata(steps_lib.head_config(cfg), base.config, cfg.model.name_or_path)
         if existing:
-            ckpt.check_all(head_meta)  # refuse before any save could rotate a bad checkpoint away
+            try:
+                ckpt.check_all(head_meta)  # refuse before any save could rotate a bad checkpoint away
+            except CheckpointError as e:
+                bad = next((s for s in existing if str(ckpt.step_dir(s)) in str(e)), None)
+                raise _resume_hint(e, existing, bad) from None
         if batcher is None:
             batcher, eval_batches = build_data(cfg, loaded)
         vocab_ids = None
@@ -165,12 +227,16 @@ def run_experiment(cfg: ExperimentConfig, *, resume: bool = False, progress: boo
         trainer = Trainer(cfg, base, base_name=cfg.model.name_or_path, mesh=mesh, run_dir=run_dir,
                           vocab_ids=vocab_ids)
         if existing:
-            data_state = trainer.restore(ckpt)
+            try:
+                data_state = trainer.restore(ckpt)
+            except CheckpointError as e:
+                raise _resume_hint(e, existing, max(existing)) from None
             batcher.load_state_dict(data_state)
             log.info("resumed from %s at step %d", ckpt.step_dir(trainer.state.step), trainer.state.step)
             changed = config_changes(trainer.restored_config or {}, config_to_dict(cfg))
             if changed:
                 log.warning("the config differs from the checkpoint's: %s", "; ".join(changed))
+        started = True
         if jax.process_index() == 0:
             run_dir.mkdir(parents=True, exist_ok=True)
             save_config(cfg, run_dir / "config.yaml")
@@ -185,6 +251,17 @@ def run_experiment(cfg: ExperimentConfig, *, resume: bool = False, progress: boo
         return summary
     finally:
         ckpt.close()
+        if not started:
+            _remove_if_empty(created)
+
+
+def _remove_if_empty(dirs: list[Path]) -> None:
+    """Removes the directories a failed start created, deepest first, if nothing was written into them."""
+    for d in sorted(dirs, key=lambda p: len(p.parts), reverse=True):
+        try:
+            d.rmdir()  # only succeeds when empty
+        except OSError:
+            pass
 
 
 __all__ = ["base_config_of", "build_data", "check_batch_layout", "load_base", "run_experiment"]

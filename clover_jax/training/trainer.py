@@ -52,16 +52,21 @@ class TrainState:
 class MetricsLogger:
     """JSON lines (`metrics.jsonl`) and TensorBoard scalars (`tb/`) in the run directory."""
 
-    def __init__(self, run_dir: str | Path, tensorboard: bool = True):
+    def __init__(self, run_dir: str | Path, tensorboard: bool = True, start_step: int = 0):
+        """`start_step`: the step training (re)starts from; records of later steps, left by a run that was
+        stopped after its last checkpoint, are dropped (from metrics.jsonl, and from TensorBoard's view through
+        its `purge_step`), so each step keeps one record."""
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        drop_records_after(self.run_dir / "metrics.jsonl", start_step)
         self._jsonl = (self.run_dir / "metrics.jsonl").open("a", encoding="utf-8")
         self._tb = None
         if tensorboard:
             try:
                 from tensorboardX import SummaryWriter
 
-                self._tb = SummaryWriter(str(self.run_dir / "tb"))
+                # purge_step: TensorBoard discards the earlier events of steps >= it (a re-run's duplicates)
+                self._tb = SummaryWriter(str(self.run_dir / "tb"), purge_step=int(start_step) + 1)
             except ImportError:  # pragma: no cover - tensorboardX is a dependency
                 log.warning("tensorboardX is not installed: TensorBoard logging is off")
 
@@ -85,6 +90,30 @@ class MetricsLogger:
         self._jsonl.close()
         if self._tb is not None:
             self._tb.close()
+
+
+def drop_records_after(path: Path, step: int) -> int:
+    """Rewrites the JSON-lines file `path` without the records of steps > `step` (and unreadable lines, such as
+    one cut short by a kill); returns how many were dropped."""
+    if not path.is_file():
+        return 0
+    keep, dropped = [], 0
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            rec = json.loads(line)
+            ok = int(rec["step"]) <= step
+        except (ValueError, KeyError, TypeError):
+            ok = False
+        if ok:
+            keep.append(line)
+        elif line.strip():
+            dropped += 1
+    if dropped:
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        tmp.write_text("".join(x + "\n" for x in keep), encoding="utf-8")
+        tmp.replace(path)
+        log.info("%s: dropped %d records of steps after %d (re-run after the resume)", path, dropped, step)
+    return dropped
 
 
 @contextlib.contextmanager
@@ -300,8 +329,8 @@ class Trainer:
         tc = self.cfg.train
         total = int(steps or tc.steps)
         main = jax.process_index() == 0
-        logger = MetricsLogger(self.run_dir) if (self.run_dir is not None and main) else None
         start = self.state.step
+        logger = MetricsLogger(self.run_dir, start_step=start) if (self.run_dir is not None and main) else None
         window: list[dict[str, Any]] = []
         history: list[dict[str, Any]] = []
         evals: list[dict[str, Any]] = []
