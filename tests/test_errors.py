@@ -68,7 +68,7 @@ def test_prompt_longer_than_cache(tiny):
 
 
 def test_bad_sampling_args(tiny):
-    with pytest.raises(ValueError, match="top_p must be in"):
+    with pytest.raises(ValueError, match=r"top_p: expected a number > 0.0 and <= 1.0, got 0.0"):
         generate(tiny, [[1, 2]], max_new_tokens=4, temperature=1.0, top_p=0.0)
-    with pytest.raises(ValueError, match="max_new_tokens must be >= 1"):
+    with pytest.raises(ValueError, match="max_new_tokens: expected an integer >= 1, got 0"):
         generate(tiny, [[1, 2]], max_new_tokens=0)

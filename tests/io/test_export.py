@@ -159,5 +159,5 @@ def test_push_without_network_fails_fast_and_keeps_folder(tmp_path, base_and_hea
         push_to_hub(out, "someone/clover2-test", timeout=2.0)
     assert time.time() - t0 < 30
     assert sorted(p.name for p in out.iterdir()) == before
-    assert main(["head", "--checkpoint", str(tmp_path / "no-run"), "--out", str(tmp_path / "x")]) == 1
+    assert main(["head", "--checkpoint", str(tmp_path / "no-run"), "--out", str(tmp_path / "x")]) == 2
     assert not (tmp_path / "x").exists()

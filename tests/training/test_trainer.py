@@ -108,7 +108,7 @@ def _cli(*args):
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--set", "optim.lr=abc"], "error: optim.lr: expected float, got 'abc'"),
+    (["--set", "optim.lr=abc"], "error: --set optim.lr: expected float, got 'abc'"),
     (["--set", "optm.lr=1"], "error: --set: unknown section 'optm'"),
     (["--config", "does/not/exist.yaml"], "error: config file not found: does/not/exist.yaml"),
     (["--set", "mesh.data=3", "--set", "mesh.fsdp=5"], "error: mesh: data*fsdp*tp = 3*5*1 = 15, but there are"),
