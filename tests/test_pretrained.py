@@ -1,0 +1,75 @@
+"""The shipped head `smollm2-135m-instruct-clover2`: found by name everywhere, reference-format files, and an
+acceptance floor on real MT-Bench prompts (a drafting bug that rejects every draft fails here, not only speed)."""
+
+import json
+
+import numpy as np
+import pytest
+
+from clover_jax import generate, pretrained
+from clover_jax.heads.draft_vocab import head_draft_vocab
+from clover_jax.heads.loading import load_head
+from clover_jax.io.prompts import questions_path
+
+NAME = "smollm2-135m-instruct-clover2"
+# tau of the shipped head on FLOOR_PROMPTS (greedy, chain-4, 64 new tokens, batch 1) was TAU_MEASURED when it was
+# shipped (see its model card); the floor leaves room for float noise across machines, not for a broken drafter.
+TAU_MEASURED = 1.31  # hist [150, 31, 9, 1, 2] over 193 steps, 2026-11-23
+TAU_FLOOR = 1.2
+FLOOR_PROMPTS = 4  # the first MT-Bench question of 4 categories
+
+
+def test_registry_resolves_names_and_paths(tmp_path):
+    path = pretrained.head_path(NAME)
+    assert path == pretrained.PRETRAINED_DIR / NAME and (path / "config.json").is_file()
+    assert pretrained.head_path(NAME.upper()) == path
+    assert pretrained.head_path(str(tmp_path)) == tmp_path  # anything else is a path
+    assert pretrained.default_head("smollm2-135m-instruct") == NAME
+    assert pretrained.default_head("some/other/model") is None
+    assert pretrained.default_tree(NAME) == "chain-3" and pretrained.default_tree(str(tmp_path)) is None
+
+
+def test_unknown_head_is_a_clear_error(smollm):
+    with pytest.raises(FileNotFoundError, match="neither a folder nor a registered head.*" + NAME):
+        load_head("smollm2-135m-instruct-clover9", smollm.model)
+
+
+def test_shipped_files_are_reference_format_and_small():
+    from safetensors import safe_open
+
+    path = pretrained.head_path(NAME)
+    meta = json.loads((path / "config.json").read_text())
+    assert meta["head_type"] == "clover2" and meta["base_model"]["name_or_path"] == "smollm2-135m-instruct"
+    # the reference's Augmenting-Block RoPE, recorded explicitly
+    assert meta["rope_theta"] == 10000.0 and meta["rope_follows_base"] is False and meta["rope_scaling"] is None
+    size = sum(f.stat().st_size for f in path.iterdir())
+    assert size < 40 * 2**20, f"the shipped head folder is {size / 2**20:.1f} MiB"
+    with safe_open(str(path / "model.safetensors"), framework="numpy") as f:
+        names = set(f.keys())
+        assert str(f.get_slice("clover_head_mlp.weight").get_dtype()).lower() in ("f16", "float16")
+    assert {"clover_head_mlp.weight", "clover_head_mlp2.weight", "layers.1.mlp.down_proj.weight"} <= names
+    # the frozen copies of the base's lm_head are left out (the model card says why); export adds them back
+    assert not names & {"lm_head.weight", "clover_embed_tokens.weight"}
+    ids = head_draft_vocab(NAME)
+    assert ids is not None and len(ids) == 8192 and np.all(np.diff(ids) > 0)
+    card = (path / "README.md").read_text()
+    assert "tau" in card and "rope_theta" in card and "configs/smollm2-135m-clover2-shipped.yaml" in card
+
+
+@pytest.mark.slow
+def test_shipped_head_accepts_drafts_and_is_exact(smollm):
+    """Greedy, chain-4, 64 tokens, 4 MT-Bench prompts one at a time: output == autoregressive, tau >= floor."""
+    rows = [json.loads(line) for line in questions_path("mt_bench").read_text().splitlines() if line.strip()]
+    first_of = {}
+    for r in rows:
+        first_of.setdefault(r["category"], r["turns"][0])
+    firsts = list(first_of.values())[:FLOOR_PROMPTS]
+    hist = None
+    for p in firsts:
+        ar = generate(smollm, [p], max_new_tokens=64)
+        sp = generate(smollm, [p], max_new_tokens=64, mode="speculative", head=NAME, tree="chain-4")
+        assert sp.token_ids == ar.token_ids
+        h = np.asarray(sp.stats["accept_hist"])
+        hist = h if hist is None else hist + h
+    tau = float((hist * np.arange(1, len(hist) + 1)).sum() / hist.sum())
+    assert tau >= TAU_FLOOR, f"tau {tau:.3f} fell below the floor {TAU_FLOOR} (measured {TAU_MEASURED} when shipped)"
