@@ -96,8 +96,12 @@ class Clover2Drafter:
         """The drafter's arrays (tree buffers, draft-vocabulary ids), to pass into a jitted loop as an argument
         and on to `init_state`: arrays closed over in a jitted function become constants of its program, which
         XLA folds and copies at every compile."""
-        ids = None if self.draft_vocab is None else jnp.asarray(self.draft_vocab, jnp.int32)
-        return {"buffers": jax.tree.map(jnp.asarray, self.buffers), "vocab_ids": ids}
+        cached = self.__dict__.get("_arrays")
+        if cached is None:  # built once per drafter (drafters are cached per tree and vocabulary), not per call
+            ids = None if self.draft_vocab is None else jnp.asarray(self.draft_vocab, jnp.int32)
+            cached = {"buffers": jax.tree.map(jnp.asarray, self.buffers), "vocab_ids": ids}
+            object.__setattr__(self, "_arrays", cached)
+        return cached
 
     def init_state(self, head: Clover2Head, base, batch: int, cache_size: int, arrays: dict | None = None
                    ) -> Clover2State:
