@@ -42,7 +42,7 @@ def source_kind(source: str) -> str:
     if source == "sharegpt":
         return "sharegpt"
     low = source.lower()
-    if low.endswith(".jsonl"):
+    if low.endswith((".jsonl", ".jsonl.gz")):
         return "jsonl"
     if low.endswith(".json"):
         return "json"
@@ -149,9 +149,10 @@ class ModelConfig(_Section):
 @dataclasses.dataclass(frozen=True)
 class HeadConfig(_Section):
     _name = "head"
-    type: Literal["clover2"] = "clover2"
-    num_heads: int = 5  # tokens drafted per step: head 0 + 4 RNN steps
-    num_aug_layers: int = 2  # decoder layers in the Augmenting Block
+    type: str = "clover2"  # a registered head type (clover_jax.heads.registry): clover2, medusa
+    num_heads: int = 5  # depths drafted per step (Clover-2: head 0 + 4 RNN steps; Medusa: 5 heads)
+    num_aug_layers: int = 2  # Clover-2: decoder layers in the Augmenting Block
+    num_layers: int = 1  # Medusa: residual blocks per head (the reference's medusa_num_layers)
     embed_source: Literal["lm_head", "input"] = "lm_head"  # reference: E = copy(W_lm)
     # Augmenting-Block RoPE: a number = plain RoPE with that base; the default is the reference's 10000 (its
     # layers ignore the base's rope_theta), so exported heads compute the same function in the reference code.
@@ -159,8 +160,12 @@ class HeadConfig(_Section):
     rope_theta: Optional[float] = 10000.0
 
     def _validate(self):
+        from clover_jax.heads.registry import names
+
+        self._need(self.type in names(), "type", f"must be a registered head type ({', '.join(names())})")
         self._need(self.num_heads >= 1, "num_heads", "must be >= 1")
         self._need(self.num_aug_layers >= 1, "num_aug_layers", "must be >= 1")
+        self._need(self.num_layers >= 1, "num_layers", "must be >= 1")
         self._need(self.rope_theta is None or self.rope_theta > 0, "rope_theta", "must be > 0")
 
 

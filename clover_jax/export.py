@@ -94,8 +94,8 @@ def export_head_from_run(run_dir, out, *, step=None, model=None, include_embeddi
     loaded = load_model(base_name, with_tokenizer=False)
     head = load_head_from_run(run_dir, loaded.model, step=step)
     card = default_model_card(head, base_name) + (
-        f"\n## Training\n\nDistilled from `{base_name}` with clover_jax for {step} steps "
-        f"(Clover-2 loss: SmoothL1 to the base hidden state + soft cross-entropy to the base distribution).\n")
+        f"\n## Training\n\nDistilled from `{base_name}` with clover_jax for {step} steps (the head type's loss: "
+        f"soft cross-entropy to the base distribution, plus for Clover-2 a SmoothL1 regression to its hidden state).\n")
     out = export_head(head, out, base=loaded.model, base_name=base_name, include_embedding=include_embedding,
                       model_card=card, extra_config={"training_step": step}, overwrite=overwrite,
                       dtype=_np_dtype(dtype))

@@ -59,11 +59,7 @@ _RULES: dict[str, tuple] = {
     "b_gate": ("tp",),  # [F]
     "b_up": ("tp",),  # [F]
     "b_down": (None,),  # [D]
-    # Clover-2 head: attention decoders AD1/AD2 (output dim split into heads), FC0, FCout
-    "ad1_wq": ("fsdp", "tp"), "ad1_wk": ("fsdp", "tp"), "ad1_wv": ("fsdp", "tp"),  # [D, D]
-    "ad2_wq": ("fsdp", "tp"), "ad2_wk": ("fsdp", "tp"), "ad2_wv": ("fsdp", "tp"),  # [D, D]
-    "fc0_w": ("fsdp", "tp"),  # [D, D]
-    "fcout_w": ("fsdp", "tp"),  # [2D, D]
+    # draft heads add their own rules through the head registry (`HeadType.sharding_rules`)
 }
 
 
@@ -160,6 +156,10 @@ def leaf_name(path) -> str | None:
 def spec_for(name: str | None, shape: Sequence[int], mesh: Mesh) -> P:
     """The partition spec of a leaf named `name` with `shape` on `mesh` (non-dividing axes dropped)."""
     rule = _RULES.get(name or "")
+    if rule is None:
+        from clover_jax.heads.registry import sharding_rules
+
+        rule = sharding_rules().get(name or "")
     ndim = len(shape)
     if rule is None or ndim < len(rule):
         return P()

@@ -154,12 +154,9 @@ def drafter_for(head_type: type, tree_key, draft_vocab=None) -> object:
 @functools.lru_cache(maxsize=32)
 def _drafter_for(head_type: type, tree_key, draft_vocab) -> object:
     from clover_jax.decoding.tree import get_tree
-    from clover_jax.heads.clover2 import Clover2Head
-    from clover_jax.heads.clover2_draft import Clover2Drafter
+    from clover_jax.heads import registry
 
-    if issubclass(head_type, Clover2Head):
-        return Clover2Drafter(get_tree(tree_key), draft_vocab=draft_vocab)
-    raise TypeError(f"no drafter for head type {head_type.__name__}")
+    return registry.of_head(head_type).make_drafter(get_tree(tree_key), draft_vocab)
 
 
 def spec_generate(base, head, prompt, prompt_lengths, *, max_new_tokens: int, cache_size: int | None,

@@ -8,7 +8,7 @@ from pathlib import Path
 
 
 def load_head(path, base, step: int | None = None):
-    """Loads a Clover-2 head for `base` from a registered name (`clover_jax.pretrained`, e.g.
+    """Loads a draft head (any registered type) for `base` from a registered name (`clover_jax.pretrained`, e.g.
     'smollm2-135m-instruct-clover2'), an exported head folder (config.json with `head_type`) or a training run
     directory (Orbax checkpoints; the latest step unless `step` is given)."""
     from clover_jax import pretrained

@@ -31,8 +31,9 @@ class ExportError(InputError):
 
 
 # --------------------------------------------------------------------------- writing safetensors
-def write_safetensors(tensors: dict[str, np.ndarray], out_dir: Path, max_shard_bytes: int = DEFAULT_SHARD_BYTES):
-    """`model.safetensors`, or `model-0000i-of-0000n.safetensors` + index above `max_shard_bytes`."""
+def write_safetensors(tensors: dict[str, np.ndarray], out_dir: Path, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+                      filename: str = "model.safetensors"):
+    """`filename` (model.safetensors), or `model-0000i-of-0000n.safetensors` + index above `max_shard_bytes`."""
     from safetensors.numpy import save_file
 
     names = sorted(tensors)
@@ -47,7 +48,7 @@ def write_safetensors(tensors: dict[str, np.ndarray], out_dir: Path, max_shard_b
         size += nbytes
     meta = {"format": "pt"}
     if len(shards) == 1:
-        save_file({n: np.ascontiguousarray(tensors[n]) for n in names}, str(out_dir / "model.safetensors"), metadata=meta)
+        save_file({n: np.ascontiguousarray(tensors[n]) for n in names}, str(out_dir / filename), metadata=meta)
         return
     weight_map = {}
     for i, shard in enumerate(shards, 1):
@@ -228,57 +229,75 @@ def head_config_dict(head, base_name: str | None = None, extra: dict | None = No
 def export_head(head, out_dir, *, base=None, base_name: str | None = None, include_embedding: bool = True,
                 include_lm_head: bool | None = None, model_card: str | None = None, extra_config: dict | None = None,
                 max_shard_bytes: int = DEFAULT_SHARD_BYTES, overwrite: bool = False, dtype=np.float32) -> Path:
-    """Writes a hub-ready head folder: model.safetensors (+ index), config.json, README.md.
+    """Writes a hub-ready head folder of any registered head type: safetensors under the reference project's
+    names, config.json (with `head_type`), README.md.
 
-    `include_lm_head` (default: as `include_embedding`) writes the base `lm_head.weight` too; `dtype` is the
-    tensors' storage type (float32, float16 or bfloat16 via ml_dtypes)."""
+    `include_embedding` writes the frozen tensors the reference module holds as copies of the base's (Clover-2:
+    `clover_embed_tokens.weight`; `include_lm_head`, default as `include_embedding`: the base `lm_head.weight`);
+    `dtype` is the tensors' storage type (float32, float16 or bfloat16 via ml_dtypes)."""
+    from clover_jax.heads import registry
+
+    ht = registry.of_head(head)
     include_lm_head = include_embedding if include_lm_head is None else include_lm_head
-    tensors = {k: v.astype(dtype) for k, v in
-               head_to_reference(head, base, include_embedding, include_lm_head).items()}
+    tensors = {k: v.astype(dtype) for k, v in ht.to_reference(head, base, include_embedding, include_lm_head).items()}
     with _AtomicDir(out_dir, overwrite) as tmp:
-        write_safetensors(tensors, tmp, max_shard_bytes)
-        (tmp / "config.json").write_text(json.dumps(head_config_dict(head, base_name, extra_config), indent=2))
+        write_safetensors(tensors, tmp, max_shard_bytes, getattr(ht, "weights_file", None) or "model.safetensors")
+        (tmp / "config.json").write_text(json.dumps(ht.config_dict(head, base_name, extra_config), indent=2))
         (tmp / "README.md").write_text(model_card or default_model_card(head, base_name))
     return Path(out_dir)
 
 
 def default_model_card(head, base_name: str | None) -> str:
-    c = head.cfg
+    from clover_jax.heads import registry
+
+    ht = registry.of_head(head)
+    fields = ", ".join(f"{k}={getattr(head.cfg, k)}" for k in ht.fields)
     return f"""---
 library_name: clover_jax
-tags: [speculative-decoding, clover-2, draft-head, jax]
+tags: [speculative-decoding, {ht.name}, draft-head, jax]
 ---
-# Clover-2 draft head for `{base_name or 'its base model'}`
+# {ht.name} draft head for `{base_name or 'its base model'}`
 
-A Clover-2 draft head ({c.num_heads} heads, {c.num_aug_layers} augmenting layers) for speculative decoding with
-[clover_jax](https://github.com/). Tensors use the reference Clover-2 parameter names (torch `[out, in]` layouts).
+{ht.description} ({fields}), for speculative decoding with clover_jax. Tensors use the reference project's
+parameter names (torch `[out, in]` layouts).
 
 ```python
 import clover_jax
-from clover_jax.io.export import import_head
 lm = clover_jax.load_model("{base_name or 'BASE_MODEL'}")
-head = import_head("THIS_FOLDER", lm.model)
-out = clover_jax.generate(lm, ["Hello!"], mode="speculative", head=head)
+out = clover_jax.generate(lm, ["Hello!"], mode="speculative", head="THIS_FOLDER")
 ```
 """
 
 
 def import_head(path, base, *, dtype=None):
-    """Loads an exported head folder for `base`; a folder that is not a head or does not match the base is an error."""
-    from clover_jax.heads.clover2 import Clover2Config, Clover2Head, check_compatible
+    """Loads an exported head folder (any registered `head_type`) for `base`; a folder that is not a head or does
+    not match the base is an error."""
+    from clover_jax.heads import registry
 
     path = Path(path)
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         raise ExportError(f"{path}: no config.json: not a draft-head folder")
     meta = json.loads(cfg_file.read_text())
-    if meta.get("head_type") != HEAD_TYPE:
-        raise ExportError(f"{path}: config.json has head_type={meta.get('head_type')!r}, expected {HEAD_TYPE!r} "
+    kind = meta.get("head_type")
+    if kind not in registry.names():
+        raise ExportError(f"{path}: config.json has head_type={kind!r}, expected one of {registry.names()} "
                           "(is this a base-model folder?)")
     bc = base.config
     for key in ("hidden_size", "vocab_size"):
         if meta.get(key) != getattr(bc, key):
             raise ExportError(f"{path}: head {key}={meta.get(key)} does not match the base model's {getattr(bc, key)}")
+    ht = registry.get(kind)
+    head = ht.from_reference(path, meta, base, dtype)
+    ht.check_compatible(head, bc)
+    return head
+
+
+def clover2_from_reference(path, meta, base, dtype=None):
+    """A Clover-2 head from an exported folder (reference `Clover2Model` names); `meta` is its config.json."""
+    from clover_jax.heads.clover2 import Clover2Config, Clover2Head
+
+    bc = base.config
     # rope_theta null (older exports) or rope_follows_base: the base model's RoPE; else plain RoPE, that base
     rope_theta = None if meta.get("rope_follows_base") or meta.get("rope_theta") is None else float(meta["rope_theta"])
     cfg = Clover2Config(num_heads=int(meta["num_heads"]), num_aug_layers=int(meta["num_layers"]),
@@ -308,6 +327,4 @@ def import_head(path, base, *, dtype=None):
         return jnp.asarray(arr, abs_leaf.dtype)
 
     nnx.replace_by_pure_dict(state, jax.tree.map(place, nnx.to_pure_dict(state), pure))
-    head = nnx.merge(graphdef, state)
-    check_compatible(head, bc)
-    return head
+    return nnx.merge(graphdef, state)

@@ -29,10 +29,10 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from clover_jax.heads.clover2 import _COMPAT_FIELDS, Clover2Config, Clover2Head
+from clover_jax.heads import registry
+from clover_jax.heads.clover2 import _COMPAT_FIELDS
 from clover_jax.models.config import LlamaConfig
 
-HEAD_FIELDS = ("num_heads", "num_aug_layers", "embed_source", "rope_theta")
 FORMAT_VERSION = 1
 
 
@@ -41,15 +41,14 @@ class CheckpointError(RuntimeError):
 
 
 # --------------------------------------------------------------------------------------------- metadata
-def head_metadata(head_cfg: Clover2Config, base_config: LlamaConfig, base_name: str) -> dict[str, Any]:
-    """JSON description of a head: type, config, and the base model it belongs to (name and dims)."""
-    hc = {k: getattr(head_cfg, k) for k in HEAD_FIELDS}
-    hc["dtype"] = jnp.dtype(head_cfg.dtype).name
-    hc["param_dtype"] = jnp.dtype(head_cfg.param_dtype).name
+def head_metadata(head_cfg, base_config: LlamaConfig, base_name: str) -> dict[str, Any]:
+    """JSON description of a head: type, config (`HeadType.fields` + dtypes), and the base model it belongs to
+    (name and dims)."""
+    ht = registry.of_config(head_cfg)
     base = {k: getattr(base_config, k) for k in _COMPAT_FIELDS}
     base.update(num_hidden_layers=base_config.num_hidden_layers, rms_norm_eps=base_config.rms_norm_eps,
                 rope_theta=base_config.rope_theta, tie_word_embeddings=base_config.tie_word_embeddings)
-    return {"format_version": FORMAT_VERSION, "head_type": "clover2", "head_config": hc,
+    return {"format_version": FORMAT_VERSION, "head_type": ht.name, "head_config": ht.config_to_meta(head_cfg),
             "base_model": str(base_name), "base_dims": base}
 
 
@@ -58,8 +57,9 @@ def check_head_metadata(saved: dict[str, Any], current: dict[str, Any], where: s
     if saved.get("head_type") != current["head_type"]:
         raise CheckpointError(f"{where}: incompatible checkpoint: head type {saved.get('head_type')!r}, "
                               f"this run trains {current['head_type']!r}")
+    fields = registry.get(current["head_type"]).fields
     for section, what in (("head_config", "head config"), ("base_dims", "base model")):
-        keys = HEAD_FIELDS if section == "head_config" else _COMPAT_FIELDS
+        keys = fields if section == "head_config" else _COMPAT_FIELDS
         s, c = saved.get(section, {}), current[section]
         for k in keys:
             if s.get(k) != c[k]:
@@ -67,12 +67,10 @@ def check_head_metadata(saved: dict[str, Any], current: dict[str, Any], where: s
                                       f"checkpoint but {c[k]!r} in this run")
 
 
-def head_config_from_metadata(meta: dict[str, Any], dtype=None, remat: bool = False) -> Clover2Config:
-    hc = meta["head_config"]
-    return Clover2Config(num_heads=hc["num_heads"], num_aug_layers=hc["num_aug_layers"],
-                         embed_source=hc["embed_source"], rope_theta=hc["rope_theta"],
-                         dtype=jnp.dtype(dtype or hc.get("dtype", "float32")),
-                         param_dtype=jnp.dtype(hc.get("param_dtype", "float32")), remat=remat)
+def head_config_from_metadata(meta: dict[str, Any], dtype=None, remat: bool = False):
+    """The head config saved by `head_metadata` (of the head type it names)."""
+    return registry.get(meta.get("head_type", "clover2")).config_from_meta(meta["head_config"], dtype=dtype,
+                                                                          remat=remat)
 
 
 # ------------------------------------------------------------------------------------------ fingerprints
@@ -286,8 +284,8 @@ def checkpoint_dir_of(run_dir: str | Path) -> Path:
 
 
 def load_head_from_run(run_dir: str | Path, base, step: int | None = None, *, dtype=None,
-                       shardings=None) -> Clover2Head:
-    """The Clover-2 head of a training run (latest step unless `step`), checked against `base`'s dims.
+                       shardings=None):
+    """The draft head of a training run (latest step unless `step`), checked against `base`'s dims.
 
     `shardings` (optional) is a pytree of `NamedSharding` for the head's pure param dict; by default the
     parameters land on the default device. `dtype` overrides the saved compute dtype.
@@ -298,15 +296,16 @@ def load_head_from_run(run_dir: str | Path, base, step: int | None = None, *, dt
         meta = ckpt.read_meta(step)
         where = str(ckpt.step_dir(step))
         saved = meta["head"]
-        if saved.get("head_type") != "clover2":
-            raise CheckpointError(f"{where}: head type {saved.get('head_type')!r} is not 'clover2'")
+        if saved.get("head_type") not in registry.names():
+            raise CheckpointError(f"{where}: head type {saved.get('head_type')!r} is not one of {registry.names()}")
+        ht = registry.get(saved["head_type"])
         bd = saved["base_dims"]
         for k in _COMPAT_FIELDS:
             if bd.get(k) != getattr(base.config, k):
                 raise CheckpointError(f"{where}: the head was trained for a base model with {k}={bd.get(k)!r}, "
                                       f"this base model has {k}={getattr(base.config, k)!r}")
         hcfg = head_config_from_metadata(saved, dtype=dtype)
-        abstract = nnx.eval_shape(lambda: Clover2Head(base.config, hcfg, rngs=nnx.Rngs(0)))
+        abstract = nnx.eval_shape(lambda: ht.module_cls(base.config, hcfg, rngs=nnx.Rngs(0)))
         graphdef, state = nnx.split(abstract)
         pure = nnx.to_pure_dict(state)
         if shardings is None:

@@ -69,6 +69,16 @@ def _logits(x: jax.Array, lm_head: jax.Array) -> jax.Array:
     return jnp.einsum("...D,DV->...V", x.astype(lm_head.dtype), lm_head, preferred_element_type=jnp.float32)
 
 
+def _student_logits(o: jax.Array, lm_head: jax.Array, student_proj: jax.Array | None) -> jax.Array:
+    """float32 student logits `[nh, ..., V]` of head outputs `o [nh, ..., D]`: through the shared frozen
+    `lm_head [D, V]` (Clover-2), or through each head's own trainable projection `student_proj [nh, D, V]`
+    (Medusa)."""
+    if student_proj is None:
+        return _logits(o, lm_head)
+    return jnp.einsum("n...D,nDV->n...V", o.astype(student_proj.dtype), student_proj,
+                      preferred_element_type=jnp.float32)
+
+
 def label_in_top(probs: jax.Array, labels: jax.Array, top_k: int, top_p: float) -> jax.Array:
     """Reference `get_id_mask`: is `labels [...]` among the top-k of `probs [..., V]`, keeping the
     sorted entries whose cumulative mass *before* them is <= top_p (so the first always stays)."""
@@ -77,7 +87,7 @@ def label_in_top(probs: jax.Array, labels: jax.Array, top_k: int, top_p: float) 
     return jnp.any(keep & (idx == labels[..., None]), axis=-1)
 
 
-def _vocab_terms(outputs, h, y, lm_head, cfg: LossConfig):
+def _vocab_terms(outputs, h, y, lm_head, cfg: LossConfig, student_proj=None):
     """V-sized per-position terms, chunked over positions.
 
     Returns (ce [nh, B, T] float32, match [nh, B, T] bool (student argmax == teacher argmax),
@@ -99,7 +109,7 @@ def _vocab_terms(outputs, h, y, lm_head, cfg: LossConfig):
         t_prob = jax.nn.softmax(t_logits, axis=-1)
         t_arg = jnp.argmax(t_logits, axis=-1)  # [B, C+nh]
         ow = jax.lax.dynamic_slice_in_dim(o_pad, start, c, axis=2)  # [nh, B, C, D]
-        s_logp = jax.nn.log_softmax(_logits(ow, lm_head), axis=-1)  # [nh, B, C, V]
+        s_logp = jax.nn.log_softmax(_student_logits(ow, lm_head, student_proj), axis=-1)  # [nh, B, C, V]
         p_tgt = jnp.stack([t_prob[:, 1 + i:1 + i + c] for i in range(nh)])  # P_{t+i}: [nh, B, C, V]
         ce = -jnp.sum(p_tgt * s_logp, axis=-1)  # [nh, B, C]
         tgt_arg = jnp.stack([t_arg[:, 1 + i:1 + i + c] for i in range(nh)])  # [nh, B, C]
@@ -121,7 +131,7 @@ def _vocab_terms(outputs, h, y, lm_head, cfg: LossConfig):
 
 
 def kd_loss(outputs: jax.Array, teacher_hidden: jax.Array, tokens: jax.Array, loss_mask: jax.Array,
-            valid: jax.Array, lm_head: jax.Array, cfg: LossConfig = LossConfig()):
+            valid: jax.Array, lm_head: jax.Array, cfg: LossConfig = LossConfig(), student_proj=None):
     """The Clover-2 loss from head outputs and base outputs (no model needed).
 
     Args:
@@ -130,7 +140,8 @@ def kd_loss(outputs: jax.Array, teacher_hidden: jax.Array, tokens: jax.Array, lo
       teacher_hidden: `[B, T, D]` the base's post-final-norm hidden states h_t (aligned with tokens).
       tokens: `[B, T]` the sequence x (used by the label mask only).
       loss_mask: `[B, T]` 1 on trained (assistant) positions; valid: `[B, T]` right-padding mask.
-      lm_head: `[D, V]` frozen output projection.
+      lm_head: `[D, V]` frozen output projection (the teacher's; the student's too unless `student_proj`).
+      student_proj: optional `[num_heads, D, V]` per-head trainable output projections (Medusa).
 
     Returns:
       `(loss, metrics)`; metrics hold per-head arrays `[num_heads]`: vloss, ploss, acc (top-1 vs the
@@ -144,7 +155,7 @@ def kd_loss(outputs: jax.Array, teacher_hidden: jax.Array, tokens: jax.Array, lo
     y = jnp.concatenate([tokens[:, 1:], jnp.zeros((b, 1), tokens.dtype)], axis=1)  # x_{t+1}
     lm = trained_positions(loss_mask, valid)  # [B, T]; the target h_{t+1} exists
 
-    ce, match, cor = _vocab_terms(outputs, h, y, lm_head, cfg)
+    ce, match, cor = _vocab_terms(outputs, h, y, lm_head, cfg, student_proj)
     base_masks = [_shift(lm, i) for i in range(nh)]  # m^i_t = lm[t+i]
     masks, lbl = [], cor
     for i in range(nh):
@@ -188,8 +199,9 @@ def trained_positions(loss_mask, valid):
 
 
 def kd_loss_packed(outputs: jax.Array, teacher_hidden: jax.Array, loss_mask: jax.Array, valid: jax.Array,
-                   lm_head: jax.Array, index: jax.Array, cfg: LossConfig = LossConfig()):
-    """`kd_loss` with the V-sized terms computed only at listed positions (vocabulary packing).
+                   lm_head: jax.Array, index: jax.Array, cfg: LossConfig = LossConfig(), student_proj=None):
+    """`kd_loss` with the V-sized terms computed only at listed positions (vocabulary packing); `student_proj`
+    as in `kd_loss`.
 
     The regression term runs over every trained position as in `kd_loss`. The soft cross-entropy and the
     accuracies run over `index [B, K]`: per row, K trained positions u (`lm[u]`, -1 = empty slot). Head i
@@ -225,7 +237,7 @@ def kd_loss_packed(outputs: jax.Array, teacher_hidden: jax.Array, loss_mask: jax
     starts = jnp.stack([u - i for i in range(nh)])  # [nh, B, K]
     pm = listed[None] & (starts >= 0)  # head i at t = u - i inside the row
     o = jnp.stack([take(outputs[i], jnp.maximum(starts[i], 0)) for i in range(nh)])  # [nh, B, K, D]
-    s_logp = jax.nn.log_softmax(_logits(o, lm_head), axis=-1)  # [nh, B, K, V]
+    s_logp = jax.nn.log_softmax(_student_logits(o, lm_head, student_proj), axis=-1)  # [nh, B, K, V]
     ce = -jnp.sum(t_prob[None] * s_logp, axis=-1)  # [nh, B, K]
     match = pm & (jnp.argmax(s_logp, axis=-1) == t_arg[None])
     p_count = jnp.sum(pm, axis=(1, 2)).astype(jnp.float32)

@@ -53,12 +53,16 @@ def self_distilled_conversations(cfg, loaded, convs=None, progress: bool = True)
 def export_chat_file(cache_path, out_path) -> int:
     """Writes the cached replies as a chat JSONL file (`{"id", "messages"}` per line); returns the count.
 
-    Lets a run train on whatever part of the cache is done (e.g. after stopping a long generation).
+    Lets a run train on whatever part of the cache is done (e.g. after stopping a long generation). A name
+    ending in `.gz` is written gzip-compressed (`data.source` reads `.jsonl.gz`), small enough to keep the
+    replies in a repository so they are generated once.
     """
+    import gzip
     import json
 
     cache = SelfDistillCache(cache_path)
-    with open(out_path, "w") as f:
+    gz = str(out_path).endswith(".gz")
+    with (gzip.open(out_path, "wt", encoding="utf-8") if gz else open(out_path, "w", encoding="utf-8")) as f:
         for rec in cache.records.values():
             msgs = list(rec["prompt"]) + [{"role": "assistant", "content": rec["response"]}]
             f.write(json.dumps({"id": rec["id"], "messages": msgs}) + "\n")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import gzip
 import importlib.metadata
 import json
 import logging
@@ -159,14 +160,15 @@ def read_sharegpt(path: str | Path | None = None, limit: int | None = None,
 
 def read_chat_file(path: str | Path, limit: int | None = None,
                    dropped: collections.Counter | None = None) -> list[Conversation]:
-    """A .json array or .jsonl file of ShareGPT-style (`conversations: [{from, value}]`) or OpenAI-style
-    (`messages: [{role, content}]`) records."""
+    """A .json array or .jsonl (or gzip-compressed .jsonl.gz) file of ShareGPT-style (`conversations: [{from,
+    value}]`) or OpenAI-style (`messages: [{role, content}]`) records."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"data file not found: {path}")
-    if path.suffix.lower() == ".jsonl":
+    gz = path.name.lower().endswith(".jsonl.gz")
+    if path.suffix.lower() == ".jsonl" or gz:
         def records():
-            with path.open(encoding="utf-8") as f:
+            with (gzip.open(path, "rt", encoding="utf-8") if gz else path.open(encoding="utf-8")) as f:
                 for line_no, line in enumerate(f, 1):
                     if line.strip():
                         try:
@@ -176,7 +178,7 @@ def read_chat_file(path: str | Path, limit: int | None = None,
         return _conversations(records(), str(path), limit, dropped)
     if path.suffix.lower() == ".json":
         return _conversations(iter_json_array(path), str(path), limit, dropped)
-    raise DataError(f"{path}: unknown format, expected .json or .jsonl")
+    raise DataError(f"{path}: unknown format, expected .json, .jsonl or .jsonl.gz")
 
 
 def read_hf_dataset(directory: str | Path, limit: int | None = None,

@@ -30,9 +30,8 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from clover_jax.heads.clover2 import Clover2Config
 from clover_jax.parallel import BATCH_AXES
-from clover_jax.training.loss import LossConfig, clover2_loss, clover2_loss_from_features, trained_positions
+from clover_jax.training.loss import LossConfig, base_features, trained_positions
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 SUM_KEYS = ("v_sum", "p_sum", "correct", "chain_correct", "count", "p_count", "chain_count")
@@ -48,11 +47,11 @@ def loss_config(loss_cfg, vocab_size: int) -> LossConfig:
                       label_top_p=loss_cfg.label_mask_topp or 1.0)
 
 
-def head_config(cfg) -> Clover2Config:
-    """The head's `Clover2Config` from an `ExperimentConfig` (params fp32; compute dtype train.compute_dtype)."""
-    return Clover2Config(num_heads=cfg.head.num_heads, num_aug_layers=cfg.head.num_aug_layers,
-                         embed_source=cfg.head.embed_source, rope_theta=cfg.head.rope_theta,
-                         dtype=DTYPES[cfg.train.compute_dtype], param_dtype=jnp.float32, remat=cfg.train.remat)
+def head_config(cfg):
+    """The head's config (of the registered type `cfg.head.type`) from an `ExperimentConfig`."""
+    from clover_jax.heads import registry
+
+    return registry.get(cfg.head.type).from_experiment(cfg)
 
 
 def make_schedule(optim_cfg, total_steps: int) -> optax.Schedule:
@@ -135,18 +134,21 @@ def _split_micro(batch: dict[str, jax.Array], accum: int, mesh=None) -> dict[str
 
 # ------------------------------------------------------------------------------------------------- steps
 def make_loss_fn(head_graphdef, base_graphdef, loss_cfg: LossConfig, vocab_ids=None) -> Callable:
-    """(params, base_state, batch) -> (loss, kd_loss metrics): the Clover-2 loss, with the base run online
-    or, when the batch carries `features` (the base's cached pre-norm hidden states), from those.
-    `vocab_ids` (a draft vocabulary, or None for the full one) restricts the cross-entropy to those tokens."""
+    """(params, base_state, batch) -> (loss, kd_loss metrics): the head type's loss (`HeadType.loss_from_features`),
+    with the base run online or, when the batch carries `features` (the base's cached pre-norm hidden states),
+    from those. `vocab_ids` (a draft vocabulary, or None for the full one) restricts the cross-entropy."""
+    from clover_jax.heads import registry
+
     def forward(params, base_state, batch):
         head = nnx.merge(head_graphdef, params)
         base = nnx.merge(base_graphdef, base_state)
-        args = (batch["tokens"], batch["loss_mask"], batch["valid"], loss_cfg)
-        kw = dict(index=batch.get("loss_index"), vocab_ids=vocab_ids)
         if "features" in batch:
             f = batch["features"].astype(base.dtype)  # stored in bfloat16; the online path's dtype
-            return clover2_loss_from_features(head, base, f, *args, **kw)
-        return clover2_loss(head, base, *args, **kw)
+        else:
+            f = base_features(base, batch["tokens"], batch["valid"])
+        return registry.of_head(head).loss_from_features(
+            head, base, f, batch["tokens"], batch["loss_mask"], batch["valid"], loss_cfg,
+            index=batch.get("loss_index"), vocab_ids=vocab_ids)
     return forward
 
 

@@ -32,7 +32,7 @@ from flax import nnx
 
 from clover_jax import parallel
 from clover_jax.config import ConfigError
-from clover_jax.heads.clover2 import check_compatible, init_from_base
+from clover_jax.heads import registry
 from clover_jax.training import steps as steps_lib
 from clover_jax.training.checkpoint import Checkpointer, CheckpointError, head_metadata, to_jsonable
 from clover_jax.training.loss import pack_positions
@@ -164,16 +164,20 @@ def _same_sharding(x, sharding) -> bool:
 # ------------------------------------------------------------------------------------------------ trainer
 def warm_start(head, source: str, base):
     """`head` with the parameters of the head at `source` (a registered name, an exported folder or a run dir,
-    see `load_head`); the two must have the same configuration (heads, Augmenting-Block layers, RoPE)."""
+    see `load_head`); the two must be of the same type and architecture (`HeadType.fields`)."""
     from clover_jax.heads.loading import load_head
 
     try:
         other = load_head(source, base)
     except FileNotFoundError as e:
         raise ConfigError(f"train.init_head_from: {e}") from None
-    check_compatible(other, base.config)
+    mine_t, theirs_t = registry.of_head(head), registry.of_head(other)
+    if mine_t is not theirs_t:
+        raise ConfigError(f"train.init_head_from: {source} is a {theirs_t.name} head, this config trains "
+                          f"head.type = {mine_t.name!r}")
+    theirs_t.check_compatible(other, base.config)
     mine, theirs = head.cfg, other.cfg
-    for name in ("num_heads", "num_aug_layers", "embed_source", "rope_theta"):
+    for name in mine_t.fields:
         if getattr(mine, name) != getattr(theirs, name):
             raise ConfigError(f"train.init_head_from: {source} has head.{name} = {getattr(theirs, name)!r}, "
                               f"this config has {getattr(mine, name)!r}")
@@ -184,7 +188,8 @@ def warm_start(head, source: str, base):
 
 
 class Trainer:
-    """A Clover-2 head, its optimizer and the frozen base model on a mesh, with jitted train/eval steps."""
+    """A draft head (any registered type), its optimizer and the frozen base model on a mesh, with jitted
+    train/eval steps."""
 
     def __init__(self, cfg, base, *, base_name: str = "", mesh=None, run_dir: str | Path | None = None,
                  donate: bool = True, vocab_ids=None):
@@ -209,7 +214,7 @@ class Trainer:
         self.base_state = self._place(base_state, self.base_shardings)
 
         # head: reference initialisation from the base (or a warm start), fp32 master params
-        head = init_from_base(base, self.head_cfg, seed=cfg.train.seed)
+        head = registry.get(cfg.head.type).init_from_base(base, self.head_cfg, seed=cfg.train.seed)
         if cfg.train.init_head_from:
             head = warm_start(head, cfg.train.init_head_from, base)
         self.head_graphdef, params = nnx.split(head)

@@ -108,6 +108,11 @@ def test_openai_jsonl_and_hf_dataset(tmp_path):
     convs = D.read_chat_file(path)
     assert [c.messages[2]["content"] for c in convs] == ["r0", "r1", "r2"] and convs[0].id == "0"
     assert D.read_chat_file(path, limit=2) == convs[:2]
+    import gzip
+
+    gz = tmp_path / "chats.jsonl.gz"  # compressed (how self-distilled replies are kept in the repository)
+    gz.write_bytes(gzip.compress(path.read_bytes()))
+    assert D.read_chat_file(gz) == convs and D.load_conversations(DataConfig(source=str(gz))) == convs
 
     datasets = pytest.importorskip("datasets")
     datasets.Dataset.from_list([{"id": f"x{i}", **r} for i, r in enumerate(rows)]).save_to_disk(str(tmp_path / "ds"))

@@ -1,0 +1,331 @@
+"""Medusa-1 draft heads (Cai et al. 2024, arXiv 2401.10774; reference `FasterDecoding/Medusa`), a baseline.
+
+Head i (0-based) reads the base model's last-layer hidden state after the final norm, h_t (the reference feeds
+`base_model.model(...)[0]`), and predicts x_{t+2+i} (the base itself predicts x_{t+1}):
+
+  x^i_0 = h_t;   x^i_{j+1} = x^i_j + SiLU(W_ij x^i_j + b_ij)   (j < num_layers: residual blocks)
+  logits^i = x^i_L @ P_i                                        (P_i [D, V] trainable, initialised = W_lm)
+
+The reference initialises W_ij = 0 (so each head starts as the base's own next-token head) and b_ij with
+torch's default Linear init, U(-1/sqrt(D), 1/sqrt(D)). Its `[ResBlock(D)] * num_layers` repeats one block
+object, so with num_layers > 1 the reference's blocks share weights; ours are separate (a superset: an
+import of a reference folder copies the shared block into each slot and computes the same function).
+
+Drafting (`MedusaDrafter`) is one pass: every head reads the hidden state of the last accepted token, and a
+tree node at depth d with child rank r takes head d-1's r-th most likely token (the reference's
+`generate_medusa_buffers` indexing), whatever its parent. Training (`loss_from_features`) is distillation:
+the soft cross-entropy of Clover-2's loss against the base's distribution at the same target position, with
+per-head weights decay^i (the paper's 0.8^i when `loss.decay` is 0.8) and no regression term.
+
+Axis alphabet: B batch, T tokens, D model width, V vocab (N when restricted to a draft vocabulary),
+n heads, L residual blocks per head, U tree nodes, A new positions per commit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx, struct
+
+from clover_jax.decoding.sampling import top_k_ids
+from clover_jax.decoding.tree import TreeBuffers, TreeSpec, build_buffers
+from clover_jax.heads import registry
+from clover_jax.heads.protocol import Proposal
+from clover_jax.models.config import LlamaConfig
+from clover_jax.models.llama import Llama, rms_norm
+from clover_jax.validation import InputError
+
+WEIGHTS_FILE = "medusa_lm_head.safetensors"  # the reference's file name for the heads
+
+
+@dataclasses.dataclass(frozen=True)
+class MedusaConfig:
+    num_heads: int = 5  # the reference's medusa_num_heads (its published Vicuna heads: 5)
+    num_layers: int = 1  # residual blocks per head (medusa_num_layers)
+    dtype: Any = jnp.float32  # compute dtype (logits accumulate in float32)
+    param_dtype: Any = jnp.float32
+    remat: bool = False  # unused (nothing to rematerialise); kept for a uniform head-config interface
+
+    def __post_init__(self):
+        if self.num_heads < 1:
+            raise InputError(f"num_heads must be >= 1, got {self.num_heads}")
+        if self.num_layers < 1:
+            raise InputError(f"num_layers must be >= 1, got {self.num_layers}")
+
+
+class MedusaHead(nnx.Module):
+    """`num_heads` Medusa heads for one base model (see the module docstring)."""
+
+    def __init__(self, base_config: LlamaConfig, cfg: MedusaConfig = MedusaConfig(), *, rngs: nnx.Rngs):
+        self.base_config = base_config
+        self.cfg = cfg
+        n, layers, d, v = cfg.num_heads, cfg.num_layers, base_config.hidden_size, base_config.vocab_size
+        pd = cfg.param_dtype
+        bound = 1.0 / math.sqrt(d)
+        self.res_w = nnx.Param(jnp.zeros((n, layers, d, d), pd))  # [n, L, D_in, D_out], reference init 0
+        self.res_b = nnx.Param(jax.random.uniform(rngs.params(), (n, layers, d), pd, -bound, bound))  # [n, L, D]
+        self.proj = nnx.Param(0.02 * jax.random.normal(rngs.params(), (n, d, v), pd))  # [n, D, V]
+
+    def features(self, h: jax.Array, num: int | None = None) -> jax.Array:
+        """`x^i_L [num, ..., D]` of heads 0..num-1 (default all) from normed base hidden states `h [..., D]`."""
+        dt = self.cfg.dtype
+        num = self.cfg.num_heads if num is None else num
+        w, b = self.res_w[:num].astype(dt), self.res_b[:num].astype(dt)  # [n, L, D, D], [n, L, D]
+        x = jnp.broadcast_to(h.astype(dt), (num, *h.shape))  # [n, ..., D]
+        lead = (slice(None),) + (None,) * (h.ndim - 1)
+        for j in range(self.cfg.num_layers):
+            y = jnp.einsum("n...D,nDE->n...E", x, w[:, j], preferred_element_type=jnp.float32)
+            x = x + jax.nn.silu(y + b[:, j][lead].astype(jnp.float32)).astype(dt)
+        return x
+
+    def projection(self, vocab_ids: jax.Array | None = None, num: int | None = None) -> jax.Array:
+        """The heads' output projections `[num, D, V]`, or their columns `vocab_ids` `[num, D, N]`."""
+        p = self.proj[...] if num is None else self.proj[:num]
+        if vocab_ids is None:
+            return p.astype(self.cfg.dtype)
+        return jnp.take(p, jnp.asarray(vocab_ids, jnp.int32), axis=2).astype(self.cfg.dtype)
+
+
+def check_compatible(head: MedusaHead, base_config: LlamaConfig) -> None:
+    """An `InputError` naming the dimension in which `head` does not fit `base_config`."""
+    d, v = base_config.hidden_size, base_config.vocab_size
+    n, layers = head.cfg.num_heads, head.cfg.num_layers
+    for what, got, want in (("hidden_size (res_w)", head.res_w.shape, (n, layers, d, d)),
+                            ("vocab_size (proj)", head.proj.shape, (n, d, v))):
+        if tuple(got) != tuple(want):
+            raise InputError(f"Medusa head does not fit the base model: {what} has shape {tuple(got)}, the base "
+                             f"model needs {tuple(want)}")
+
+
+def init_from_base(base: Llama, cfg: MedusaConfig = MedusaConfig(), seed: int = 0) -> MedusaHead:
+    """The reference's initialisation: residual weights 0, biases U(-1/sqrt(D), 1/sqrt(D)), every head's
+    projection a copy of the base's lm_head (so each head starts as the base's next-token predictor)."""
+    def build(base: Llama) -> MedusaHead:
+        head = MedusaHead(base.config, cfg, rngs=nnx.Rngs(params=seed))
+        w = jax.lax.stop_gradient(base.lm_head_matrix()).astype(cfg.param_dtype)  # [D, V]
+        head.proj[...] = jnp.broadcast_to(w, head.proj.shape)
+        return head
+
+    head = jax.jit(build)(base)
+    check_compatible(head, base.config)
+    return head
+
+
+# ------------------------------------------------------------------------------------------------ training
+def loss_from_features(head: MedusaHead, base: Llama, f, tokens, loss_mask, valid, loss_cfg, *, index=None,
+                       vocab_ids=None):
+    """Distillation loss of the heads from the base's pre-norm features `f [B, T, D]`: `kd_loss`'s soft
+    cross-entropy (teacher P_{t+1+i} = softmax(W_lm h_{t+1+i}) for head i at t) through each head's own
+    projection, weights `loss_cfg.decay ** i`, no regression term (its metrics are reported as 0)."""
+    from clover_jax.training.loss import kd_loss, kd_loss_packed, output_projection
+
+    f = jax.lax.stop_gradient(f)
+    h = rms_norm(f, jax.lax.stop_gradient(base.final_norm[...]), base.config.rms_norm_eps)  # [B, T, D]
+    x = head.features(h)  # [n, B, T, D]
+    student = head.projection(vocab_ids)  # [n, D, V or N]
+    teacher = output_projection(base, vocab_ids)  # [D, V or N]
+    cfg = dataclasses.replace(loss_cfg, v_weight=0.0)
+    if index is not None:
+        loss, m = kd_loss_packed(x, h, loss_mask, valid, teacher, index, cfg, student_proj=student)
+    else:
+        loss, m = kd_loss(x, h, tokens, loss_mask, valid, teacher, cfg, student_proj=student)
+    m["vloss"] = jnp.zeros_like(m["vloss"])
+    return loss, m
+
+
+# ------------------------------------------------------------------------------------------------ drafting
+@struct.dataclass
+class MedusaState:
+    h: jax.Array  # [B, D] normed base hidden state of the last accepted token (the root's predecessor)
+    proj: jax.Array  # [n, D, N] the drafting heads' projections (draft-vocabulary columns, or all V)
+    vocab_ids: jax.Array | None  # [N] int32 the draft vocabulary's ids (None: all V)
+    buffers: TreeBuffers  # the tree's index arrays
+    node_index: jax.Array  # [U] int32 index of each node's token in cat([root], top-k of heads 0.. flat)
+
+
+def node_index(buffers: TreeBuffers, top_k: int) -> np.ndarray:
+    """`[U]` int32: node 0 -> 0 (the root); a node at depth d, child rank r -> 1 + (d-1) * top_k + r."""
+    depth, rank = np.asarray(buffers.depth), np.asarray(buffers.rank)
+    return np.where(depth == 0, 0, 1 + (depth - 1) * top_k + rank).astype(np.int32)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class MedusaDrafter:
+    """Static drafting plan of Medusa heads over one tree (hashable by identity; build once per tree)."""
+
+    spec: TreeSpec
+    draft_vocab: tuple[int, ...] | None = None  # sorted token ids the drafts are drawn from (None: all)
+    sampled_drafts: bool = False
+
+    def __post_init__(self):
+        object.__setattr__(self, "buffers", build_buffers(self.spec))
+
+    @property
+    def num_nodes(self) -> int:
+        return self.spec.num_nodes
+
+    @property
+    def max_depth(self) -> int:
+        return self.spec.max_depth
+
+    def check(self, head: MedusaHead, base) -> None:
+        check_compatible(head, base.config)
+        if self.max_depth > head.cfg.num_heads:
+            raise InputError(f"tree {self.spec.name!r} is {self.max_depth} drafts deep but the Medusa head has only "
+                             f"{head.cfg.num_heads} heads; use a shallower tree or more heads")
+        if int(np.max(np.asarray(self.buffers.rank))) >= self.spec.top_k:
+            raise InputError(f"tree {self.spec.name!r} has a child rank >= its top_k={self.spec.top_k}")
+        n = base.config.vocab_size if self.draft_vocab is None else len(self.draft_vocab)
+        if self.spec.top_k > n:
+            raise InputError(f"tree top_k={self.spec.top_k} exceeds the drafting vocabulary ({n} ids)")
+        if self.draft_vocab is not None:
+            from clover_jax.heads.draft_vocab import check_draft_vocab
+
+            check_draft_vocab(self.draft_vocab, base.config.vocab_size)
+
+    def arrays(self) -> dict:
+        """The drafter's arrays, passed into the jitted loop as an argument (not baked in as constants)."""
+        cached = self.__dict__.get("_arrays")
+        if cached is None:
+            ids = None if self.draft_vocab is None else jnp.asarray(self.draft_vocab, jnp.int32)
+            cached = {"buffers": jax.tree.map(jnp.asarray, self.buffers), "vocab_ids": ids,
+                      "node_index": jnp.asarray(node_index(self.buffers, self.spec.top_k))}
+            object.__setattr__(self, "_arrays", cached)
+        return cached
+
+    def init_state(self, head: MedusaHead, base, batch: int, cache_size: int, arrays: dict | None = None
+                   ) -> MedusaState:
+        arrays = self.arrays() if arrays is None else arrays
+        return MedusaState(h=jnp.zeros((batch, base.config.hidden_size), head.cfg.dtype),
+                           proj=head.projection(arrays["vocab_ids"], num=self.max_depth),
+                           vocab_ids=arrays["vocab_ids"], buffers=arrays["buffers"],
+                           node_index=arrays["node_index"])
+
+    def _last_hidden(self, base, f, last) -> jax.Array:
+        """Normed hidden `[B, D]` at index `last [B]` of pre-norm features `f [B, A, D]`."""
+        x = jnp.take_along_axis(f, last[:, None, None], axis=1)[:, 0]  # [B, D]
+        return rms_norm(x, base.final_norm[...], base.config.rms_norm_eps)
+
+    def start(self, head, base, state: MedusaState, f_prompt, y_prompt, lengths) -> MedusaState:
+        return state.replace(h=self._last_hidden(base, f_prompt, lengths - 1).astype(state.h.dtype))
+
+    def commit(self, head, base, state: MedusaState, f_new, y_new, num_new) -> MedusaState:
+        h = self._last_hidden(base, f_new, jnp.maximum(num_new - 1, 0)).astype(state.h.dtype)
+        return state.replace(h=jnp.where((num_new > 0)[:, None], h, state.h))
+
+    def propose(self, head: MedusaHead, base, state: MedusaState, root: jax.Array, key) -> Proposal:
+        b, k = root.shape[0], self.spec.top_k
+        x = head.features(state.h, num=self.max_depth)  # [n, B, D]
+        logits = jnp.einsum("nBD,nDN->nBN", x.astype(state.proj.dtype), state.proj,
+                            preferred_element_type=jnp.float32)
+        top = top_k_ids(logits, k)  # [n, B, k]
+        if state.vocab_ids is not None:
+            top = state.vocab_ids[top]
+        cand = jnp.concatenate([root[:, None], jnp.moveaxis(top, 0, 1).reshape(b, -1)], axis=1)  # [B, 1 + n*k]
+        tokens = jnp.take(cand, state.node_index, axis=1)  # [B, U]
+        return Proposal(tokens=tokens, buffers=state.buffers)
+
+
+def make_drafter(spec: TreeSpec, draft_vocab=None) -> MedusaDrafter:
+    return MedusaDrafter(spec, draft_vocab=draft_vocab)
+
+
+# ----------------------------------------------------------------------------------- export / import
+def reference_names(num_heads: int, num_layers: int) -> dict[str, tuple[str, int, int | None]]:
+    """Reference name -> (our parameter, head, block or None): `medusa_head.{i}.{j}.linear.weight|bias` for the
+    residual blocks, `medusa_head.{i}.{num_layers}.weight` for the vocabulary projection (torch [out, in])."""
+    out = {}
+    for i in range(num_heads):
+        for j in range(num_layers):
+            out[f"medusa_head.{i}.{j}.linear.weight"] = ("res_w", i, j)
+            out[f"medusa_head.{i}.{j}.linear.bias"] = ("res_b", i, j)
+        out[f"medusa_head.{i}.{num_layers}.weight"] = ("proj", i, None)
+    return out
+
+
+def to_reference(head: MedusaHead, base=None, include_frozen: bool = True, include_lm_head=None) -> dict:
+    """{reference name: numpy array} (torch layouts). Medusa heads hold no frozen copies of the base."""
+    params = {"res_w": np.asarray(head.res_w[...], np.float32), "res_b": np.asarray(head.res_b[...], np.float32),
+              "proj": np.asarray(head.proj[...], np.float32)}
+    out = {}
+    for ref, (ours, i, j) in reference_names(head.cfg.num_heads, head.cfg.num_layers).items():
+        a = params[ours][i] if j is None else params[ours][i, j]
+        out[ref] = np.ascontiguousarray(a.T if ours in ("res_w", "proj") else a)
+    return out
+
+
+def config_dict(head: MedusaHead, base_name=None, extra=None) -> dict:
+    """config.json: the reference's keys (medusa_num_heads, medusa_num_layers, base_model_name_or_path) plus
+    ours (head_type, hidden_size, vocab_size, the base model's config)."""
+    b = head.base_config
+    return {"head_type": "medusa", "architectures": ["MedusaModel"], "medusa_num_heads": head.cfg.num_heads,
+            "medusa_num_layers": head.cfg.num_layers, "base_model_name_or_path": base_name,
+            "hidden_size": b.hidden_size, "vocab_size": b.vocab_size,
+            "base_model": {"name_or_path": base_name, **b.to_hf_dict()}, **(extra or {})}
+
+
+def from_reference(folder, meta: dict, base, dtype=None) -> MedusaHead:
+    """A Medusa head from a folder with the reference's `medusa_lm_head.safetensors` (or `model.safetensors`)."""
+    from safetensors import safe_open
+
+    from clover_jax.io.export import ExportError
+
+    folder = Path(folder)
+    file = next((folder / n for n in (WEIGHTS_FILE, "model.safetensors") if (folder / n).is_file()), None)
+    if file is None:
+        raise ExportError(f"{folder}: no {WEIGHTS_FILE} or model.safetensors")
+    try:
+        n, layers = int(meta["medusa_num_heads"]), int(meta.get("medusa_num_layers", 1))
+    except (KeyError, TypeError, ValueError):
+        raise ExportError(f"{folder}: config.json lacks a valid medusa_num_heads") from None
+    cfg = MedusaConfig(num_heads=n, num_layers=layers,
+                       **({"dtype": dtype, "param_dtype": dtype} if dtype is not None else {}))
+    d, v = base.config.hidden_size, base.config.vocab_size
+    res_w = np.zeros((n, layers, d, d), np.float32)
+    res_b = np.zeros((n, layers, d), np.float32)
+    proj = np.zeros((n, d, v), np.float32)
+    want = {"res_w": (d, d), "res_b": (d,), "proj": (v, d)}
+    with safe_open(str(file), framework="numpy") as fh:
+        keys = set(fh.keys())
+        for ref, (ours, i, j) in reference_names(n, layers).items():
+            if ref not in keys:
+                raise ExportError(f"{file}: missing tensor {ref!r}")
+            a = np.asarray(fh.get_tensor(ref), np.float32)
+            if a.shape != want[ours]:
+                raise ExportError(f"{file}: {ref} has shape {a.shape}, the base model needs {want[ours]}")
+            if ours == "res_w":
+                res_w[i, j] = a.T
+            elif ours == "res_b":
+                res_b[i, j] = a
+            else:
+                proj[i] = a.T
+    head = nnx.eval_shape(lambda: MedusaHead(base.config, cfg, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(head)
+    pd = cfg.param_dtype
+    nnx.replace_by_pure_dict(state, {"res_w": jnp.asarray(res_w, pd), "res_b": jnp.asarray(res_b, pd),
+                                     "proj": jnp.asarray(proj, pd)})
+    return nnx.merge(graphdef, state)
+
+
+def from_experiment(cfg) -> MedusaConfig:
+    from clover_jax.training.steps import DTYPES
+
+    return MedusaConfig(num_heads=cfg.head.num_heads, num_layers=cfg.head.num_layers,
+                        dtype=DTYPES[cfg.train.compute_dtype], param_dtype=jnp.float32, remat=cfg.train.remat)
+
+
+MEDUSA = registry.register(registry.HeadType(
+    name="medusa", config_cls=MedusaConfig, module_cls=MedusaHead, fields=("num_heads", "num_layers"),
+    from_experiment=from_experiment, init_from_base=init_from_base, make_drafter=make_drafter,
+    loss_from_features=loss_from_features, to_reference=to_reference, from_reference=from_reference,
+    config_dict=config_dict, check_compatible=check_compatible,
+    sharding_rules={"res_w": ("fsdp", "tp"), "res_b": (None,), "proj": ("fsdp", "tp")},  # [D, D], [D], [D, V]
+    description="Medusa-1 heads: residual blocks on the base's last hidden state (Cai et al. 2024, "
+                "arXiv 2401.10774)",
+    weights_file=WEIGHTS_FILE))

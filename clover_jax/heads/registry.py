@@ -1,0 +1,138 @@
+"""The one place that knows the draft-head types.
+
+A head type is a `HeadType` entry: its config class and module, how an experiment config builds its config,
+its initialisation from the base model, its drafter for a tree, its training loss, its export / import
+under the reference project's parameter names and its sharding rules. The speculative loop, the trainer,
+checkpoints, export and `load_head` look a type up here and never import a head module themselves, so a new
+head is one new module that calls `register(...)` plus one line in `BUILTIN`.
+
+  ht = registry.get("medusa")            # by the name an experiment config or checkpoint uses
+  ht = registry.of_head(head)            # by a head module instance (or its class)
+  drafter = ht.make_drafter(tree_spec, draft_vocab)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from typing import Any, Callable
+
+from clover_jax.validation import InputError
+
+# name -> the module whose import registers it (imported on first lookup)
+BUILTIN = {
+    "clover2": "clover_jax.heads.clover2_type",
+    "medusa": "clover_jax.heads.medusa",
+}
+
+_TYPES: dict[str, "HeadType"] = {}
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class HeadType:
+    """Everything the rest of the library needs to know about one kind of draft head.
+
+    Callables (all pure Python; the model pieces run under `jax.jit` where the caller jits):
+      from_experiment(cfg) -> config       the head config of an `ExperimentConfig` (its `head` section)
+      init_from_base(base, config, seed)   a fresh head for a base model (the reference's initialisation)
+      make_drafter(tree_spec, draft_vocab) the `Drafter` the speculative loop runs (static, hashable)
+      loss_from_features(head, base, f, tokens, loss_mask, valid, loss_cfg, *, index, vocab_ids)
+                                           -> (loss, metrics) of `clover_jax.training.loss.kd_loss`'s keys
+      to_reference(head, base, include_frozen) -> {reference name: numpy array}
+      from_reference(folder, meta, base, dtype) -> head   (meta: the folder's config.json)
+      config_dict(head, base_name) -> the exported config.json (with `head_type`)
+      check_compatible(head, base_config)  raises a clear error if the head does not fit the base
+    `weights_file` is the file an export writes (the reference project's name). `fields` are the config fields that fix the architecture: saved in checkpoints, compared on resume and
+    warm start. `sharding_rules` extend `clover_jax.parallel`'s rules for this head's parameter names.
+    """
+
+    name: str
+    config_cls: type
+    module_cls: type
+    fields: tuple[str, ...]
+    from_experiment: Callable[[Any], Any]
+    init_from_base: Callable[..., Any]
+    make_drafter: Callable[..., Any]
+    loss_from_features: Callable[..., Any]
+    to_reference: Callable[..., dict]
+    from_reference: Callable[..., Any]
+    config_dict: Callable[..., dict]
+    check_compatible: Callable[[Any, Any], None]
+    sharding_rules: dict = dataclasses.field(default_factory=dict)
+    description: str = ""
+    weights_file: str = "model.safetensors"  # the safetensors file name of an exported folder
+
+    def config_to_meta(self, config) -> dict[str, Any]:
+        """The JSON-able architecture fields of `config` plus its dtypes (checkpoint metadata)."""
+        import jax.numpy as jnp
+
+        out = {k: getattr(config, k) for k in self.fields}
+        out["dtype"] = jnp.dtype(config.dtype).name
+        out["param_dtype"] = jnp.dtype(config.param_dtype).name
+        return out
+
+    def config_from_meta(self, meta: dict[str, Any], dtype=None, remat: bool = False):
+        """The config written by `config_to_meta` (`dtype` overrides the saved compute dtype)."""
+        import jax.numpy as jnp
+
+        missing = [k for k in self.fields if k not in meta]
+        if missing:
+            raise InputError(f"{self.name} head metadata lacks {missing}")
+        return self.config_cls(**{k: meta[k] for k in self.fields},
+                               dtype=jnp.dtype(dtype or meta.get("dtype", "float32")),
+                               param_dtype=jnp.dtype(meta.get("param_dtype", "float32")), remat=remat)
+
+
+def register(head_type: HeadType) -> HeadType:
+    """Adds a head type (a module calls this at import). Registering a name twice with different classes
+    is an error; re-importing the same module is not."""
+    old = _TYPES.get(head_type.name)
+    if old is not None and old.module_cls is not head_type.module_cls:
+        raise ValueError(f"head type {head_type.name!r} is already registered ({old.module_cls.__name__})")
+    _TYPES[head_type.name] = head_type
+    return head_type
+
+
+def names() -> tuple[str, ...]:
+    """Every known head type name (built-in ones included, whether imported yet or not)."""
+    return tuple(sorted(set(BUILTIN) | set(_TYPES)))
+
+
+def get(name: str) -> HeadType:
+    """The head type called `name`; an `InputError` listing the known ones otherwise."""
+    if name not in _TYPES and name in BUILTIN:
+        importlib.import_module(BUILTIN[name])
+    if name not in _TYPES:
+        raise InputError(f"unknown head type {name!r}; known: {', '.join(names())}")
+    return _TYPES[name]
+
+
+def load_all() -> dict[str, HeadType]:
+    for name in BUILTIN:
+        get(name)
+    return dict(_TYPES)
+
+
+def of_head(head_or_class) -> HeadType:
+    """The head type of a head module (or of its class)."""
+    cls = head_or_class if isinstance(head_or_class, type) else type(head_or_class)
+    for ht in load_all().values():
+        if issubclass(cls, ht.module_cls):
+            return ht
+    raise InputError(f"{cls.__name__} is not a registered draft head type (known: {', '.join(names())})")
+
+
+def of_config(config) -> HeadType:
+    """The head type whose config class `config` is an instance of."""
+    for ht in load_all().values():
+        if isinstance(config, ht.config_cls):
+            return ht
+    raise InputError(f"{type(config).__name__} is not the config of a registered draft head type")
+
+
+def sharding_rules() -> dict[str, tuple]:
+    """The parameter-name rules of every head type (for `clover_jax.parallel`)."""
+    out: dict[str, tuple] = {}
+    for ht in load_all().values():
+        out.update(ht.sharding_rules)
+    return out
