@@ -22,7 +22,7 @@ from flax import struct
 from clover_jax.decoding.sampling import top_k_ids  # noqa: F401  (re-exported for callers of its old home)
 from clover_jax.decoding.tree import TreeBuffers, TreeSpec, build_buffers
 from clover_jax.heads.clover2 import Clover2Head, check_compatible
-from clover_jax.heads.protocol import Proposal
+from clover_jax.decoding.drafter import Proposal
 from clover_jax.models.cache import KVCache
 from clover_jax.validation import InputError
 

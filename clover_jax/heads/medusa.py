@@ -36,7 +36,7 @@ from flax import nnx, struct
 from clover_jax.decoding.sampling import top_k_ids
 from clover_jax.decoding.tree import TreeBuffers, TreeSpec, build_buffers
 from clover_jax.heads import registry
-from clover_jax.heads.protocol import Proposal
+from clover_jax.decoding.drafter import Proposal
 from clover_jax.models.config import LlamaConfig
 from clover_jax.models.llama import Llama, rms_norm
 from clover_jax.validation import InputError

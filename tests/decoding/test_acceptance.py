@@ -28,7 +28,7 @@ from clover_jax.decoding.autoregressive import ar_generate
 from clover_jax.decoding.sampling import SamplingParams
 from clover_jax.decoding.speculative import spec_generate
 from clover_jax.decoding.tree import TreeSpec, build_buffers, get_tree
-from clover_jax.heads.protocol import Proposal
+from clover_jax.decoding.drafter import Proposal
 from clover_jax.models.config import LlamaConfig
 from clover_jax.models.llama import init_llama
 
