@@ -7,7 +7,8 @@ dynamic trees) is a new `Drafter`, not a change to the loop.
 
 Per decoding step the loop calls:
   1. `propose(head, base, state, root, key)` -> `Proposal`: the tree tokens `[B, U]` (node 0 is the
-     root) and the tree buffers (`TreeBuffers`, shared `[U, ...]` or per row `[B, U, ...]`).
+     root) and the tree's topology (a static `TreeBuffers`, or a `TreeTopology` a drafter builds on device with
+     `topology_from_parents`; shared `[U, ...]` or per row `[B, U, ...]`).
   2. verifies the tree with one base forward, accepts a path per row;
   3. `commit(head, base, state, f_new, y_new, num_new)` with the accepted nodes' pre-norm hidden
      states `[B, A, D]`, the token following each (`y_new [B, A]`, the last one is the new root) and
@@ -25,13 +26,15 @@ from typing import Any, Protocol
 import jax
 from flax import struct
 
+from clover_jax.decoding.topology import TreeTopology
 from clover_jax.decoding.tree import TreeBuffers
 
 
 @struct.dataclass
 class Proposal:
     tokens: jax.Array  # [B, U] tree tokens, node 0 = the root
-    buffers: TreeBuffers  # shared [U, ...] or per row [B, U, ...]
+    buffers: TreeBuffers | TreeTopology  # the tree's topology (verification reads only those fields), shared
+    # [U, ...] or per row [B, U, ...]: a static tree's buffers, or a tree built per step from parent pointers
     draft_probs: jax.Array | None = None  # [B, U, V] draft distribution per node, for sampled drafts
 
 

@@ -131,8 +131,12 @@ class TreeSpec:
 
 @struct.dataclass
 class TreeBuffers:
-    """Index arrays of one tree (numpy; a pytree, so it can be a jit argument).
+    """Index arrays of one static tree (numpy; a pytree, so it can be a jit argument).
 
+    Two parts: the topology every tree has (mask .. path_len: the fields of `topology.TreeTopology`, all that
+    verification and the loop read) and the per-parent expansion plan of drafters that expand a static tree
+    depth by depth (cand_index .. draft_index: Clover-2's). `topology()` keeps only the first part; trees built
+    on device from parent pointers (`topology.topology_from_parents`) have only that part.
     Per-row buffers (dynamic trees) carry a leading batch axis B on every array.
     """
 
@@ -164,6 +168,14 @@ class TreeBuffers:
     @property
     def max_children(self) -> int:
         return self.children.shape[-1]
+
+    def topology(self):
+        """The verification view (`topology.TreeTopology`) of these buffers, without the expansion plan."""
+        from clover_jax.decoding.topology import TreeTopology
+
+        return TreeTopology(mask=self.mask, depth=self.depth, parent=self.parent, rank=self.rank,
+                            children=self.children, num_children=self.num_children, paths=self.paths,
+                            path_len=self.path_len)
 
 
 def build_buffers(spec: TreeSpec) -> TreeBuffers:

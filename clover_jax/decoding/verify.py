@@ -1,9 +1,9 @@
 """Acceptance of a drafted token tree against the target's outputs at every tree node.
 
 Every acceptor is jit-able and batched, each row accepting its own number of drafts (no batch
-minimum). Tree buffers (`tree.TreeBuffers`) may be shared `[...]` or per-row `[B, ...]`
-(dynamic trees); only `paths`, `children` and `num_children` are read. Shapes use B batch, U tree
-nodes, V vocab, P paths, Dmax max depth, C max children of a node.
+minimum). Tree buffers (a static `tree.TreeBuffers` or a `topology.TreeTopology` built on device) may be
+shared `[...]` or per-row `[B, ...]` (dynamic trees); only `paths`, `children` and `num_children` are read.
+Shapes use B batch, U tree nodes, V vocab, P paths, Dmax max depth, C max children of a node.
 
 Three rules (tree speculative sampling: SpecInfer, Miao et al. 2024, arXiv 2305.09781; Medusa/EAGLE code):
 - `greedy_accept`: the longest path whose drafts equal the target's argmax (Medusa/EAGLE

@@ -34,6 +34,7 @@ import numpy as np
 from flax import nnx, struct
 
 from clover_jax.decoding.sampling import top_k_ids
+from clover_jax.decoding.topology import TreeTopology
 from clover_jax.decoding.tree import TreeBuffers, TreeSpec, build_buffers
 from clover_jax.heads import registry
 from clover_jax.decoding.drafter import Proposal
@@ -145,7 +146,7 @@ class MedusaState:
     h: jax.Array  # [B, D] normed base hidden state of the last accepted token (the root's predecessor)
     proj: jax.Array  # [n, D, N] the drafting heads' projections (draft-vocabulary columns, or all V)
     vocab_ids: jax.Array | None  # [N] int32 the draft vocabulary's ids (None: all V)
-    buffers: TreeBuffers  # the tree's index arrays
+    buffers: TreeTopology  # the tree's topology (Medusa needs no per-parent expansion plan)
     node_index: jax.Array  # [U] int32 index of each node's token in cat([root], top-k of heads 0.. flat)
 
 
@@ -194,7 +195,7 @@ class MedusaDrafter:
         cached = self.__dict__.get("_arrays")
         if cached is None:
             ids = None if self.draft_vocab is None else jnp.asarray(self.draft_vocab, jnp.int32)
-            cached = {"buffers": jax.tree.map(jnp.asarray, self.buffers), "vocab_ids": ids,
+            cached = {"buffers": jax.tree.map(jnp.asarray, self.buffers.topology()), "vocab_ids": ids,
                       "node_index": jnp.asarray(node_index(self.buffers, self.spec.top_k))}
             object.__setattr__(self, "_arrays", cached)
         return cached
