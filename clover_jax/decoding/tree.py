@@ -354,9 +354,52 @@ def from_json(path: str | os.PathLike) -> TreeSpec:
 PRESETS = {"clover2-26": clover2_26, "medusa-63": medusa_63, "small-10": small_10}
 
 
-def get_tree(name_or_path: str | os.PathLike | TreeSpec) -> TreeSpec:
-    """Resolve "clover2-26", "medusa-63", "chain-N", or a JSON file path (a TreeSpec passes through)."""
-    if isinstance(name_or_path, TreeSpec):
+@dataclasses.dataclass(frozen=True)
+class DynamicTree:
+    """A tree policy, not a tree: the drafter builds a new tree per step and per row (EAGLE-2, Li et al. 2024,
+    arXiv 2406.16858). From the root it expands the `top_k` frontier nodes with the highest cumulative draft
+    log-probability, `depth` times, each into its `top_k` most likely children; then it keeps the `budget - 1`
+    best of all the candidates by cumulative log-probability (an ancestor-closed set: a child never scores
+    above its parent) and verifies them with the root. Name: `dynamic-N` (N = budget, root included), optionally
+    `dynamic-N-dD-kK`. The defaults (depth 5, top-k 8) are the Clover-2 head's depth and EAGLE-2's order of
+    magnitude, not tuned on our heads yet."""
+
+    budget: int
+    depth: int = 5
+    top_k: int = 8
+    name: str = dataclasses.field(default="", compare=False)
+
+    def __post_init__(self):
+        for field, lo in (("budget", 2), ("depth", 1), ("top_k", 1)):
+            v = getattr(self, field)
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < lo:
+                raise TreeSpecError(f"dynamic tree: {field} must be an integer >= {lo}, got {v!r}")
+        if self.depth > MAX_DEPTH:
+            raise TreeSpecError(f"dynamic tree: depth {self.depth} > MAX_DEPTH {MAX_DEPTH}")
+        if self.budget - 1 > self.num_candidates:
+            raise TreeSpecError(f"dynamic tree: budget {self.budget} needs {self.budget - 1} drafts but depth "
+                                f"{self.depth} x top-k {self.top_k} proposes only {self.num_candidates}")
+        if not self.name:
+            object.__setattr__(self, "name", f"dynamic-{self.budget}-d{self.depth}-k{self.top_k}")
+
+    @property
+    def num_candidates(self) -> int:
+        """Draft nodes generated per step before the final selection: k at depth 1, k*k at each deeper one."""
+        return self.top_k + (self.depth - 1) * self.top_k * self.top_k
+
+    @property
+    def num_nodes(self) -> int:
+        return int(self.budget)
+
+    @property
+    def max_depth(self) -> int:
+        return int(self.depth)
+
+
+def get_tree(name_or_path: str | os.PathLike | TreeSpec | DynamicTree) -> TreeSpec | DynamicTree:
+    """Resolve "clover2-26", "medusa-63", "chain-N", "dynamic-N[-dD][-kK]" (a `DynamicTree` policy), or a JSON
+    file path (a TreeSpec or DynamicTree passes through)."""
+    if isinstance(name_or_path, (TreeSpec, DynamicTree)):
         return name_or_path
     key = os.fspath(name_or_path)
     if key in PRESETS:
@@ -364,9 +407,13 @@ def get_tree(name_or_path: str | os.PathLike | TreeSpec) -> TreeSpec:
     m = re.fullmatch(r"chain-(\d+)", key)
     if m:
         return chain(int(m.group(1)))
+    m = re.fullmatch(r"dynamic-(\d+)(?:-d(\d+))?(?:-k(\d+))?", key)
+    if m:
+        n, d, k = m.groups()
+        return DynamicTree(int(n), depth=int(d) if d else 5, top_k=int(k) if k else 8, name=key)
     if key.endswith(".json") or os.path.isfile(key):
         if not os.path.isfile(key):
             raise TreeSpecError(f"tree file {key!r} does not exist")
         return from_json(key)
-    known = ", ".join(list(PRESETS) + ["chain-N"])
+    known = ", ".join(list(PRESETS) + ["chain-N", "dynamic-N"])
     raise TreeSpecError(f"unknown tree {key!r}; known names: {known}, or a path to a .json file")

@@ -20,7 +20,8 @@ import numpy as np
 from flax import struct
 
 from clover_jax.decoding.sampling import top_k_ids  # noqa: F401  (re-exported for callers of its old home)
-from clover_jax.decoding.tree import TreeBuffers, TreeSpec, build_buffers
+from clover_jax.decoding.topology import topology_from_parents
+from clover_jax.decoding.tree import DynamicTree, TreeBuffers, TreeSpec, build_buffers
 from clover_jax.heads.clover2 import Clover2Head, check_compatible
 from clover_jax.decoding.drafter import Proposal
 from clover_jax.models.cache import KVCache
@@ -137,3 +138,76 @@ class Clover2Drafter:
         tree_tokens = jnp.take(cand, arrays.draft_index, axis=1)  # [B, U]
         tree_tokens = tree_tokens.at[:, 0].set(root)
         return Proposal(tokens=tree_tokens, buffers=arrays)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Clover2DynamicDrafter(Clover2Drafter):
+    """Clover-2 drafting of a new tree per step and per row (`tree.DynamicTree`, EAGLE-2's expansion): the
+    frontier is the `top_k` nodes of the newest depth with the highest cumulative log-probability under the
+    head (over the draft vocabulary when there is one), each expanded by one RNN step into its `top_k` children;
+    after `depth` levels the `budget - 1` best candidates are kept. The tree goes to verification as parent
+    pointers through `topology_from_parents`, children ranked by their score (the order the sampling walk tries
+    them in), so greedy and lossless sampling (rule (b), deterministic children) verify it unchanged."""
+
+    spec: DynamicTree
+
+    def __post_init__(self):
+        object.__setattr__(self, "buffers", None)
+
+    def arrays(self) -> dict:
+        cached = self.__dict__.get("_arrays")
+        if cached is None:
+            ids = None if self.draft_vocab is None else jnp.asarray(self.draft_vocab, jnp.int32)
+            cached = {"buffers": None, "vocab_ids": ids}
+            object.__setattr__(self, "_arrays", cached)
+        return cached
+
+    def _scored(self, head: Clover2Head, base, state: Clover2State, o: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Top-k token ids and their log-probabilities `[..., k]` under the head output `o [..., D]`."""
+        if state.vocab_rows is None:
+            logits = head.logits(base, o)  # [..., V]
+        else:
+            logits = jnp.einsum("...D,ND->...N", o.astype(state.vocab_rows.dtype), state.vocab_rows,
+                                preferred_element_type=jnp.float32)  # [..., N]
+        logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+        idx = top_k_ids(logp, self.spec.top_k)  # [..., k] into the (draft) vocabulary
+        lp = jnp.take_along_axis(logp, idx, axis=-1)
+        ids = idx if state.vocab_ids is None else state.vocab_ids[idx]
+        return ids, lp
+
+    def propose(self, head: Clover2Head, base, state: Clover2State, root: jax.Array, key) -> Proposal:
+        k, depth, n = self.spec.top_k, self.spec.depth, self.spec.budget
+        b = root.shape[0]
+        rows = jnp.arange(b)[:, None]
+        ids0, lp0 = self._scored(head, base, state, head.head0(state.s0))  # [B, k]
+        tokens, scores, parents = [ids0], [lp0], [jnp.full((b, k), -1, jnp.int32)]
+        f_tok, f_score = ids0, lp0  # the frontier: [B, k]
+        f_state = jnp.broadcast_to(state.s0[:, None, :], (b, k, state.s0.shape[-1]))  # its parents' states
+        f_index = jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), (b, k))  # its candidate indices
+        offset = k
+        for _ in range(1, depth):
+            new_state, o = head.step(base, f_state, f_tok)  # the frontier nodes' states, [B, k, D]
+            ids, lp = self._scored(head, base, state, o)  # their children: [B, k, k]
+            cum = (f_score[:, :, None] + lp).reshape(b, k * k)  # cumulative log-probability
+            ids = ids.reshape(b, k * k)
+            tokens.append(ids)
+            scores.append(cum)
+            parents.append(jnp.repeat(f_index, k, axis=1))  # child c of frontier slot j sits at j * k + c
+            best = jax.lax.top_k(cum, k)[1]  # [B, k] the next frontier
+            f_tok = jnp.take_along_axis(ids, best, axis=1)
+            f_score = jnp.take_along_axis(cum, best, axis=1)
+            f_state = jnp.take_along_axis(new_state, (best // k)[..., None], axis=1)
+            f_index = (offset + best).astype(jnp.int32)
+            offset += k * k
+        all_tok = jnp.concatenate(tokens, axis=1)  # [B, M]
+        all_score = jnp.concatenate(scores, axis=1)
+        all_parent = jnp.concatenate(parents, axis=1)
+        sel = jax.lax.top_k(all_score, n - 1)[1]  # [B, U-1] the kept candidates, best first
+        node_of = jnp.full(all_tok.shape, -1, jnp.int32).at[rows, sel].set(jnp.arange(1, n, dtype=jnp.int32))
+        par = jnp.take_along_axis(all_parent, sel, axis=1)  # candidate index of each kept node's parent
+        par_node = jnp.where(par < 0, 0, jnp.take_along_axis(node_of, jnp.maximum(par, 0), axis=1))
+        parent = jnp.concatenate([jnp.full((b, 1), -1, jnp.int32), par_node], axis=1)  # [B, U]
+        rank = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (b, n))  # by score: siblings in that order
+        topo = topology_from_parents(parent, rank, depth, k)
+        tree_tokens = jnp.concatenate([root[:, None], jnp.take_along_axis(all_tok, sel, axis=1)], axis=1)
+        return Proposal(tokens=tree_tokens, buffers=topo)

@@ -234,6 +234,9 @@ class MedusaDrafter:
 
 
 def make_drafter(spec: TreeSpec, draft_vocab=None) -> MedusaDrafter:
+    if not isinstance(spec, TreeSpec):
+        raise InputError(f"Medusa heads draft over static trees; {getattr(spec, 'name', spec)!r} is not one "
+                         "(use a preset, chain-N or a JSON tree)")
     return MedusaDrafter(spec, draft_vocab=draft_vocab)
 
 

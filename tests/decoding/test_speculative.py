@@ -29,7 +29,7 @@ def _prompts(n, seed=0, lo=2, hi=20):
     return [rng.randint(3, 64, rng.randint(lo, hi)).tolist() for _ in range(n)]
 
 
-@pytest.mark.parametrize("tree", ["clover2-26", "chain-4", "medusa-63"])
+@pytest.mark.parametrize("tree", ["clover2-26", "chain-4", "medusa-63", "dynamic-10", "dynamic-26", "dynamic-12-d3-k4"])
 def test_greedy_equals_autoregressive_tiny(tiny, tree):
     base, head = tiny
     prompts = _prompts(4)
@@ -85,10 +85,12 @@ def _first_tokens(result, n):
     return np.array([t[:n] for t in result.token_ids])
 
 
-@pytest.mark.parametrize("top_p", [1.0, 0.8])
-def test_sampling_is_lossless(top_p):
+@pytest.mark.parametrize("top_p,tree,temperature", [(1.0, "chain-2", 1.0), (0.8, "chain-2", 1.0),
+                                                    (1.0, "dynamic-6-d2-k3", 1.0), (1.0, "dynamic-6-d2-k3", 0.7)])
+def test_sampling_is_lossless(top_p, tree, temperature):
     """Distribution of generated tokens 2..3 (which pass through tree acceptance) under speculative
-    sampling vs plain sampling, over many rows with independent randomness: chi-square homogeneity."""
+    sampling vs plain sampling, over many rows with independent randomness: chi-square homogeneity. The
+    dynamic tree is built per row from the head's scores (each row its own tree)."""
     cfg = LlamaConfig(vocab_size=12, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
                       num_key_value_heads=1, head_dim=8, eos_token_ids=(99,))
     base = init_llama(cfg, seed=1)
@@ -96,9 +98,9 @@ def test_sampling_is_lossless(top_p):
     head = init_from_base(base, Clover2Config(num_heads=3))
     rows = 3000
     prompts = [[3, 5, 7]] * rows
-    kw = dict(max_new_tokens=3, cache_size=64, temperature=1.0, top_p=top_p)
+    kw = dict(max_new_tokens=3, cache_size=64, temperature=temperature, top_p=top_p)
     ar = _first_tokens(generate(base, prompts, seed=11, **kw), 3)
-    sp_res = generate(base, prompts, seed=12, mode="speculative", head=head, tree="chain-2", **kw)
+    sp_res = generate(base, prompts, seed=12, mode="speculative", head=head, tree=tree, **kw)
     sp = _first_tokens(sp_res, 3)
     assert sp_res.stats["accept_hist"][1] + sp_res.stats["accept_hist"][2] > rows // 10, "too few drafts accepted"
     for pos in (1, 2):

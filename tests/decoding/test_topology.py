@@ -97,3 +97,46 @@ def test_per_row_trees_and_unused_slots():
 def test_shapes_are_checked():
     with pytest.raises(ValueError, match="parent and rank"):
         topology_from_parents(np.zeros(4, np.int32), np.zeros(5, np.int32), 2, 2)
+
+
+def test_dynamic_tree_policy_names_and_limits():
+    from clover_jax.decoding.tree import DynamicTree, TreeSpecError
+
+    t = get_tree("dynamic-26")
+    assert isinstance(t, DynamicTree) and (t.num_nodes, t.max_depth, t.top_k) == (26, 5, 8)
+    assert get_tree("dynamic-12-d3-k4") == DynamicTree(12, depth=3, top_k=4)
+    with pytest.raises(TreeSpecError, match="budget 30 needs 29 drafts.*proposes only 20"):
+        DynamicTree(30, depth=2, top_k=4)
+    with pytest.raises(TreeSpecError, match="unknown tree"):
+        get_tree("dynamic-x")
+
+
+def test_dynamic_drafter_keeps_the_best_candidates_as_a_tree():
+    """One proposal of the Clover-2 dynamic drafter: U nodes, every kept node's parent kept (no unused slot),
+    depth within the bound, siblings distinct and one level below their parent."""
+    from flax import nnx
+
+    from clover_jax.decoding.speculative import drafter_for
+    from clover_jax.heads.clover2 import Clover2Config, Clover2Head, init_from_base
+    from clover_jax.models.config import LlamaConfig
+    from clover_jax.models.llama import init_llama
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    base = init_llama(cfg, seed=0)
+    head = init_from_base(base, Clover2Config(num_heads=4, num_aug_layers=1), seed=1)
+    nnx.update(head, {"fcout_w": jax.random.normal(jax.random.key(2), head.fcout_w.shape) * 0.3})
+    drafter = drafter_for(Clover2Head, "dynamic-14-d4-k3")
+    state = drafter.init_state(head, base, 2, 64)
+    state = state.replace(s0=jax.random.normal(jax.random.key(5), state.s0.shape))
+    prop = drafter.propose(head, base, state, jnp.asarray([7, 9]), jax.random.key(0))
+    top = prop.buffers
+    assert prop.tokens.shape == (2, 14) and top.mask.shape == (2, 14, 14)
+    parent, depth = np.asarray(top.parent), np.asarray(top.depth)
+    assert np.all(parent[:, 1:] >= 0) and np.all(depth[:, 1:] >= 1) and depth.max() <= 4
+    tokens = np.asarray(prop.tokens)
+    for r in range(2):
+        for p in range(14):
+            kids = [c for c in range(1, 14) if parent[r, c] == p]
+            assert len({tokens[r, c] for c in kids}) == len(kids)  # distinct siblings
+            assert all(depth[r, c] == depth[r, p] + 1 for c in kids)
