@@ -6,10 +6,12 @@ batching; the jitted loops live in `clover_jax.decoding`.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import numbers
 import os
 import time
+import weakref
 from typing import Any, Sequence
 
 import jax
@@ -148,14 +150,40 @@ def check_context(prompt_lens: np.ndarray, max_new_tokens: int, max_positions: i
             + (f"; use max_new_tokens <= {room}" if room >= 1 else "; shorten the prompt"))
 
 
+_HEAD_CACHE: "collections.OrderedDict[tuple, tuple[weakref.ref, Any]]" = collections.OrderedDict()
+_HEAD_CACHE_SIZE = 4
+
+
+def _load_head_cached(source, model):
+    """`load_head(source, model)`, reused while the folder's files are unchanged and for the same base model
+    object: `generate(head="name")` in a loop loads the head once, not on every call."""
+    from clover_jax import pretrained
+    from clover_jax.heads.loading import load_head
+
+    path = pretrained.head_path(source) if isinstance(source, (str, os.PathLike)) else None
+    if path is None or not path.exists():
+        return load_head(source, model)  # its own clear error
+    files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]
+    stamp = max((p.stat().st_mtime_ns for p in files), default=0), len(files)
+    key = (str(path.resolve()), stamp, id(model))
+    hit = _HEAD_CACHE.get(key)
+    if hit is not None and hit[0]() is model:
+        _HEAD_CACHE.move_to_end(key)
+        return hit[1]
+    head = load_head(source, model)
+    _HEAD_CACHE[key] = (weakref.ref(model), head)
+    while len(_HEAD_CACHE) > _HEAD_CACHE_SIZE:
+        _HEAD_CACHE.popitem(last=False)
+    return head
+
+
 def resolve_head(source, model, tree=None, draft_vocab=None):
     """(head module, tree, draft vocabulary) for a head given by name or path (see `generate`): the tree
     defaults to the registered head's, the draft vocabulary to the one the head was trained on."""
     from clover_jax import pretrained
     from clover_jax.heads.draft_vocab import head_draft_vocab
-    from clover_jax.heads.loading import load_head
 
-    head = load_head(source, model)
+    head = _load_head_cached(source, model)
     tree = tree if tree is not None else pretrained.default_tree(source)
     draft_vocab = draft_vocab if draft_vocab is not None else head_draft_vocab(source)
     return head, tree, draft_vocab

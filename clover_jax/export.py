@@ -56,7 +56,7 @@ def export_head_from_folder(folder, out, *, model=None, include_embedding=True, 
     extra = {k: v for k, v in meta.items() if k not in HEAD_CONFIG_KEYS}
     out = export_head(head, out, base=loaded.model, base_name=base_name, include_embedding=include_embedding,
                       model_card=card, extra_config=extra, overwrite=overwrite, dtype=_np_dtype(dtype))
-    for name in ("training_config.json", DRAFT_VOCAB_FILE):
+    for name in ("training_config.json", "training_config.yaml", DRAFT_VOCAB_FILE):
         if (src / name).is_file():
             (out / name).write_text((src / name).read_text())
     return out
@@ -87,7 +87,6 @@ def export_head_from_run(run_dir, out, *, step=None, model=None, include_embeddi
     try:
         step = ckpt._need_step(step)
         meta = ckpt.read_meta(step)
-        config = ckpt.read_config(step) if hasattr(ckpt, "read_config") else None
     finally:
         ckpt.close()
     base_name = model or meta["head"]["base_model"]
@@ -99,8 +98,9 @@ def export_head_from_run(run_dir, out, *, step=None, model=None, include_embeddi
     out = export_head(head, out, base=loaded.model, base_name=base_name, include_embedding=include_embedding,
                       model_card=card, extra_config={"training_step": step}, overwrite=overwrite,
                       dtype=_np_dtype(dtype))
-    if config is not None:
-        (out / "training_config.json").write_text(json.dumps(config, indent=2))
+    run_config = Path(run_dir) / "config.yaml"  # the resolved experiment config the run wrote at its start
+    if run_config.is_file():
+        (out / "training_config.yaml").write_text(run_config.read_text())
     vocab = Path(run_dir) / DRAFT_VOCAB_FILE
     if vocab.is_file():  # the head's draft vocabulary travels with it (the one it was trained on, if any)
         (out / DRAFT_VOCAB_FILE).write_text(vocab.read_text())

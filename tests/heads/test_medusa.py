@@ -202,6 +202,7 @@ def test_medusa_training_run_checkpoint_export_and_reference_layout(tmp_path):
     assert isinstance(from_run, MedusaHead) and from_run.cfg.num_heads == 3
 
     out = export_head_from_run(run, tmp_path / "head", model=str(export_base(base, tmp_path / "base")))
+    assert "type: medusa" in (out / "training_config.yaml").read_text()  # the run's config travels with it
     meta = json.loads((out / "config.json").read_text())
     assert meta["head_type"] == "medusa" and meta["medusa_num_heads"] == 3 and meta["medusa_num_layers"] == 1
     with safe_open(str(out / "medusa_lm_head.safetensors"), framework="numpy") as fh:

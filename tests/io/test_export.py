@@ -161,3 +161,21 @@ def test_push_without_network_fails_fast_and_keeps_folder(tmp_path, base_and_hea
     assert sorted(p.name for p in out.iterdir()) == before
     assert main(["head", "--checkpoint", str(tmp_path / "no-run"), "--out", str(tmp_path / "x")]) == 2
     assert not (tmp_path / "x").exists()
+
+
+def test_a_head_given_by_path_is_loaded_once_per_base_and_version(tmp_path, base_and_head):
+    """`generate(head=folder)` in a loop reuses the loaded head; a changed folder or another base reloads it."""
+    import os
+
+    from clover_jax.api import resolve_head
+
+    base, head = base_and_head
+    export_head(head, tmp_path / "h", base=base)
+    first = resolve_head(tmp_path / "h", base)[0]
+    assert resolve_head(str(tmp_path / "h"), base)[0] is first
+    cfg = tmp_path / "h" / "config.json"
+    st = cfg.stat()
+    os.utime(cfg, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # the folder changed: load it again
+    assert resolve_head(tmp_path / "h", base)[0] is not first
+    other = init_llama(CFG, seed=0)  # another base object (same weights)
+    assert resolve_head(tmp_path / "h", other)[0] is not resolve_head(tmp_path / "h", base)[0]
