@@ -285,6 +285,9 @@ class TrainConfig(_Section):
     # Write <output_dir>/draft_vocab.json: the N most frequent trained tokens, for drafting from a reduced
     # vocabulary at inference (infer.py --draft-vocab; clover_jax.heads.draft_vocab). 0 = do not write it.
     draft_vocab_size: int = 0
+    # Instead of the data's most frequent tokens, keep this draft vocabulary: a draft_vocab.json file, or a head
+    # (registered name, exported folder, run dir) whose training vocabulary a warm start should keep.
+    draft_vocab_from: Optional[str] = None
     # Run the frozen base once over the training and held-out sets before training and keep its last
     # hidden states in host memory (bfloat16, T x hidden_size per example); steps then skip the base forward.
     # For small models on one host: every host holds the features of the whole data set.
@@ -355,9 +358,9 @@ class ExperimentConfig:
         if self.optim.total_steps and self.optim.schedule != "constant" and self.optim.total_steps < self.train.steps:
             raise ConfigError(f"optim.total_steps: the schedule ({self.optim.total_steps} steps) ends before "
                               f"train.steps={self.train.steps}; use 0 to follow train.steps")
-        if self.loss.draft_vocab and not self.train.draft_vocab_size:
+        if self.loss.draft_vocab and not (self.train.draft_vocab_size or self.train.draft_vocab_from):
             raise ConfigError("loss.draft_vocab: the cross-entropy over the draft vocabulary needs "
-                              "train.draft_vocab_size > 0 (how many tokens it holds)")
+                              "train.draft_vocab_size > 0 (how many tokens it holds) or train.draft_vocab_from")
         if self.data.batch_size % self.optim.grad_accum:
             raise ConfigError(f"optim.grad_accum: data.batch_size={self.data.batch_size} is not divisible "
                               f"by grad_accum={self.optim.grad_accum}")

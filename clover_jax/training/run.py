@@ -99,14 +99,35 @@ def draft_vocab_of(dataset, size: int, eos_ids) -> tuple[Any, float]:
     return ids, coverage(ids, seqs)
 
 
-def write_draft_vocab(dataset, size: int, eos_ids, path: Path, head_trained_on_it: bool = False) -> Path:
-    """`draft_vocab_of(dataset, size, eos_ids)` saved as a draft vocabulary file; `head_trained_on_it` marks
-    the vocabulary of a head trained with `loss.draft_vocab` (which then drafts from it by default)."""
+def run_draft_vocab(cfg, dataset, eos_ids) -> tuple[Any, float, str]:
+    """(ids, coverage of the trained tokens, source) of a run's draft vocabulary: the one `train.draft_vocab_from`
+    names (a draft_vocab.json file, or a head whose training vocabulary it keeps, e.g. the head a warm start
+    continues), else the `train.draft_vocab_size` most frequent trained tokens of `dataset`."""
+    from clover_jax.heads.draft_vocab import coverage, head_draft_vocab, load_draft_vocab
+
+    src = cfg.train.draft_vocab_from
+    if not src:
+        ids, cov = draft_vocab_of(dataset, cfg.train.draft_vocab_size, eos_ids)
+        return ids, cov, "trained tokens of the training set"
+    ids = load_draft_vocab(src) if str(src).endswith(".json") else head_draft_vocab(src)
+    if ids is None:
+        raise ConfigError(f"train.draft_vocab_from: {src} holds no draft vocabulary a head was trained on "
+                          "(draft_vocab.json with head_trained_on_it); give a draft_vocab.json file instead")
+    seqs = [ex.tokens[ex.loss_mask.astype(bool)] for ex in (dataset[i] for i in range(len(dataset)))]
+    return ids, coverage(ids, seqs), f"train.draft_vocab_from={src}"
+
+
+def write_draft_vocab(dataset, size: int, eos_ids, path: Path, head_trained_on_it: bool = False, *,
+                      ids=None, cov: float | None = None, source: str = "trained tokens of the training set") -> Path:
+    """A draft vocabulary file: `ids` (with their coverage `cov`), by default `draft_vocab_of(dataset, size,
+    eos_ids)`; `head_trained_on_it` marks the vocabulary of a head trained with `loss.draft_vocab` (which then
+    drafts from it by default)."""
     from clover_jax.heads.draft_vocab import save_draft_vocab
 
-    ids, cov = draft_vocab_of(dataset, size, eos_ids)
+    if ids is None:
+        ids, cov = draft_vocab_of(dataset, size, eos_ids)
     log.info("draft vocabulary: %d ids covering %.4f of the trained tokens -> %s", len(ids), cov, path)
-    return save_draft_vocab(path, ids, source="trained tokens of the training set", coverage_of_source=round(cov, 5),
+    return save_draft_vocab(path, ids, source=source, coverage_of_source=round(cov, 5),
                             head_trained_on_it=bool(head_trained_on_it))
 
 
@@ -220,10 +241,13 @@ def run_experiment(cfg: ExperimentConfig, *, resume: bool = False, progress: boo
         if batcher is None:
             batcher, eval_batches = build_data(cfg, loaded)
         vocab_ids = None
-        if cfg.loss.draft_vocab:  # every process derives the same ids from the same data
-            vocab_ids, cov = draft_vocab_of(batcher.dataset, cfg.train.draft_vocab_size, base.config.eos_token_ids)
-            log.info("cross-entropy over the draft vocabulary: %d ids covering %.4f of the trained tokens",
-                     len(vocab_ids), cov)
+        run_vocab = None
+        if cfg.loss.draft_vocab or cfg.train.draft_vocab_size or cfg.train.draft_vocab_from:
+            run_vocab = run_draft_vocab(cfg, batcher.dataset, base.config.eos_token_ids)  # same ids on every process
+        if cfg.loss.draft_vocab:
+            vocab_ids = run_vocab[0]
+            log.info("cross-entropy over the draft vocabulary: %d ids covering %.4f of the trained tokens (%s)",
+                     len(vocab_ids), run_vocab[1], run_vocab[2])
         trainer = Trainer(cfg, base, base_name=cfg.model.name_or_path, mesh=mesh, run_dir=run_dir,
                           vocab_ids=vocab_ids)
         if existing:
@@ -241,9 +265,10 @@ def run_experiment(cfg: ExperimentConfig, *, resume: bool = False, progress: boo
             run_dir.mkdir(parents=True, exist_ok=True)
             save_config(cfg, run_dir / "config.yaml")
             (run_dir / "head.json").write_text(json.dumps(head_meta, indent=1))
-            if cfg.train.draft_vocab_size and hasattr(batcher, "dataset"):
+            if run_vocab is not None:
                 write_draft_vocab(batcher.dataset, cfg.train.draft_vocab_size, base.config.eos_token_ids,
-                                  run_dir / "draft_vocab.json", head_trained_on_it=cfg.loss.draft_vocab)
+                                  run_dir / "draft_vocab.json", head_trained_on_it=cfg.loss.draft_vocab,
+                                  ids=run_vocab[0], cov=run_vocab[1], source=run_vocab[2])
         summary = trainer.fit(batcher, eval_batches=eval_batches, checkpointer=ckpt, progress=progress,
                               on_step=on_step)
         summary["run_dir"] = str(run_dir)

@@ -216,3 +216,18 @@ def test_draft_vocabulary_training_run_marks_its_vocabulary_and_exports_it(tmp_p
     plain.mkdir()
     (plain / "draft_vocab.json").write_text('{"size": 2, "ids": [1, 2]}')
     assert head_draft_vocab(plain) is None
+
+    # a warm start keeps the vocabulary of the head it continues (train.draft_vocab_from), not its data's
+    again = tmp_path / "again"
+    cfg2 = make_cfg("loss.draft_vocab=true", f"train.draft_vocab_from={run}", f"train.init_head_from={run}",
+                    "train.steps=2", "loss.vocab_positions_per_row=4", output_dir=str(again))
+    other = _tiny_dataset(lengths=(4, 6, 5, 7, 3, 8, 4, 6))  # a different data set: its own top tokens differ
+    run_experiment(cfg2, progress=False, mesh=parallel.make_mesh(1, 1, 1, devices=jax.devices("cpu")[:1]),
+                   loaded=base, batcher=attach_features(BucketedBatcher(other, 8, [8, 16], seed=0), base,
+                                                        progress=False), eval_batches=[])
+    np.testing.assert_array_equal(head_draft_vocab(again), ids)
+    with pytest.raises(ConfigError, match="train.draft_vocab_from.*holds no draft vocabulary"):
+        run_experiment(make_cfg("loss.draft_vocab=true", f"train.draft_vocab_from={plain}", "train.steps=2",
+                                output_dir=str(tmp_path / "bad")), progress=False,
+                       mesh=parallel.make_mesh(1, 1, 1, devices=jax.devices("cpu")[:1]), loaded=base,
+                       batcher=BucketedBatcher(other, 8, [8, 16], seed=0), eval_batches=[])
