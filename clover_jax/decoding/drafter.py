@@ -55,3 +55,34 @@ class Drafter(Protocol):
 
     def check(self, head, base) -> None:
         """Raises a clear error if this head cannot draft for this base model."""
+
+
+class TreeDrafterBase:
+    """What drafters over a tree spec (a static `TreeSpec` or a `DynamicTree` policy, in `self.spec`, with an
+    optional `self.draft_vocab`) share: their static sizes and the checks of the tree against a head and a base."""
+
+    @property
+    def num_nodes(self) -> int:
+        return self.spec.num_nodes
+
+    @property
+    def max_depth(self) -> int:
+        return self.spec.max_depth
+
+    def check_tree(self, num_heads: int, vocab_size: int, what: str = "the head") -> None:
+        """An `InputError` if the tree is deeper than the head's `num_heads` or asks for more candidates (top_k)
+        than the drafting vocabulary holds, or if the draft vocabulary is not valid for `vocab_size`."""
+        from clover_jax.validation import InputError
+
+        if self.max_depth > num_heads:
+            raise InputError(f"tree {self.spec.name!r} is {self.max_depth} drafts deep but {what} has only "
+                             f"{num_heads} heads; use a shallower tree or a head with more heads")
+        if self.spec.top_k > vocab_size:
+            raise InputError(f"tree top_k={self.spec.top_k} exceeds the vocabulary ({vocab_size})")
+        if self.draft_vocab is not None:
+            from clover_jax.heads.draft_vocab import check_draft_vocab
+
+            check_draft_vocab(self.draft_vocab, vocab_size)
+            if self.spec.top_k > len(self.draft_vocab):
+                raise InputError(f"tree top_k={self.spec.top_k} exceeds the draft vocabulary "
+                                 f"({len(self.draft_vocab)} ids)")

@@ -23,7 +23,7 @@ from clover_jax.decoding.sampling import top_k_ids  # noqa: F401  (re-exported f
 from clover_jax.decoding.topology import topology_from_parents
 from clover_jax.decoding.tree import DynamicTree, TreeBuffers, TreeSpec, build_buffers
 from clover_jax.heads.clover2 import Clover2Head, check_compatible
-from clover_jax.decoding.drafter import Proposal
+from clover_jax.decoding.drafter import Proposal, TreeDrafterBase
 from clover_jax.models.cache import KVCache
 from clover_jax.validation import InputError
 
@@ -38,7 +38,7 @@ class Clover2State:
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class Clover2Drafter:
+class Clover2Drafter(TreeDrafterBase):
     """Static drafting plan for one tree (hashable by identity; build once per tree)."""
 
     spec: TreeSpec
@@ -48,28 +48,9 @@ class Clover2Drafter:
     def __post_init__(self):
         object.__setattr__(self, "buffers", build_buffers(self.spec))
 
-    @property
-    def num_nodes(self) -> int:
-        return self.spec.num_nodes
-
-    @property
-    def max_depth(self) -> int:
-        return self.spec.max_depth
-
     def check(self, head: Clover2Head, base) -> None:
         check_compatible(head, base.config)
-        if self.max_depth > head.cfg.num_heads:
-            raise InputError(f"tree {self.spec.name!r} is {self.max_depth} drafts deep but the head has only "
-                             f"{head.cfg.num_heads} heads; use a shallower tree or a head with more heads")
-        if self.spec.top_k > base.config.vocab_size:
-            raise InputError(f"tree top_k={self.spec.top_k} exceeds the vocabulary ({base.config.vocab_size})")
-        if self.draft_vocab is not None:
-            from clover_jax.heads.draft_vocab import check_draft_vocab
-
-            check_draft_vocab(self.draft_vocab, base.config.vocab_size)
-            if self.spec.top_k > len(self.draft_vocab):
-                raise InputError(f"tree top_k={self.spec.top_k} exceeds the draft vocabulary "
-                                 f"({len(self.draft_vocab)} ids)")
+        self.check_tree(head.cfg.num_heads, base.config.vocab_size)
 
     def arrays(self) -> dict:
         """The drafter's arrays (tree buffers, draft-vocabulary ids), to pass into a jitted loop as an argument

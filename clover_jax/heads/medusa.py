@@ -37,7 +37,7 @@ from clover_jax.decoding.sampling import top_k_ids
 from clover_jax.decoding.topology import TreeTopology
 from clover_jax.decoding.tree import TreeBuffers, TreeSpec, build_buffers
 from clover_jax.heads import registry
-from clover_jax.decoding.drafter import Proposal
+from clover_jax.decoding.drafter import Proposal, TreeDrafterBase
 from clover_jax.models.config import LlamaConfig
 from clover_jax.models.llama import Llama, rms_norm
 from clover_jax.validation import InputError
@@ -157,7 +157,7 @@ def node_index(buffers: TreeBuffers, top_k: int) -> np.ndarray:
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class MedusaDrafter:
+class MedusaDrafter(TreeDrafterBase):
     """Static drafting plan of Medusa heads over one tree (hashable by identity; build once per tree)."""
 
     spec: TreeSpec
@@ -167,28 +167,11 @@ class MedusaDrafter:
     def __post_init__(self):
         object.__setattr__(self, "buffers", build_buffers(self.spec))
 
-    @property
-    def num_nodes(self) -> int:
-        return self.spec.num_nodes
-
-    @property
-    def max_depth(self) -> int:
-        return self.spec.max_depth
-
     def check(self, head: MedusaHead, base) -> None:
         check_compatible(head, base.config)
-        if self.max_depth > head.cfg.num_heads:
-            raise InputError(f"tree {self.spec.name!r} is {self.max_depth} drafts deep but the Medusa head has only "
-                             f"{head.cfg.num_heads} heads; use a shallower tree or more heads")
+        self.check_tree(head.cfg.num_heads, base.config.vocab_size, what="the Medusa head")
         if int(np.max(np.asarray(self.buffers.rank))) >= self.spec.top_k:
             raise InputError(f"tree {self.spec.name!r} has a child rank >= its top_k={self.spec.top_k}")
-        n = base.config.vocab_size if self.draft_vocab is None else len(self.draft_vocab)
-        if self.spec.top_k > n:
-            raise InputError(f"tree top_k={self.spec.top_k} exceeds the drafting vocabulary ({n} ids)")
-        if self.draft_vocab is not None:
-            from clover_jax.heads.draft_vocab import check_draft_vocab
-
-            check_draft_vocab(self.draft_vocab, base.config.vocab_size)
 
     def arrays(self) -> dict:
         """The drafter's arrays, passed into the jitted loop as an argument (not baked in as constants)."""
