@@ -21,8 +21,9 @@ from flax import nnx
 from clover_jax.decoding.autoregressive import ar_generate
 from clover_jax.decoding.sampling import SamplingParams
 from clover_jax.models.cache import CacheOverflowError
+from clover_jax import parallel
 from clover_jax.validation import (InputError, check_bool, check_choice, check_float, check_int, check_memory,
-                                   check_token_ids, estimate_generate_memory)
+                                   check_mesh_memory, check_token_ids, estimate_generate_memory, split_over_mesh)
 
 
 class PromptError(InputError):
@@ -195,7 +196,7 @@ class GenerationPlan:
 
     model: Any  # the Llama
     tokenizer: Any
-    ids: list[list[int]]
+    ids: list[list[int]]  # the prompts' token ids (the rows of `prompt` past these pad the batch)
     prompt: np.ndarray  # [B, T] right-padded to the length bucket
     prompt_lengths: np.ndarray  # [B]
     max_new_tokens: int
@@ -205,7 +206,16 @@ class GenerationPlan:
     mode: str
     head: Any = None
     drafter: Any = None
-    memory: dict[str, int] = dataclasses.field(default_factory=dict)  # estimated bytes per part
+    memory: dict[str, int] = dataclasses.field(default_factory=dict)  # estimated bytes per part (per device)
+    mesh: Any = None  # jax.sharding.Mesh the loop runs on (None: one device)
+
+    @property
+    def row_new_tokens(self) -> np.ndarray:
+        """`[B]` new-token budget per row: `max_new_tokens` for the prompts, 1 for the rows that only pad the
+        batch to a multiple of the mesh's batch shards (they stop after the prefill)."""
+        out = np.ones(len(self.prompt_lengths), np.int32)
+        out[: len(self.ids)] = self.max_new_tokens
+        return out
 
 
 def _is_model(model) -> bool:
@@ -215,8 +225,8 @@ def _is_model(model) -> bool:
 def prepare_generate(model, prompts: Sequence[Any], *, tokenizer=None, max_new_tokens: int = 128,
                      temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0, chat: bool = True,
                      system: str | None = None, cache_size: int | None = None, mode: str = "ar", head=None,
-                     tree=None, draft_vocab=None, decode_text: bool = True, check_free_memory: bool = True
-                     ) -> GenerationPlan:
+                     tree=None, draft_vocab=None, decode_text: bool = True, check_free_memory: bool = True,
+                     mesh=None) -> GenerationPlan:
     """Checks every argument of `generate` (same signature) and resolves the head, tree and cache, without
     compiling anything. Errors (`clover_jax.validation.InputError`) name the argument, the value and the
     limit: types and ranges, finite sampling parameters, token ids within the vocabulary, prompt + new tokens
@@ -251,9 +261,12 @@ def prepare_generate(model, prompts: Sequence[Any], *, tokenizer=None, max_new_t
     if mode == "speculative" and head is None:
         raise InputError("head: mode='speculative' needs a draft head (head=...)")
     sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+    mesh = parallel.parse_mesh(mesh)
     ids = encode_prompts(tokenizer, prompts, chat=chat, system=system, vocab_size=config.vocab_size)
     pad_id = config.pad_token_id if config.pad_token_id is not None else 0
-    arr, lens = pad_prompts(ids, pad_id)
+    # on a mesh the rows split over its batch shards: pad the batch to a multiple with copies of prompt 0
+    extra_rows = (-len(ids)) % parallel.batch_divisor(mesh) if mesh is not None else 0
+    arr, lens = pad_prompts(ids + [ids[0]] * extra_rows, pad_id)
     drafter = None
     if mode == "speculative":
         from clover_jax.decoding.speculative import drafter_for
@@ -271,23 +284,31 @@ def prepare_generate(model, prompts: Sequence[Any], *, tokenizer=None, max_new_t
     cache_size = plan_cache(lens, max_new_tokens, drafter.num_nodes if drafter is not None else 0, cache_size, None)
     dtype_bytes = np.dtype(model.dtype).itemsize
     memory = estimate_generate_memory(
-        config, batch=len(ids), cache_size=cache_size, prompt_len=arr.shape[1], dtype_bytes=dtype_bytes,
+        config, batch=len(lens), cache_size=cache_size, prompt_len=arr.shape[1], dtype_bytes=dtype_bytes,
         tree_nodes=drafter.num_nodes if drafter is not None else 0,
         head_layers=getattr(getattr(head, "cfg", None), "num_aug_layers", 0),
         draft_rows=len(draft_vocab) if draft_vocab is not None else config.vocab_size)
-    if check_free_memory:
+    what = f"generate(batch={len(ids)} prompts, cache_size={cache_size}, mode={mode!r})"
+    if mesh is not None:
+        memory = split_over_mesh(memory, config, dict(mesh.shape))
+        if check_free_memory:
+            states = [nnx.state(model)] + ([nnx.state(head)] if head is not None else [])
+            weights = sum(parallel.bytes_per_device(st, mesh) for st in states)
+            to_place = sum(parallel.bytes_per_device(st, mesh) for st in states if not parallel.is_placed(st, mesh))
+            check_mesh_memory(memory, weights_bytes=weights, weights_to_place=to_place,
+                              what=f"{what} on mesh {dict(mesh.shape)}", devices=mesh.devices.flat)
+    elif check_free_memory:
         weights = sum(int(x.nbytes) for x in jax.tree.leaves(nnx.state(model)))
-        check_memory(memory, weights_bytes=weights,
-                     what=f"generate(batch={len(ids)} prompts, cache_size={cache_size}, mode={mode!r})")
+        check_memory(memory, weights_bytes=weights, what=what)
     return GenerationPlan(model=model, tokenizer=tokenizer, ids=ids, prompt=arr, prompt_lengths=lens,
                           max_new_tokens=max_new_tokens, sampling=sampling, seed=seed, cache_size=cache_size,
-                          mode=mode, head=head, drafter=drafter, memory=memory)
+                          mode=mode, head=head, drafter=drafter, memory=memory, mesh=mesh)
 
 
 def generate(model, prompts: Sequence[Any], *, tokenizer=None, max_new_tokens: int = 128, temperature: float = 0.0,
              top_k: int = 0, top_p: float = 1.0, seed: int = 0, chat: bool = True, system: str | None = None,
              cache_size: int | None = None, mode: str = "ar", head=None, tree=None, draft_vocab=None,
-             decode_text: bool = True) -> GenerationResult:
+             decode_text: bool = True, mesh=None) -> GenerationResult:
     """Generates for a batch of prompts.
 
     Args:
@@ -299,6 +320,11 @@ def generate(model, prompts: Sequence[Any], *, tokenizer=None, max_new_tokens: i
       tree: a tree name or JSON file; None: the registered head's default tree, else "clover2-26".
       draft_vocab: token ids the drafts are drawn from (`clover_jax.heads.draft_vocab`); None: all, or, for
         a head given by name or path, the vocabulary it was trained on (if any).
+      mesh: decode on several devices: a `jax.sharding.Mesh` of `clover_jax.parallel.make_mesh`, or a string
+        like "data=2,tp=4" (`parallel.parse_mesh`). The base model is tensor-parallel over `tp` (attention
+        heads, MLP, vocabulary), rows split over `data`; the head's weights and both KV caches are sharded to
+        match. The batch is padded to a multiple of the batch shards. Load the model onto the mesh
+        (`load_model(..., mesh=mesh)`) to avoid a copy of the weights per call.
 
     Every argument is checked before anything compiles (`prepare_generate`); a bad one raises an
     `InputError` naming it, its value and the limit.
@@ -306,7 +332,7 @@ def generate(model, prompts: Sequence[Any], *, tokenizer=None, max_new_tokens: i
     plan = prepare_generate(model, prompts, tokenizer=tokenizer, max_new_tokens=max_new_tokens,
                             temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, chat=chat, system=system,
                             cache_size=cache_size, mode=mode, head=head, tree=tree, draft_vocab=draft_vocab,
-                            decode_text=decode_text)
+                            decode_text=decode_text, mesh=mesh)
     return run_plan(plan, decode_text=decode_text)
 
 
@@ -316,20 +342,21 @@ def run_plan(plan: GenerationPlan, decode_text: bool = True) -> GenerationResult
     key = jax.random.key(plan.seed)
     if plan.mode == "ar":
         t0 = time.perf_counter()
-        out = ar_generate(model, plan.prompt, lens, max_new_tokens=plan.max_new_tokens, cache_size=plan.cache_size,
-                          sampling=plan.sampling, key=key)
+        out = ar_generate(model, plan.prompt, lens, max_new_tokens=plan.row_new_tokens, cache_size=plan.cache_size,
+                          sampling=plan.sampling, key=key, mesh=plan.mesh)
         out = jax.block_until_ready(out)
         seconds = time.perf_counter() - t0
         stats = {}
     else:
         from clover_jax.decoding.speculative import spec_generate
 
-        out, stats, seconds = spec_generate(model, plan.head, plan.prompt, lens, max_new_tokens=plan.max_new_tokens,
+        out, stats, seconds = spec_generate(model, plan.head, plan.prompt, lens, max_new_tokens=plan.row_new_tokens,
                                             cache_size=plan.cache_size, sampling=plan.sampling, key=key,
-                                            drafter=plan.drafter)
+                                            drafter=plan.drafter, mesh=plan.mesh, stat_rows=len(plan.ids))
     tokens = np.asarray(out.tokens)
     lengths = np.asarray(out.lengths)
     gen = [tokens[i, lens[i]: lengths[i]].tolist() for i in range(len(plan.ids))]
     texts = [tokenizer.decode(g, skip_special_tokens=True) for g in gen] if (decode_text and tokenizer) else None
-    return GenerationResult(token_ids=gen, texts=texts, prompt_lengths=lens.tolist(), steps=int(out.steps),
-                            row_steps=np.asarray(out.row_steps).tolist(), seconds=seconds, stats=stats)
+    rows = len(plan.ids)
+    return GenerationResult(token_ids=gen, texts=texts, prompt_lengths=lens[:rows].tolist(), steps=int(out.steps),
+                            row_steps=np.asarray(out.row_steps)[:rows].tolist(), seconds=seconds, stats=stats)

@@ -62,6 +62,21 @@ _RULES: dict[str, tuple] = {
     # draft heads add their own rules through the head registry (`HeadType.sharding_rules`)
 }
 
+# Decoding state (the jitted loops' carry and the drafters' states): name -> spec of every dim. Rows go over
+# the batch axes, KV heads over tp (dropped, like the weights' rules, where tp does not divide K). Leaves
+# without a rule (tree buffers, draft vocabularies, RNG keys) are left to XLA's propagation.
+_STATE_RULES: dict[str, tuple] = {
+    "k": (None, BATCH_AXES, None, "tp", None),  # KVCache.k [L, B, S, K, H] (base and draft-head caches)
+    "v": (None, BATCH_AXES, None, "tp", None),  # KVCache.v [L, B, S, K, H]
+    "lengths": (BATCH_AXES,),  # [B] valid cache slots / tokens per row
+    "tokens": (BATCH_AXES, None),  # [B, S] prompt + generated
+    "done": (BATCH_AXES,),  # [B]
+    "row_steps": (BATCH_AXES,),  # [B]
+    "accept_hist": (BATCH_AXES, None),  # [B, Dmax+1]
+    "s0": (BATCH_AXES, None),  # Clover-2 drafter: the Augmenting Block's last output [B, D]
+    "h": (BATCH_AXES, None),  # Medusa drafter: the last accepted token's normed hidden state [B, D]
+}
+
 
 class MeshError(InputError):
     """A mesh shape that does not fit the devices; the message names the sizes."""
@@ -163,14 +178,60 @@ def spec_for(name: str | None, shape: Sequence[int], mesh: Mesh) -> P:
     ndim = len(shape)
     if rule is None or ndim < len(rule):
         return P()
-    full = (None,) * (ndim - len(rule)) + tuple(rule)
+    return _fit(rule, shape, mesh)
+
+
+def _axis_size(mesh: Mesh, axis) -> int:
+    names = axis if isinstance(axis, tuple) else (axis,)
+    return int(np.prod([mesh.shape[a] for a in names]))
+
+
+def _fit(rule: tuple, shape: Sequence[int], mesh: Mesh) -> P:
+    """`rule` right-aligned to `shape`, each mesh axis (or tuple of axes) kept only where it divides the dim
+    and has more than one device."""
+    full = (None,) * (len(shape) - len(rule)) + tuple(rule)
     out = []
     for dim, axis in zip(shape, full):
-        size = mesh.shape[axis] if axis is not None else 1
+        size = _axis_size(mesh, axis) if axis is not None else 1
         out.append(axis if axis is not None and size > 1 and dim % size == 0 else None)
     while out and out[-1] is None:
         out.pop()
     return P(*out)
+
+
+def state_spec(name: str | None, shape: Sequence[int], mesh: Mesh) -> P | None:
+    """The partition spec of a decoding-state leaf (see `_STATE_RULES`), or None when no rule names it."""
+    rule = _STATE_RULES.get(name or "")
+    if rule is None or len(shape) != len(rule):
+        return None
+    return _fit(rule, shape, mesh)
+
+
+def state_shardings(tree: Any, mesh: Mesh) -> Any:
+    """`NamedSharding` (or None: no rule) for every leaf of a decoding state (loop carry, caches, drafter
+    state)."""
+
+    def one(path, leaf):
+        shape = _shape(leaf)
+        spec = state_spec(leaf_name(path), shape, mesh) if shape is not None else None
+        return None if spec is None else NamedSharding(mesh, spec)
+
+    return jax.tree_util.tree_map_with_path(one, tree)
+
+
+def constrain_state(tree: Any, mesh: Mesh | None) -> Any:
+    """`with_sharding_constraint` on the leaves of a decoding state that a rule names (identity without a
+    mesh): inside the jitted loops, so caches and per-row buffers stay split over the mesh rather than
+    being gathered or replicated by propagation."""
+    if mesh is None:
+        return tree
+
+    def one(path, leaf):
+        shape = _shape(leaf)
+        spec = state_spec(leaf_name(path), shape, mesh) if shape is not None else None
+        return leaf if spec is None else jax.lax.with_sharding_constraint(leaf, NamedSharding(mesh, spec))
+
+    return jax.tree_util.tree_map_with_path(one, tree)
 
 
 def _shape(x) -> tuple[int, ...] | None:
@@ -201,9 +262,86 @@ def abstract_with_shardings(tree: Any, shardings: Any) -> Any:
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
 
 
-def batch_sharding(mesh: Mesh) -> NamedSharding:
-    """Rows over ("data", "fsdp"), the rest replicated (`[B, T]` batches)."""
+def batch_sharding(mesh: Mesh, batch: int | None = None) -> NamedSharding:
+    """Rows over ("data", "fsdp"), the rest replicated (`[B, ...]` batches); replicated when `batch` is given
+    and the batch shards do not divide it."""
+    if batch is not None and batch % batch_divisor(mesh):
+        return NamedSharding(mesh, P())
     return NamedSharding(mesh, P(BATCH_AXES))
+
+
+def place(tree: Any, mesh: Mesh | None) -> Any:
+    """Puts a module state (or any parameter-named pytree) on `mesh` by the rules; arrays already there with
+    the same sharding are not copied. Identity without a mesh."""
+    if mesh is None:
+        return tree
+    return jax.device_put(tree, model_shardings(tree, mesh))
+
+
+def bytes_per_device(tree: Any, mesh: Mesh) -> int:
+    """Bytes of a module state on each device of `mesh` once placed by the rules (the largest shard)."""
+    shardings = model_shardings(tree, mesh)
+    total = 0
+    for x, s in zip(jax.tree.leaves(tree), jax.tree.leaves(shardings, is_leaf=lambda v: isinstance(v, NamedSharding))):
+        shape = _shape(x)
+        if shape is None:
+            continue
+        total += int(np.prod(s.shard_shape(shape))) * np.dtype(x.dtype).itemsize
+    return total
+
+
+def is_placed(tree: Any, mesh: Mesh) -> bool:
+    """Whether every array of a module state already sits on `mesh` as the rules place it."""
+    shardings = model_shardings(tree, mesh)
+    for x, s in zip(jax.tree.leaves(tree), jax.tree.leaves(shardings, is_leaf=lambda v: isinstance(v, NamedSharding))):
+        have = getattr(x, "sharding", None)
+        if have is None or not have.is_equivalent_to(s, len(x.shape)):
+            return False
+    return True
+
+
+def place_rows(mesh: Mesh | None, *arrays):
+    """Puts `[B, ...]` arrays on `mesh` with rows over the batch axes (replicated when they do not divide B)."""
+    if mesh is None:
+        return arrays
+    return tuple(jax.device_put(a, batch_sharding(mesh, a.shape[0])) for a in arrays)
+
+
+def parse_mesh(value: Any, devices: Sequence[Any] | None = None) -> Mesh | None:
+    """A decoding mesh from `None` (no mesh), a `Mesh`, a dict or a string like `"data=2,tp=4"`.
+
+    Axes not named have size 1 and the mesh takes the first data*fsdp*tp devices (so `"tp=1"` is one
+    device); one axis may be -1 to take all the remaining devices."""
+    if value is None or isinstance(value, Mesh):
+        return value
+    if isinstance(value, str):
+        sizes = {}
+        for part in (p.strip() for p in value.split(",") if p.strip()):
+            name, eq, num = part.partition("=")
+            name = name.strip()
+            if not eq or name not in AXES:
+                raise MeshError(f"mesh: expected 'axis=size' pairs over {AXES} (e.g. 'data=2,tp=4'), got {value!r}")
+            try:
+                sizes[name] = int(num)
+            except ValueError:
+                raise MeshError(f"mesh: {name}={num.strip()!r} is not an integer (in {value!r})") from None
+        value = sizes
+    if not isinstance(value, dict):
+        raise MeshError(f"mesh: expected a Mesh, a dict or a string like 'data=2,tp=4', got {type(value).__name__}")
+    unknown = sorted(set(value) - set(AXES))
+    if unknown:
+        raise MeshError(f"mesh: unknown axes {unknown}; the axes are {AXES}")
+    sizes = {a: int(value.get(a, 1)) for a in AXES}
+    devices = list(jax.devices() if devices is None else devices)
+    if -1 not in sizes.values():
+        n = int(np.prod(list(sizes.values())))
+        if any(v < 1 for v in sizes.values()):
+            raise MeshError(f"mesh: sizes must be >= 1 (or one -1), got {sizes}")
+        if n > len(devices):
+            raise MeshError(f"mesh: data*fsdp*tp = {n} devices asked for ({value}), but only {len(devices)} "
+                            f"{devices[0].platform} devices exist")
+        devices = devices[:n]
+    return make_mesh(sizes["data"], sizes["fsdp"], sizes["tp"], devices=devices)
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

@@ -170,8 +170,46 @@ def estimate_generate_memory(config, *, batch: int, cache_size: int, prompt_len:
     return parts
 
 
+def split_over_mesh(parts: dict[str, int], config, sizes: dict[str, int]) -> dict[str, int]:
+    """Bytes per device of `estimate_generate_memory`'s parts on a decoding mesh of axis `sizes`
+    (`{"data", "fsdp", "tp"}`, as `clover_jax.parallel` lays the loop out): per-row buffers divide by the
+    batch shards (data * fsdp, which must divide the batch), KV caches also by tp where tp divides the KV
+    heads, the prefill's attention by tp where it divides the query heads, logits by tp where it divides V."""
+    rows = int(sizes.get("data", 1)) * int(sizes.get("fsdp", 1))
+    tp = int(sizes.get("tp", 1))
+    kv_tp = tp if config.num_key_value_heads % tp == 0 else 1
+    heads_tp = tp if config.num_attention_heads % tp == 0 else 1
+    vocab_tp = tp if config.vocab_size % tp == 0 else 1
+    div = {"KV cache": rows * kv_tp, "draft-head cache": rows * kv_tp, "prefill attention": rows * heads_tp,
+           "tree logits": rows * vocab_tp}
+    return {k: -(-v // div.get(k, rows)) for k, v in parts.items()}
+
+
+def check_mesh_memory(parts: dict[str, int], *, weights_bytes: int, weights_to_place: int, what: str,
+                      devices) -> None:
+    """`check_memory` for a decoding mesh: `parts` and `weights_to_place` (the weights that still have to be
+    copied onto the mesh, 0 when they are already there) are bytes per device. Devices with their own memory
+    (accelerators) are each checked against their free memory; CPU devices share the host's, so their
+    needs add up."""
+    devices = list(devices)
+    need = dict(parts)
+    if weights_to_place:
+        need["weights placed on the mesh"] = weights_to_place
+    if all(d.platform == "cpu" for d in devices):
+        n = len(devices)
+        check_memory({k: v * n for k, v in need.items()}, weights_bytes=weights_bytes * n,
+                     what=f"{what} on {n} CPU devices (sharing host memory)", device=devices[0], hint=MESH_HINT)
+        return
+    for d in devices:
+        check_memory(need, weights_bytes=weights_bytes, what=f"{what}, per device,", device=d, hint=MESH_HINT)
+
+
+HINT = "lower the batch size, max_new_tokens or cache_size"
+MESH_HINT = HINT + ", or spread the model over more devices (a larger mesh tp axis)"
+
+
 def check_memory(parts: dict[str, int], *, weights_bytes: int, what: str, device=None,
-                 available: tuple[int | None, str] | None = None) -> None:
+                 available: tuple[int | None, str] | None = None, hint: str = HINT) -> None:
     """InsufficientMemoryError when the parts add up to more than the device has free (weights already
     loaded are counted as used there, so they are only reported)."""
     free, where = available if available is not None else available_memory(device)
@@ -181,9 +219,9 @@ def check_memory(parts: dict[str, int], *, weights_bytes: int, what: str, device
     detail = ", ".join(f"{k} {_fmt(v)}" for k, v in sorted(parts.items(), key=lambda kv: -kv[1]) if v)
     raise InsufficientMemoryError(
         f"{what} needs about {_fmt(need)} beyond the {_fmt(weights_bytes)} of weights ({detail}), but only "
-        f"{_fmt(free)} are free on {where}; lower the batch size, max_new_tokens or cache_size")
+        f"{_fmt(free)} are free on {where}; {hint}")
 
 
 __all__ = ["InputError", "InsufficientMemoryError", "WeightFileError", "available_memory", "check_bool",
-           "check_choice", "check_float", "check_int", "check_memory", "check_token_ids",
-           "estimate_generate_memory"]
+           "check_choice", "check_float", "check_int", "check_memory", "check_mesh_memory",
+           "check_token_ids", "estimate_generate_memory", "split_over_mesh"]

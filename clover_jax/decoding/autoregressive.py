@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
+from clover_jax import parallel
 from clover_jax.decoding.sampling import next_token
 from clover_jax.models.cache import KVCache, causal_mask, prefix_mask
 from clover_jax.models.llama import Llama
@@ -58,11 +59,12 @@ def is_eos(tokens: jax.Array, eos_ids: jax.Array) -> jax.Array:
 
 
 def _ar_generate(graphdef, state, prompt, prompt_lengths, max_new_tokens, eos_ids, sampling, key, *,
-                 cache_size: int, greedy: bool, cache_dtype):
+                 cache_size: int, greedy: bool, cache_dtype, mesh=None):
     model = nnx.merge(graphdef, state)
     c = model.config
     b, t = prompt.shape
-    cache = KVCache.init(c.num_hidden_layers, b, cache_size, c.num_key_value_heads, c.head_dim, cache_dtype)
+    shard = functools.partial(parallel.constrain_state, mesh=mesh)  # identity without a mesh
+    cache = shard(KVCache.init(c.num_hidden_layers, b, cache_size, c.num_key_value_heads, c.head_dim, cache_dtype))
     logits, _, cache = prefill(model, prompt, prompt_lengths, cache)
     key, sub = jax.random.split(key)
     first = next_token(sub, logits, sampling, greedy)  # [B]
@@ -70,10 +72,10 @@ def _ar_generate(graphdef, state, prompt, prompt_lengths, max_new_tokens, eos_id
     tokens = tokens.at[:, :t].set(prompt, mode="drop")
     rows = jnp.arange(b)
     tokens = tokens.at[rows, prompt_lengths].set(first, mode="drop")
-    limit = prompt_lengths + max_new_tokens  # [B] final length bound per row
+    limit = prompt_lengths + max_new_tokens  # [B] final length bound per row (max_new_tokens [] or [B])
     done = is_eos(first, eos_ids) | (prompt_lengths + 1 >= limit)
-    st = _ARState(step=jnp.zeros((), jnp.int32), tokens=tokens, lengths=prompt_lengths + 1, cache=cache,
-                  done=done, row_steps=jnp.zeros((b,), jnp.int32), key=key)
+    st = shard(_ARState(step=jnp.zeros((), jnp.int32), tokens=tokens, lengths=prompt_lengths + 1, cache=cache,
+                        done=done, row_steps=jnp.zeros((b,), jnp.int32), key=key))
 
     def cond(s: _ARState):
         # `lengths < cache_size` keeps the next write in range (also checked on the host before the call)
@@ -93,8 +95,8 @@ def _ar_generate(graphdef, state, prompt, prompt_lengths, max_new_tokens, eos_id
         tokens = s.tokens.at[rows, write_at].set(tok, mode="drop")
         lengths = s.lengths + active
         done = s.done | (active & (is_eos(tok, eos_ids) | (lengths >= limit)))
-        return _ARState(step=s.step + 1, tokens=tokens, lengths=lengths, cache=cache, done=done,
-                        row_steps=s.row_steps + active, key=key)
+        return shard(_ARState(step=s.step + 1, tokens=tokens, lengths=lengths, cache=cache, done=done,
+                              row_steps=s.row_steps + active, key=key))
 
     st = jax.lax.while_loop(cond, body, st)
     return DecodeOutput(tokens=st.tokens, prompt_lengths=prompt_lengths, lengths=st.lengths,
@@ -102,20 +104,34 @@ def _ar_generate(graphdef, state, prompt, prompt_lengths, max_new_tokens, eos_id
 
 
 @functools.lru_cache(maxsize=None)
-def _jitted(graphdef, cache_size: int, greedy: bool, cache_dtype):
-    fn = functools.partial(_ar_generate, graphdef, cache_size=cache_size, greedy=greedy, cache_dtype=cache_dtype)
+def _jitted(graphdef, cache_size: int, greedy: bool, cache_dtype, mesh=None):
+    fn = functools.partial(_ar_generate, graphdef, cache_size=cache_size, greedy=greedy, cache_dtype=cache_dtype,
+                           mesh=mesh)
     return jax.jit(fn)
 
 
+def row_inputs(prompt, prompt_lengths, max_new_tokens, mesh=None):
+    """`(prompt [B, T], prompt_lengths [B], max_new_tokens [B])` as int32 device arrays, rows split over the
+    mesh's batch axes when a mesh is given; `max_new_tokens` may be one number or one per row."""
+    prompt = jnp.asarray(prompt, jnp.int32)
+    lens = jnp.asarray(prompt_lengths, jnp.int32)
+    new = jnp.broadcast_to(jnp.asarray(max_new_tokens, jnp.int32), lens.shape)
+    return parallel.place_rows(mesh, prompt, lens, new)
+
+
 def ar_generate(model: Llama, prompt, prompt_lengths, *, max_new_tokens, cache_size: int, sampling=None,
-                key=None, eos_ids=None, cache_dtype=None) -> DecodeOutput:
-    """Jitted autoregressive generation on padded prompts. Inputs are validated by `clover_jax.api`."""
+                key=None, eos_ids=None, cache_dtype=None, mesh=None) -> DecodeOutput:
+    """Jitted autoregressive generation on padded prompts. Inputs are validated by `clover_jax.api`.
+
+    With a `mesh` (`clover_jax.parallel`), the weights are placed by the sharding rules (no copy when the
+    model was loaded onto that mesh), the rows split over its batch axes and the KV cache over rows and KV
+    heads."""
     from clover_jax.decoding.sampling import SamplingParams
 
     sampling = sampling or SamplingParams()
     graphdef, state = nnx.split(model)
+    state = parallel.place(state, mesh)
     eos = jnp.asarray(list(eos_ids if eos_ids is not None else model.config.eos_token_ids) or [-1], jnp.int32)
     key = jax.random.key(0) if key is None else key
-    fn = _jitted(graphdef, int(cache_size), sampling.greedy, jnp.dtype(cache_dtype or model.dtype))
-    return fn(state, jnp.asarray(prompt, jnp.int32), jnp.asarray(prompt_lengths, jnp.int32),
-              jnp.asarray(max_new_tokens, jnp.int32), eos, sampling.arrays(), key)
+    fn = _jitted(graphdef, int(cache_size), sampling.greedy, jnp.dtype(cache_dtype or model.dtype), mesh)
+    return fn(state, *row_inputs(prompt, prompt_lengths, max_new_tokens, mesh), eos, sampling.arrays(), key)

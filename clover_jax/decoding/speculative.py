@@ -21,8 +21,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
+from clover_jax import parallel
 from clover_jax.decoding import verify
-from clover_jax.decoding.autoregressive import DecodeOutput, is_eos, prefill
+from clover_jax.decoding.autoregressive import DecodeOutput, is_eos, prefill, row_inputs
 from clover_jax.decoding.sampling import SamplingParams, next_token, warp_probs
 from clover_jax.models.cache import KVCache, prefix_mask
 
@@ -58,15 +59,17 @@ def _accept(proposal, logits, key, sampling, greedy: bool, sampled_drafts: bool)
 
 
 def _spec_generate(base_graph, base_state, head_graph, head_state_params, drafter_arrays, prompt, prompt_lengths,
-                   max_new_tokens, eos_ids, sampling, key, *, drafter, cache_size: int, greedy: bool, cache_dtype):
+                   max_new_tokens, eos_ids, sampling, key, *, drafter, cache_size: int, greedy: bool, cache_dtype,
+                   mesh=None):
     base = nnx.merge(base_graph, base_state)
     head = nnx.merge(head_graph, head_state_params)
     c = base.config
     b, t = prompt.shape
     u, dmax = drafter.num_nodes, drafter.max_depth
     rows = jnp.arange(b)
+    shard = functools.partial(parallel.constrain_state, mesh=mesh)  # identity without a mesh
 
-    cache = KVCache.init(c.num_hidden_layers, b, cache_size, c.num_key_value_heads, c.head_dim, cache_dtype)
+    cache = shard(KVCache.init(c.num_hidden_layers, b, cache_size, c.num_key_value_heads, c.head_dim, cache_dtype))
     logits, hidden, cache = prefill(base, prompt, prompt_lengths, cache)
     key, sub = jax.random.split(key)
     root = next_token(sub, logits, sampling, greedy)  # [B]
@@ -76,15 +79,15 @@ def _spec_generate(base_graph, base_state, head_graph, head_state_params, drafte
     # the drafter's arrays (tree buffers, draft vocabulary) come in as an argument, not as program constants
     hs0 = (drafter.init_state(head, base, b, cache_size, drafter_arrays) if drafter_arrays is not None
            else drafter.init_state(head, base, b, cache_size))
-    hs = drafter.start(head, base, hs0, hidden, y_prompt, prompt_lengths)
+    hs = drafter.start(head, base, shard(hs0), hidden, y_prompt, prompt_lengths)
 
     tokens = jnp.zeros((b, cache_size), jnp.int32).at[:, :t].set(prompt, mode="drop")
     tokens = tokens.at[rows, prompt_lengths].set(root, mode="drop")
-    limit = prompt_lengths + max_new_tokens
+    limit = prompt_lengths + max_new_tokens  # [B] (max_new_tokens [] or [B])
     done = is_eos(root, eos_ids) | (prompt_lengths + 1 >= limit)
-    st = _SpecState(step=jnp.zeros((), jnp.int32), tokens=tokens, lengths=prompt_lengths + 1, cache=cache,
-                    head_state=hs, done=done, accept_hist=jnp.zeros((b, dmax + 1), jnp.int32),
-                    row_steps=jnp.zeros((b,), jnp.int32), key=key)
+    st = shard(_SpecState(step=jnp.zeros((), jnp.int32), tokens=tokens, lengths=prompt_lengths + 1, cache=cache,
+                          head_state=hs, done=done, accept_hist=jnp.zeros((b, dmax + 1), jnp.int32),
+                          row_steps=jnp.zeros((b,), jnp.int32), key=key))
 
     def cond(s: _SpecState):
         room = s.cache.lengths + u <= cache_size  # the tree's K/V must fit after each row's prefix
@@ -126,8 +129,8 @@ def _spec_generate(base_graph, base_state, head_graph, head_state_params, drafte
         f_new = jnp.take_along_axis(hidden, nodes[..., None], axis=1)  # [B, Dmax+1, D]
         hs = drafter.commit(head, base, s.head_state, f_new, new, jnp.where(active, n + 1, 0))
         hist = s.accept_hist + (jax.nn.one_hot(n, dmax + 1, dtype=jnp.int32) * active[:, None])
-        return _SpecState(step=s.step + 1, tokens=tokens, lengths=lengths, cache=cache, head_state=hs, done=done,
-                          accept_hist=hist, row_steps=s.row_steps + active, key=key)
+        return shard(_SpecState(step=s.step + 1, tokens=tokens, lengths=lengths, cache=cache, head_state=hs,
+                                done=done, accept_hist=hist, row_steps=s.row_steps + active, key=key))
 
     st = jax.lax.while_loop(cond, body, st)
     out = DecodeOutput(tokens=st.tokens, prompt_lengths=prompt_lengths, lengths=st.lengths,
@@ -136,10 +139,10 @@ def _spec_generate(base_graph, base_state, head_graph, head_state_params, drafte
 
 
 @functools.lru_cache(maxsize=None)
-def _jitted(base_graph, head_graph, drafter, cache_size: int, greedy: bool, cache_dtype):
+def _jitted(base_graph, head_graph, drafter, cache_size: int, greedy: bool, cache_dtype, mesh=None):
     def fn(base_state, head_params, *args):
         return _spec_generate(base_graph, base_state, head_graph, head_params, *args, drafter=drafter,
-                              cache_size=cache_size, greedy=greedy, cache_dtype=cache_dtype)
+                              cache_size=cache_size, greedy=greedy, cache_dtype=cache_dtype, mesh=mesh)
 
     return jax.jit(fn)
 
@@ -159,9 +162,14 @@ def _drafter_for(head_type: type, tree_key, draft_vocab) -> object:
     return registry.of_head(head_type).make_drafter(get_tree(tree_key), draft_vocab)
 
 
-def spec_generate(base, head, prompt, prompt_lengths, *, max_new_tokens: int, cache_size: int | None,
-                  sampling: SamplingParams, key, tree=None, eos_ids=None, drafter=None, draft_vocab=None):
-    """Runs the jitted speculative loop; returns (DecodeOutput, stats dict, seconds)."""
+def spec_generate(base, head, prompt, prompt_lengths, *, max_new_tokens, cache_size: int | None,
+                  sampling: SamplingParams, key, tree=None, eos_ids=None, drafter=None, draft_vocab=None, mesh=None,
+                  stat_rows: int | None = None):
+    """Runs the jitted speculative loop; returns (DecodeOutput, stats dict, seconds).
+
+    `max_new_tokens`: one number or one per row. With a `mesh` (`clover_jax.parallel`) the base and head
+    weights are placed by the sharding rules, rows split over the batch axes, and both KV caches over rows
+    and KV heads. `stat_rows`: count only the first rows in the statistics (the rest pad the batch)."""
     import numpy as np
 
     from clover_jax.api import plan_cache
@@ -169,18 +177,19 @@ def spec_generate(base, head, prompt, prompt_lengths, *, max_new_tokens: int, ca
     drafter = drafter or drafter_for(type(head), tree or "clover2-26", draft_vocab)
     drafter.check(head, base)
     lens = np.asarray(prompt_lengths)
-    cache_size = plan_cache(lens, max_new_tokens, drafter.num_nodes, cache_size, None)
+    cache_size = plan_cache(lens, int(np.max(max_new_tokens)), drafter.num_nodes, cache_size, None)
     base_graph, base_state = nnx.split(base)
     head_graph, head_params = nnx.split(head)
+    base_state, head_params = parallel.place(base_state, mesh), parallel.place(head_params, mesh)
     eos = jnp.asarray(list(eos_ids if eos_ids is not None else base.config.eos_token_ids) or [-1], jnp.int32)
-    fn = _jitted(base_graph, head_graph, drafter, int(cache_size), sampling.greedy, jnp.dtype(base.dtype))
+    fn = _jitted(base_graph, head_graph, drafter, int(cache_size), sampling.greedy, jnp.dtype(base.dtype), mesh)
     arrays = drafter.arrays() if hasattr(drafter, "arrays") else None
+    inputs = row_inputs(prompt, lens, max_new_tokens, mesh)
     t0 = time.perf_counter()
-    out, st = fn(base_state, head_params, arrays, jnp.asarray(prompt, jnp.int32), jnp.asarray(lens, jnp.int32),
-                 jnp.asarray(max_new_tokens, jnp.int32), eos, sampling.arrays(), key)
+    out, st = fn(base_state, head_params, arrays, *inputs, eos, sampling.arrays(), key)
     out = jax.block_until_ready(out)
     seconds = time.perf_counter() - t0
-    hist = np.asarray(st.accept_hist)
+    hist = np.asarray(st.accept_hist)[:stat_rows]
     steps = hist.sum()
     tau = float((hist * (np.arange(hist.shape[1]) + 1)).sum() / steps) if steps else float("nan")
     # acceptance rate of depth d given depth d-1 accepted (the n-alpha of the EAGLE papers)

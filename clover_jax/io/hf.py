@@ -93,15 +93,20 @@ def params_to_hf(config: LlamaConfig, params: dict) -> dict[str, np.ndarray]:
 
 
 def model_from_params(config: LlamaConfig, params: dict, *, param_dtype=jnp.float32, dtype=jnp.float32,
-                      shardings=None, remat: bool = False) -> Llama:
+                      shardings=None, remat: bool = False, mesh=None) -> Llama:
     """Creates a Llama from a nested numpy param dict without materialising random weights.
 
     `shardings`, if given, is a pytree matching the model state of `NamedSharding`s: each array is
-    placed on its target sharding as it is converted.
+    placed on its target sharding as it is converted. `mesh` instead: the shardings of
+    `clover_jax.parallel`'s rules on that mesh.
     """
     abstract = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0), param_dtype=param_dtype,
                                             dtype=dtype, remat=remat))
     graphdef, state = nnx.split(abstract)
+    if shardings is None and mesh is not None:
+        from clover_jax.parallel import model_shardings
+
+        shardings = model_shardings(state, mesh)
     flat = dict(nnx.to_flat_state(state))
     shard_flat = dict(nnx.to_flat_state(shardings)) if shardings is not None else {}
     new_leaves = {}
@@ -180,7 +185,7 @@ def _weight_file_error(file: Path, e: BaseException, tensor: str | None = None) 
                            f"({size} bytes) is truncated or corrupt: download or export it again")
 
 
-def load_hf_dir(path: str | Path, *, param_dtype=jnp.float32, dtype=jnp.float32, shardings=None):
+def load_hf_dir(path: str | Path, *, param_dtype=jnp.float32, dtype=jnp.float32, shardings=None, mesh=None):
     """Loads `config.json` + safetensors weights from a transformers model folder (no torch)."""
     path = Path(path)
     if not path.is_dir():
@@ -188,4 +193,5 @@ def load_hf_dir(path: str | Path, *, param_dtype=jnp.float32, dtype=jnp.float32,
     config = LlamaConfig.from_json_file(path / "config.json")
     get, keys = read_safetensors_dir(path)
     params = hf_to_params(config, get, keys, source=str(path))
-    return config, model_from_params(config, params, param_dtype=param_dtype, dtype=dtype, shardings=shardings)
+    return config, model_from_params(config, params, param_dtype=param_dtype, dtype=dtype, shardings=shardings,
+                                     mesh=mesh)

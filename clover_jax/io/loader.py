@@ -102,7 +102,7 @@ def _is_dtype(value) -> bool:
 
 
 def load_model(name_or_path: str | os.PathLike, *, dtype=jnp.float32, param_dtype=None, shardings=None,
-               with_tokenizer: bool = True, remat: bool = False) -> LoadedModel:
+               with_tokenizer: bool = True, remat: bool = False, mesh=None) -> LoadedModel:
     """Loads a Llama-family model.
 
     Args:
@@ -111,6 +111,9 @@ def load_model(name_or_path: str | os.PathLike, *, dtype=jnp.float32, param_dtyp
       dtype: compute dtype; param_dtype defaults to it.
       shardings: optional pytree of `NamedSharding` matching the model state (see `clover_jax.parallel`);
         arrays are placed on it as they are read.
+      mesh: instead of `shardings`, a mesh (or a string like "tp=8", see `clover_jax.parallel.parse_mesh`):
+        the weights are placed by the library's sharding rules (tensor parallel over `tp`) as they are read,
+        so a model larger than one device never sits whole on one.
     """
     if not isinstance(name_or_path, (str, os.PathLike)) or not str(name_or_path).strip():
         raise InputError(f"name_or_path: expected a model name, folder or .gguf file, got {name_or_path!r}")
@@ -118,6 +121,10 @@ def load_model(name_or_path: str | os.PathLike, *, dtype=jnp.float32, param_dtyp
         if value is not None and (not _is_dtype(value) or not jnp.issubdtype(jnp.dtype(value), jnp.floating)):
             raise InputError(f"{arg}: expected a floating dtype (float32, bfloat16, float16), got {value!r}")
     param_dtype = dtype if param_dtype is None else param_dtype
+    if mesh is not None:
+        from clover_jax.parallel import parse_mesh
+
+        mesh = parse_mesh(mesh)
     path = resolve_model_path(name_or_path)
     if path.is_file() and path.suffix == ".gguf":
         reader = gguf_io._reader(path)
@@ -125,11 +132,11 @@ def load_model(name_or_path: str | os.PathLike, *, dtype=jnp.float32, param_dtyp
         tensors = gguf_io.gguf_tensors(reader, config)
         params = hf_to_params(config, tensors.__getitem__, tensors.keys(), source=str(path))
         model = model_from_params(config, params, param_dtype=param_dtype, dtype=dtype, shardings=shardings,
-                                  remat=remat)
+                                  remat=remat, mesh=mesh)
         tok = _gguf_tokenizer_cached(reader, path) if with_tokenizer else None
         return LoadedModel(config, model, tok, str(path))
     if path.is_dir():
-        config, model = load_hf_dir(path, param_dtype=param_dtype, dtype=dtype, shardings=shardings)
+        config, model = load_hf_dir(path, param_dtype=param_dtype, dtype=dtype, shardings=shardings, mesh=mesh)
         tok = load_tokenizer(path) if with_tokenizer else None
         return LoadedModel(config, model, tok, str(path))
     raise InputError(f"{path}: expected a model folder or a .gguf file")

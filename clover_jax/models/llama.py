@@ -121,22 +121,22 @@ class DecoderStack(nnx.Module):
             lp, ck, cv = xs
             lp = {k: v.astype(dtype) if k not in ("attn_norm", "mlp_norm") else v for k, v in lp.items()}
             a = rms_norm(h, lp["attn_norm"], eps)
-            q = jnp.einsum("BTD,DNH->BTNH", a, lp["wq"])
-            k = jnp.einsum("BTD,DKH->BTKH", a, lp["wk"])
-            v = jnp.einsum("BTD,DKH->BTKH", a, lp["wv"])
+            q = _dot("BTD,DNH->BTNH", a, lp["wq"])
+            k = _dot("BTD,DKH->BTKH", a, lp["wk"])
+            v = _dot("BTD,DKH->BTKH", a, lp["wv"])
             if c.attention_bias:
                 q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
             q = apply_rope(q, positions, inv_freq)
             k = apply_rope(k, positions, inv_freq)
             attn = _attention(q, k, v, self_mask, ck, cv, cache_mask, c.num_key_value_heads)
-            o = jnp.einsum("BTNH,NHD->BTD", attn, lp["wo"])
+            o = _dot("BTNH,NHD->BTD", attn, lp["wo"])
             h = h + (o + lp["bo"] if c.attention_out_bias else o)
             m = rms_norm(h, lp["mlp_norm"], eps)
-            gate = jnp.einsum("BTD,DF->BTF", m, lp["w_gate"])
-            up = jnp.einsum("BTD,DF->BTF", m, lp["w_up"])
+            gate = _dot("BTD,DF->BTF", m, lp["w_gate"])
+            up = _dot("BTD,DF->BTF", m, lp["w_up"])
             if c.mlp_bias:
                 gate, up = gate + lp["b_gate"], up + lp["b_up"]
-            down = jnp.einsum("BTF,FD->BTD", jax.nn.silu(gate) * up, lp["w_down"])
+            down = _dot("BTF,FD->BTD", jax.nn.silu(gate) * up, lp["w_down"])
             h = h + (down + lp["b_down"] if c.mlp_bias else down)
             return h, (k, v)
 
@@ -147,27 +147,38 @@ class DecoderStack(nnx.Module):
         return y, new_k, new_v
 
 
+def _dot(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
+    """`einsum(spec, x, w)` accumulated in float32 and rounded once to `x`'s dtype (a no-op change in float32).
+
+    In bfloat16 this keeps the result of a row independent of how many rows are computed together up to the
+    float32 summation order, so a speculative step's U-token forward rounds like U one-token forwards."""
+    return jnp.einsum(spec, x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+
+
 def _attention(q, k, v, self_mask, ck, cv, cache_mask, num_kv_heads):
-    """GQA attention of new queries over (cache ++ new keys); softmax in float32.
+    """GQA attention of new queries over (cache ++ new keys); scores, softmax and the weighted sum of values
+    in float32 (values and probabilities enter the products in the compute dtype), one rounding at the end.
 
     q: [B, T, N, H]; k, v: [B, T, K, H]; ck, cv: [B, S, K, H] or None.
     """
     b, t, n, h = q.shape
     g = n // num_kv_heads
+    f32 = jnp.float32
     qg = q.reshape(b, t, num_kv_heads, g, h) * (h ** -0.5)  # [B, T, K, G, H]
-    s_new = jnp.einsum("BTKGH,BSKH->BKGTS", qg, k).astype(jnp.float32)
+    s_new = jnp.einsum("BTKGH,BSKH->BKGTS", qg, k, preferred_element_type=f32)
     s_new = jnp.where(self_mask[:, None, None], s_new, NEG_INF)
     if ck is None:
         p = jax.nn.softmax(s_new, axis=-1).astype(v.dtype)
-        out = jnp.einsum("BKGTS,BSKH->BTKGH", p, v)
+        out = jnp.einsum("BKGTS,BSKH->BTKGH", p, v, preferred_element_type=f32)
     else:
-        s_old = jnp.einsum("BTKGH,BSKH->BKGTS", qg, ck.astype(q.dtype)).astype(jnp.float32)
+        s_old = jnp.einsum("BTKGH,BSKH->BKGTS", qg, ck.astype(q.dtype), preferred_element_type=f32)
         s_old = jnp.where(cache_mask[:, None, None], s_old, NEG_INF)
         p = jax.nn.softmax(jnp.concatenate([s_old, s_new], axis=-1), axis=-1).astype(v.dtype)
         s = ck.shape[1]
-        out = (jnp.einsum("BKGTS,BSKH->BTKGH", p[..., :s], cv.astype(v.dtype))
-               + jnp.einsum("BKGTS,BSKH->BTKGH", p[..., s:], v))
-    return out.reshape(b, t, n, h)
+        # the cache and the new tokens are summed in float32: where a key sits (cache or new) does not round
+        out = (jnp.einsum("BKGTS,BSKH->BTKGH", p[..., :s], cv.astype(v.dtype), preferred_element_type=f32)
+               + jnp.einsum("BKGTS,BSKH->BTKGH", p[..., s:], v, preferred_element_type=f32))
+    return out.astype(v.dtype).reshape(b, t, n, h)
 
 
 class Llama(nnx.Module):
