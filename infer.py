@@ -44,6 +44,9 @@ def parse_args(argv=None):
                    "the shipped head's tree, else clover2-26)")
     p.add_argument("--draft-vocab", help="draft only from these token ids (JSON from python -m "
                    "clover_jax.heads.draft_vocab); output is unchanged, drafting is cheaper")
+    p.add_argument("--mesh", default=None, help="decode on several devices: 'data=D,tp=T' (tensor parallel over T "
+                   "devices, rows over D; unnamed axes are 1). On CPU, XLA_FLAGS="
+                   "--xla_force_host_platform_device_count=8 simulates 8 devices")
     p.add_argument("--quiet", action="store_true", help="print only the summary")
     add_debug_argument(p)
     return p.parse_args(argv)
@@ -100,7 +103,14 @@ def _main(argv=None) -> int:
     else:
         tree_nodes = 0
     dtype = jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32
-    loaded = load_model(args.model, dtype=dtype)
+    mesh = None
+    if args.mesh:
+        from clover_jax.parallel import parse_mesh
+
+        mesh = parse_mesh(args.mesh)
+        print(f"decoding on a mesh {dict(mesh.shape)} of {mesh.devices.size} {mesh.devices.flat[0].platform} "
+              "devices", file=sys.stderr)
+    loaded = load_model(args.model, dtype=dtype, mesh=mesh)  # weights read straight onto the mesh
     head = None
     if args.mode == "speculative":
         from clover_jax.heads.loading import load_head
@@ -119,7 +129,7 @@ def _main(argv=None) -> int:
             print(f"drafting from the head's {len(draft_vocab)}-token training vocabulary", file=sys.stderr)
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
               chat=not args.no_chat, system=args.system, cache_size=args.cache_size, mode=args.mode, head=head,
-              tree=args.tree, draft_vocab=draft_vocab)
+              tree=args.tree, draft_vocab=draft_vocab, mesh=mesh)
     total_tokens = total_seconds = 0.0
     hist = None  # speculative: steps that accepted n drafts, summed over batches
     compile_seconds = 0.0

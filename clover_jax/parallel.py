@@ -338,8 +338,10 @@ def parse_mesh(value: Any, devices: Sequence[Any] | None = None) -> Mesh | None:
         if any(v < 1 for v in sizes.values()):
             raise MeshError(f"mesh: sizes must be >= 1 (or one -1), got {sizes}")
         if n > len(devices):
+            hint = ("; on CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N (set before JAX starts) "
+                    "simulates N devices" if devices[0].platform == "cpu" else "")
             raise MeshError(f"mesh: data*fsdp*tp = {n} devices asked for ({value}), but only {len(devices)} "
-                            f"{devices[0].platform} devices exist")
+                            f"{devices[0].platform} devices exist{hint}")
         devices = devices[:n]
     return make_mesh(sizes["data"], sizes["fsdp"], sizes["tp"], devices=devices)
 

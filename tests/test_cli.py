@@ -40,6 +40,21 @@ def test_infer_speculative_uses_the_shipped_head(capsys):
     assert "Paris" in captured.out and "tau = " in captured.out
 
 
+def test_infer_on_a_mesh_answers_as_on_one_device(capsys):
+    """The README's example prompt: `--mesh tp=8` (8 simulated devices) prints the `--mesh tp=1` answer."""
+    argv = ["--prompt", "What is the capital of France?", "--max-new-tokens", "24", "--mode", "speculative"]
+    answers = {}
+    for mesh in ("tp=1", "tp=8"):
+        assert infer.main(argv + ["--mesh", mesh]) == 0
+        out, err = capsys.readouterr()
+        assert f"decoding on a mesh" in err and "tau =" in out
+        answers[mesh] = out.split("### prompt 0:")[1].split("\nspeculative:")[0]
+    assert "Paris" in answers["tp=1"]
+    assert answers["tp=8"] == answers["tp=1"]
+    assert infer.main(argv + ["--mesh", "tp=16"]) == 2
+    assert "16 devices asked for" in capsys.readouterr().err
+
+
 def test_train_unknown_key_is_one_line_error(capsys):
     code = train.main(["--config", str(ROOT / "configs" / "smollm2-135m-clover2.yaml"), "--set", "optim.lrr=1e-3"])
     err = capsys.readouterr().err

@@ -121,7 +121,8 @@ def model_from_params(config: LlamaConfig, params: dict, *, param_dtype=jnp.floa
             raise InputError(f"{'.'.join(map(str, path))}: weight shape {arr.shape} != model shape {var.shape}")
         arr = arr.astype(jnp.dtype(param_dtype))
         sh = shard_flat.get(path)
-        value = jax.device_put(arr, sh.value if hasattr(sh, "value") else sh) if sh is not None else jnp.asarray(arr)
+        sh = sh.get_value() if isinstance(sh, nnx.Variable) else sh
+        value = jax.device_put(arr, sh) if sh is not None else jnp.asarray(arr)
         new_leaves[path] = var.replace(value)
     state = nnx.from_flat_state(new_leaves)
     return nnx.merge(graphdef, state)

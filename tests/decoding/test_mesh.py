@@ -2,6 +2,8 @@
 speculative decoding give the single-device tokens and acceptance, caches and weights are split as the rules
 say (per-device memory of the compiled loop), and memory planning names the numbers."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -123,15 +125,26 @@ def test_sampling_on_mesh_keeps_rows_independent_of_padding(tiny):
 
 
 # ---------------------------------------------------------------------------------- per-device memory
-def _compiled_memory(fn, *args):
-    ma = fn.lower(*args).compile().memory_analysis()
+def _compiled_memory(fn, *args, weights=None):
+    """(argument bytes, temp bytes) per device of the compiled loop; with `weights` (a module state), also
+    checks that no collective gathers a whole weight matrix (one layer's slice or more)."""
+    compiled = fn.lower(*args).compile()
+    if weights is not None:
+        shapes = set()
+        for x in jax.tree.leaves(weights):  # matrices (every dim >= 8 here), stacked [L, ...] and one layer
+            shapes |= {sh for sh in (tuple(x.shape), tuple(x.shape[1:])) if len(sh) >= 2 and min(sh) >= 8}
+        gathered = re.findall(r"= \w+\[([\d,]*)\]\S* all-gather\(", compiled.as_text())
+        whole = [g for g in gathered if tuple(int(d) for d in g.split(",") if d) in shapes]
+        assert not whole, f"weights gathered whole: {whole}"
+    ma = compiled.memory_analysis()
     return ma.argument_size_in_bytes, ma.temp_size_in_bytes
 
 
 def test_caches_and_weights_are_split_not_replicated():
     """Per-device memory of the compiled loops (XLA's own accounting): on 8 devices the KV caches (temp) take
     about 1/8 of one device's, and with tp=8 the weights (arguments) about 1/8; a replicated cache or weight
-    would keep the single-device size."""
+    would keep the single-device size. No collective of the loops gathers a whole weight matrix (the
+    tensor-parallel layers reduce activations instead)."""
     _need_devices()
     cfg = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
                       num_attention_heads=8, num_key_value_heads=8, head_dim=16, tie_word_embeddings=False,
@@ -151,9 +164,10 @@ def test_caches_and_weights_are_split_not_replicated():
         ar_fn = autoregressive._jitted(g, s, True, jnp.dtype(jnp.float32), mesh)
         hg, hp = nnx.split(head)
         sp_fn = speculative._jitted(g, hg, drafter, s, True, jnp.dtype(jnp.float32), mesh)
-        sizes[mesh_spec] = (_compiled_memory(ar_fn, st, *rows, eos, sampling, key),
+        weights = {"base": st, "head": hp} if mesh is not None else None
+        sizes[mesh_spec] = (_compiled_memory(ar_fn, st, *rows, eos, sampling, key, weights=weights),
                             _compiled_memory(sp_fn, st, parallel.place(hp, mesh), drafter.arrays(), *rows, eos,
-                                             sampling, key))
+                                             sampling, key, weights=weights))
     (ar_args1, ar_temp1), (sp_args1, sp_temp1) = sizes[None]
     assert ar_temp1 > kv_bytes and sp_temp1 > kv_bytes  # one device holds the whole cache
     for mesh_spec in ["data=4,tp=2", "tp=8"]:
@@ -204,7 +218,7 @@ def test_load_model_onto_mesh_places_weights(tmp_path):
     state = nnx.state(loaded.model)
     assert parallel.is_placed(state, mesh)
     assert not parallel.is_placed(nnx.state(base), mesh)
-    w_up = state["layers"]["w_up"].value
+    w_up = state["layers"]["w_up"].get_value()
     assert w_up.sharding.is_equivalent_to(NamedSharding(mesh, P(None, None, "tp")), 3)
     assert parallel.bytes_per_device(state, mesh) < sum(x.nbytes for x in jax.tree.leaves(state)) / 4
     prompts = _prompts(2, seed=3)
