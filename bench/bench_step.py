@@ -2,7 +2,8 @@
 
   python bench/bench_step.py                                   # SmolLM2-135M shapes, random weights, chain-3
   python bench/bench_step.py --trees chain-3 small-10 clover2-26 --context 300 --cache-size 640
-  python bench/bench_step.py --shape llama3-8b --dtype bfloat16 --trees chain-3 clover2-26   # on a GPU / TPU
+  python bench/bench_step.py --shape llama3-8b --dtype bfloat16 --trees chain-3 small-10 clover2-26 medusa-63
+  python bench/bench_step.py --shape llama3-8b --dtype bfloat16 --mesh tp=8 --no-parts   # a TPU v5e-8 / 8 GPUs
 
 Random weights of a real model's shapes (no download, runs on any backend unchanged). Two measurements:
 
@@ -15,7 +16,12 @@ Random weights of a real model's shapes (no download, runs on any backend unchan
   parts run outside the loop, so their sum differs from the loop's step by what fusing inside the loop saves
   or costs.
 
-Prints one table (ms and ratio to the AR step) and, with `--json`, one JSON object.
+`--mesh data=D,tp=T` runs the loops tensor-parallel (weights placed once, outside the timed calls); the parts
+are measured on one device and are skipped with a mesh.
+
+Prints one table per tree (ms and ratio to the AR step), then a summary over the trees: verify forward of U
+tokens, draft, and `(verify U + draft) / AR forward` (the extra cost of a speculative step that tau has to pay
+for), and, with `--json`, one JSON object.
 """
 
 from __future__ import annotations
@@ -79,14 +85,16 @@ def loop_ms_per_step(args, base, head, drafter, prompt, lens) -> tuple[float, fl
     n1, n2 = args.loop_tokens
     key = jax.random.key(0)
 
+    mesh = getattr(args, "mesh_obj", None)
+
     def ar(n):
         out = ar_generate(base, prompt, lens, max_new_tokens=n, cache_size=args.cache_size, sampling=sampling,
-                          key=key, eos_ids=no_eos)
+                          key=key, eos_ids=no_eos, mesh=mesh)
         return jax.block_until_ready(out)
 
     def spec(n):
         out, stats, secs = spec_generate(base, head, prompt, lens, max_new_tokens=n, cache_size=args.cache_size,
-                                         sampling=sampling, key=key, eos_ids=no_eos, drafter=drafter)
+                                         sampling=sampling, key=key, eos_ids=no_eos, drafter=drafter, mesh=mesh)
         return out, secs
 
     def per_step(run, steps_of):
@@ -222,6 +230,7 @@ def main(argv=None) -> int:
                     help="new tokens of the two loop runs whose difference gives ms/step")
     ap.add_argument("--loop-repeat", type=int, default=3, help="runs per loop length (best)")
     ap.add_argument("--no-parts", action="store_true", help="only the loop measurement")
+    ap.add_argument("--mesh", default=None, help="run the loops on a mesh, e.g. 'tp=8' or 'data=2,tp=4' (parts skipped)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
 
@@ -235,6 +244,16 @@ def main(argv=None) -> int:
         raise SystemExit(f"--cache-size {args.cache_size} cannot hold --context {args.context} + "
                          f"{args.loop_tokens[1]} new tokens + a tree; raise it")
     config, base, head = build(args)
+    args.mesh_obj = None
+    if args.mesh:
+        from flax import nnx
+
+        from clover_jax import parallel
+
+        args.mesh_obj = parallel.parse_mesh(args.mesh)
+        args.no_parts = True
+        nnx.update(base, parallel.place(nnx.state(base), args.mesh_obj))  # once, outside the timed calls
+        nnx.update(head, parallel.place(nnx.state(head), args.mesh_obj))
     rng = np.random.default_rng(0)
     b, t = args.batch_size, args.context
     prompt = jnp.asarray(rng.integers(0, config.vocab_size, (b, t)), jnp.int32)
@@ -243,9 +262,11 @@ def main(argv=None) -> int:
              if args.draft_vocab else None)
     report = {"head_type": args.head_type, "backend": jax.default_backend(), "device": str(jax.devices()[0]), "shape": args.shape,
               "dtype": args.dtype, "batch": b, "context": t, "cache_size": args.cache_size,
-              "draft_vocab": args.draft_vocab, "trees": {}}
+              "draft_vocab": args.draft_vocab, "mesh": args.mesh, "trees": {}}
     print(f"# {args.head_type} head, {args.shape} {args.dtype}, batch {b}, context {t}, cache {args.cache_size}, "
-          f"draft vocabulary {args.draft_vocab or 'full'}, backend {report['backend']} ({report['device']})")
+          f"draft vocabulary {args.draft_vocab or 'full'}, backend {report['backend']} ({report['device']})"
+          + (f", mesh {args.mesh}" if args.mesh else ""))
+    sizes = {}
     for tree in args.trees:
         drafter = drafter_for(type(head), tree, vocab)
         ar_ms, spec_ms = loop_ms_per_step(args, base, head, drafter, prompt, lens)
@@ -253,6 +274,7 @@ def main(argv=None) -> int:
         if not args.no_parts:
             rows |= parts_ms(args, config, base, head, drafter, prompt, lens)
         report["trees"][tree] = rows
+        sizes[tree] = drafter.num_nodes
         print(f"\n## {tree} ({drafter.num_nodes} verified tokens, {drafter.max_depth} deep)\n")
         print("| part | ms | / AR loop step |")
         print("|---|---|---|")
@@ -263,6 +285,17 @@ def main(argv=None) -> int:
             ar_sum = sum(v for k, v in rows.items() if k.startswith("ar:"))
             print(f"| sum of spec parts | {spec_sum:.2f} | {spec_sum / ar_ms:.2f} |")
             print(f"| sum of AR parts | {ar_sum:.2f} | {ar_sum / ar_ms:.2f} |")
+    if not args.no_parts:
+        print("\n## summary: a speculative step's extra cost over an AR step (parts, ms)\n")
+        print("| tree | U verified | AR forward | verify U forward | draft | (verify U + draft) / AR forward |")
+        print("|---|---|---|---|---|---|")
+        summary = {}
+        for tree, rows in report["trees"].items():
+            ar_f = rows["ar: forward + KV append"]
+            ver, dr = rows["spec: verify forward + KV write"], rows["spec: draft"]
+            summary[tree] = {"U": sizes[tree], "ratio": (ver + dr) / ar_f}
+            print(f"| {tree} | {sizes[tree]} | {ar_f:.2f} | {ver:.2f} | {dr:.2f} | {(ver + dr) / ar_f:.2f} |")
+        report["summary"] = summary
     if args.json:
         print(json.dumps(report))
     return 0

@@ -25,3 +25,17 @@ def test_bench_step_reports_each_part(head_type, capsys):
         assert rows[part] > 0, (part, rows)
     # ms per step from a difference of two tiny runs: present and finite (its sign is timing noise at this size)
     assert all(abs(rows[k]) < 1e4 for k in ("loop: AR step", "loop: speculative step")), rows
+    assert report["summary"]["chain-2"]["U"] == 3 and report["summary"]["chain-2"]["ratio"] > 0
+
+
+def test_bench_step_runs_on_a_mesh(capsys):
+    """`--mesh tp=2` (2 of the 8 simulated CPU devices): the loops run sharded and report ms per step."""
+    spec = importlib.util.spec_from_file_location("bench_step", ROOT / "bench" / "bench_step.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.main(["--shape", "tiny", "--trees", "chain-2", "--draft-vocab", "64", "--context", "12",
+                     "--cache-size", "128", "--loop-tokens", "2", "6", "--loop-repeat", "1", "--mesh", "tp=2",
+                     "--json"]) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert report["mesh"] == "tp=2"
+    assert set(report["trees"]["chain-2"]) == {"loop: AR step", "loop: speculative step"}
