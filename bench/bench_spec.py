@@ -106,6 +106,7 @@ def _main(argv=None):
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--peer", action="store_true", help="also time transformers + torch generate (greedy)")
     ap.add_argument("--out-dir", default="artifacts/eval")
+    ap.add_argument("--mesh", default=None, help="decode on a device mesh, e.g. 'tp=8' or 'data=2,tp=4'")
     from clover_jax.cli import add_debug_argument
 
     add_debug_argument(ap)
@@ -117,7 +118,12 @@ def _main(argv=None):
 
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    loaded = load_model(args.model)
+    mesh = None
+    if args.mesh:
+        from clover_jax.parallel import parse_mesh
+
+        mesh = parse_mesh(args.mesh)
+    loaded = load_model(args.model, mesh=mesh)
     head = load_head(args.head, loaded.model)
     prompts, cats = load_questions(args.questions, args.limit or None, args.category)
     t0 = time.time()
@@ -132,7 +138,7 @@ def _main(argv=None):
         print(f"the head was trained on a {len(trained_on)}-token draft vocabulary: every tree drafts from it (+dv)")
     result = evaluate(loaded, head, prompts, trees=args.trees, batch_size=args.batch_size,
                       max_new_tokens=args.max_new_tokens, temperature=args.temperature, categories=cats,
-                      draft_vocab=draft_vocab)
+                      draft_vocab=draft_vocab, mesh=mesh)
     result["wall_seconds"] = round(time.time() - t0, 1)
     result["args"] = vars(args)
     result["machine"] = f"{platform.machine()}, {os.cpu_count()} cores, {platform.platform()}"

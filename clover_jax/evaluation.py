@@ -59,8 +59,10 @@ DV = "+dv"  # tree-name suffix: run that tree with the draft vocabulary
 
 def evaluate(loaded, head, prompts: Sequence[str], *, trees: Sequence[str] = ("clover2-26",), batch_size: int = 1,
              max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
-             categories: Sequence[str] | None = None, progress: bool = True, draft_vocab=None) -> dict[str, Any]:
+             categories: Sequence[str] | None = None, progress: bool = True, draft_vocab=None, mesh=None
+             ) -> dict[str, Any]:
     """Runs AR and speculative decoding (one run per tree) on the prompts; returns stats and mismatches.
+    `mesh`: decode on a device mesh (see `generate`).
 
     A tree name ending in `+dv` (e.g. "chain-3+dv") runs that tree with the draft vocabulary `draft_vocab`
     (token ids, `clover_jax.heads.draft_vocab`), so both can be compared in one run."""
@@ -80,7 +82,7 @@ def evaluate(loaded, head, prompts: Sequence[str], *, trees: Sequence[str] = ("c
         chunk = ids[start:start + batch_size]
         bucket = bucket_length(max(len(p) for p in chunk))
         cache = round_up(bucket + max_new_tokens + max_nodes + 8, 256)
-        common = dict(cache_size=cache, temperature=temperature, top_p=top_p)
+        common = dict(cache_size=cache, temperature=temperature, top_p=top_p, mesh=mesh)
         outs = {}
         for name, run in runs.items():
             kw = dict(common, mode="ar") if name == "ar" else dict(

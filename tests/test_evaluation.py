@@ -38,3 +38,20 @@ def test_evaluate_reports_tau_speed_and_no_mismatch():
         assert hist.sum() > 0 and len(r["accept_rate_per_depth"]) == len(hist) - 1
         assert r["speedup_vs_ar"] > 0
     assert {p["category"] for p in res["per_prompt"]["chain-3"]} == {"w", "m"}
+
+
+def test_evaluate_on_a_mesh_matches_one_device():
+    """`evaluate(..., mesh=)` (8 simulated devices, data=2, tp=2 on 4 of them): the same per-prompt tau and
+    tokens as on one device, still 0 greedy mismatches."""
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, eos_token_ids=(2,))
+    base = init_llama(cfg, seed=0)
+    head = init_from_base(base, Clover2Config())
+    loaded = LoadedModel(cfg, base, _Tok(), "tiny")
+    prompts = ["a b c", "hello there world", "x y"]
+    kw = dict(trees=["chain-3"], batch_size=3, max_new_tokens=12, progress=False)
+    one = evaluate(loaded, head, prompts, **kw)
+    sharded = evaluate(loaded, head, prompts, mesh="data=2,tp=2", **kw)
+    assert sharded["greedy_mismatches"] == 0
+    assert sharded["per_prompt"] == one["per_prompt"]
+    assert sharded["runs"]["chain-3"]["accept_hist"] == one["runs"]["chain-3"]["accept_hist"]
