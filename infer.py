@@ -40,7 +40,8 @@ def parse_args(argv=None):
     p.add_argument("--mode", choices=["ar", "speculative"], default="ar")
     p.add_argument("--head", help="draft head: a registered name (smollm2-135m-instruct-clover2), a training run dir "
                    "(Orbax) or an exported head folder; default: the model's shipped head, if it has one")
-    p.add_argument("--tree", default=None, help="clover2-26 | small-10 | medusa-63 | chain-N | tree.json (default: "
+    p.add_argument("--tree", default=None, help="clover2-26 | small-10 | medusa-63 | chain-N | dynamic-N | auto "
+                   "(calibrated for this head and hardware, see python -m clover_jax.calibrate) | tree.json (default: "
                    "the shipped head's tree, else clover2-26)")
     p.add_argument("--draft-vocab", help="draft only from these token ids (JSON from python -m "
                    "clover_jax.heads.draft_vocab); output is unchanged, drafting is cheaper")
@@ -96,7 +97,12 @@ def _main(argv=None) -> int:
 
         if args.tree is None:
             args.tree = pretrained.default_tree(args.head) or "clover2-26"
-        tree_nodes = get_tree(args.tree).num_nodes
+        if args.tree.strip().lower() == "auto":  # resolved by generate (clover_jax.calibrate); room for any candidate
+            from clover_jax.calibrate import max_candidate_nodes
+
+            tree_nodes = max_candidate_nodes()
+        else:
+            tree_nodes = get_tree(args.tree).num_nodes
         if not pretrained.head_path(args.head).exists():
             raise InputError(f"--head: draft head {args.head!r} not found: neither a folder nor a registered head "
                              f"({', '.join(pretrained.HEADS)})")
@@ -142,6 +148,9 @@ def _main(argv=None) -> int:
             kw["cache_size"] = round_up(shape_key[1] + args.max_new_tokens + max(64, tree_nodes), 256)
         # every check (context, cache, memory) with the values asked for, before the warm-up compiles
         plan = prepare_generate(loaded, batch, **kw, seed=args.seed + start)
+        if plan.auto_choice is not None and start == 0:
+            print(f"tree auto -> {plan.auto_choice}" + (" (autoregressive: no tree beats it on this hardware)"
+                                                         if plan.auto_choice == "ar" else ""), file=sys.stderr)
         if shape_key not in seen_shapes:  # compile outside the timed call (max_new_tokens is traced)
             warm = run_plan(prepare_generate(loaded, batch, **{**kw, "max_new_tokens": 1}, seed=args.seed,
                                              check_free_memory=False))

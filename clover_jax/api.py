@@ -190,6 +190,21 @@ def resolve_head(source, model, tree=None, draft_vocab=None):
     return head, tree, draft_vocab
 
 
+def _resolve_auto(model, tokenizer, head, head_source, batch_size: int, draft_vocab, mesh) -> str:
+    """`tree="auto"`: the calibrated best tree (or "ar") of `clover_jax.calibrate`, calibrating if needed."""
+    from clover_jax import calibrate
+    from clover_jax.io.loader import LoadedModel
+
+    key = calibrate.entry_key(calibrate.hardware_key(mesh), np.dtype(model.dtype).name, batch_size)
+    if calibrate.load_entry(head_source, key) is None and tokenizer is None:
+        raise InputError("tree='auto': this head has no calibration for this hardware, and calibrating needs a "
+                         "tokenizer (pass tokenizer=..., or run python -m clover_jax.calibrate first)")
+    loaded = LoadedModel(model.config, model, tokenizer, "")
+    best, _ = calibrate.resolve_auto(loaded, head, head_source, batch_size=batch_size, draft_vocab=draft_vocab,
+                                     mesh=mesh)
+    return best
+
+
 @dataclasses.dataclass
 class GenerationPlan:
     """Everything `generate` checked and resolved before compiling: see `prepare_generate`."""
@@ -208,6 +223,7 @@ class GenerationPlan:
     drafter: Any = None
     memory: dict[str, int] = dataclasses.field(default_factory=dict)  # estimated bytes per part (per device)
     mesh: Any = None  # jax.sharding.Mesh the loop runs on (None: one device)
+    auto_choice: str | None = None  # what tree="auto" resolved to (a tree name, or "ar"), else None
 
     @property
     def row_new_tokens(self) -> np.ndarray:
@@ -267,18 +283,24 @@ def prepare_generate(model, prompts: Sequence[Any], *, tokenizer=None, max_new_t
     # on a mesh the rows split over its batch shards: pad the batch to a multiple with copies of prompt 0
     extra_rows = (-len(ids)) % parallel.batch_divisor(mesh) if mesh is not None else 0
     arr, lens = pad_prompts(ids + [ids[0]] * extra_rows, pad_id)
-    drafter = None
+    drafter = auto_choice = None
     if mode == "speculative":
         from clover_jax.decoding.speculative import drafter_for
 
-        if isinstance(head, (str, os.PathLike)):
+        head_source = head if isinstance(head, (str, os.PathLike)) else None
+        if head_source is not None:
             head, tree, draft_vocab = resolve_head(head, model, tree, draft_vocab)
         if draft_vocab is not None:
             from clover_jax.heads.draft_vocab import check_draft_vocab
 
             draft_vocab = check_draft_vocab(draft_vocab, config.vocab_size)
-        drafter = drafter_for(type(head), tree or "clover2-26", draft_vocab)
-        drafter.check(head, model)
+        if isinstance(tree, str) and tree.strip().lower() == "auto":
+            tree = auto_choice = _resolve_auto(model, tokenizer, head, head_source, len(lens), draft_vocab, mesh)
+        if tree == "ar":  # the calibration found no tree that beats autoregressive decoding here
+            mode = "ar"
+        else:
+            drafter = drafter_for(type(head), tree or "clover2-26", draft_vocab)
+            drafter.check(head, model)
     depth = drafter.max_depth if drafter is not None else 0
     check_context(lens, max_new_tokens, getattr(config, "max_position_embeddings", None), depth)
     cache_size = plan_cache(lens, max_new_tokens, drafter.num_nodes if drafter is not None else 0, cache_size, None)
@@ -302,7 +324,7 @@ def prepare_generate(model, prompts: Sequence[Any], *, tokenizer=None, max_new_t
         check_memory(memory, weights_bytes=weights, what=what)
     return GenerationPlan(model=model, tokenizer=tokenizer, ids=ids, prompt=arr, prompt_lengths=lens,
                           max_new_tokens=max_new_tokens, sampling=sampling, seed=seed, cache_size=cache_size,
-                          mode=mode, head=head, drafter=drafter, memory=memory, mesh=mesh)
+                          mode=mode, head=head, drafter=drafter, memory=memory, mesh=mesh, auto_choice=auto_choice)
 
 
 def generate(model, prompts: Sequence[Any], *, tokenizer=None, max_new_tokens: int = 128, temperature: float = 0.0,
@@ -317,7 +339,9 @@ def generate(model, prompts: Sequence[Any], *, tokenizer=None, max_new_tokens: i
       mode: "ar" (plain autoregressive) or "speculative" (needs `head`, optionally `tree`).
       head: a draft head module, or where to load one: a registered name (`clover_jax.pretrained`, e.g.
         "smollm2-135m-instruct-clover2"), an exported head folder or a training run directory.
-      tree: a tree name or JSON file; None: the registered head's default tree, else "clover2-26".
+      tree: a tree name or JSON file; None: the registered head's default tree, else "clover2-26"; "auto":
+        the tree a calibration of this head on this hardware found fastest (`clover_jax.calibrate`; runs one
+        and saves it when none is saved), or plain autoregressive decoding when no tree pays.
       draft_vocab: token ids the drafts are drawn from (`clover_jax.heads.draft_vocab`); None: all, or, for
         a head given by name or path, the vocabulary it was trained on (if any).
       mesh: decode on several devices: a `jax.sharding.Mesh` of `clover_jax.parallel.make_mesh`, or a string
@@ -358,5 +382,7 @@ def run_plan(plan: GenerationPlan, decode_text: bool = True) -> GenerationResult
     gen = [tokens[i, lens[i]: lengths[i]].tolist() for i in range(len(plan.ids))]
     texts = [tokenizer.decode(g, skip_special_tokens=True) for g in gen] if (decode_text and tokenizer) else None
     rows = len(plan.ids)
+    if plan.auto_choice is not None:
+        stats = {**stats, "tree": plan.auto_choice}
     return GenerationResult(token_ids=gen, texts=texts, prompt_lengths=lens[:rows].tolist(), steps=int(out.steps),
                             row_steps=np.asarray(out.row_steps)[:rows].tolist(), seconds=seconds, stats=stats)

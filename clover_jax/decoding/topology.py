@@ -71,9 +71,11 @@ def _one_row(parent: jax.Array, rank: jax.Array, max_depth: int, max_children: i
     # children of p: nodes whose parent is p, by (rank, index)
     is_child = (parent[None, :] == idx[:, None]) & (idx[None, :] > 0)  # [U (parent), U (child)]
     key = jnp.where(is_child, rank[None, :].astype(jnp.int32) * u + idx[None, :], 2 * u * u)
-    order = jnp.argsort(key, axis=1)[:, :max_children].astype(jnp.int32)  # [U, C]
+    c = min(max_children, u)  # a node has at most U - 1 children, whatever the bound
+    order = jnp.argsort(key, axis=1)[:, :c].astype(jnp.int32)  # [U, c]
     num_children = jnp.sum(is_child, axis=1).astype(jnp.int32)
-    children = jnp.where(jnp.arange(max_children)[None, :] < num_children[:, None], order, -1)
+    children = jnp.where(jnp.arange(c)[None, :] < num_children[:, None], order, -1)
+    children = jnp.pad(children, ((0, 0), (0, max_children - c)), constant_values=-1)  # [U, C]
     return TreeTopology(mask=mask, depth=depth, parent=parent, rank=rank.astype(jnp.int32), children=children,
                         num_children=jnp.minimum(num_children, max_children), paths=paths, path_len=path_len)
 

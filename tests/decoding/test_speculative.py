@@ -29,7 +29,8 @@ def _prompts(n, seed=0, lo=2, hi=20):
     return [rng.randint(3, 64, rng.randint(lo, hi)).tolist() for _ in range(n)]
 
 
-@pytest.mark.parametrize("tree", ["clover2-26", "chain-4", "medusa-63", "dynamic-10", "dynamic-26", "dynamic-12-d3-k4"])
+@pytest.mark.parametrize("tree", ["clover2-26", "chain-4", "medusa-63", "dynamic-10", "dynamic-26", "dynamic-12-d3-k4",
+                                  "dynamic-4"])  # dynamic-4: fewer nodes than top-k children
 def test_greedy_equals_autoregressive_tiny(tiny, tree):
     base, head = tiny
     prompts = _prompts(4)

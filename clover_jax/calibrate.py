@@ -1,0 +1,299 @@
+"""`tree="auto"`: the draft tree that makes this head fastest on this hardware, measured and remembered.
+
+    python -m clover_jax.calibrate --model smollm2-135m-instruct --head smollm2-135m-instruct-clover2
+    clover_jax.generate(lm, prompts, mode="speculative", head="smollm2-135m-instruct-clover2", tree="auto")
+    python infer.py --mode speculative --tree auto
+
+Which tree pays depends on two things no preset knows: the head's acceptance profile (how often each depth and
+each child rank is accepted) and the hardware's price for verifying more tokens per step (nearly flat on a
+GPU or TPU at small batch; on a CPU a 26-token verify costs several decode steps). Rather than model both, a
+calibration measures their product directly: on a few prompts (Spec-Bench questions that are not MT-Bench's
+by default), it runs autoregressive decoding and speculative decoding with each candidate tree (static
+presets and dynamic budgets the head supports) in the same process, interleaved per batch, and records each
+candidate's tau, acceptance per depth, tokens/s and speedup over autoregressive decoding. `auto` is the
+candidate with the highest speedup, or plain autoregressive decoding when no tree beats it (speculation that
+does not pay is not used).
+
+A calibration is keyed by the hardware (backend and device kind; on a CPU the processor model and core
+count), the compute dtype and the batch size; it is saved beside the head (`calibration.json` in the head's
+folder) when that folder is writable, else in `~/.cache/clover_jax/calibration/` (`CLOVER_JAX_CACHE`
+overrides), and reused by later runs. `auto` without a saved calibration for this hardware runs one and says
+so (a few minutes on a CPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+from clover_jax.validation import InputError
+
+log = logging.getLogger(__name__)
+_MEMO: dict[tuple, dict] = {}  # (head, entry key) -> entry, for heads whose calibration cannot be saved
+
+AUTO = "auto"
+AR = "ar"  # the calibration's answer when no tree beats autoregressive decoding
+FILE_NAME = "calibration.json"
+STATIC_CANDIDATES = ("chain-1", "chain-2", "chain-3", "chain-4", "small-10", "clover2-26")
+DYNAMIC_CANDIDATES = ("dynamic-4", "dynamic-6", "dynamic-10", "dynamic-16", "dynamic-26")
+# Spec-Bench categories other than MT-Bench's, so a calibration does not see the usual evaluation prompts
+DEFAULT_PROMPTS = (("spec_bench", "translation", 3), ("spec_bench", "qa", 3), ("spec_bench", "math_reasoning", 2))
+
+
+class CalibrationError(InputError):
+    """A calibration that cannot run (no candidate tree fits the head)."""
+
+
+# ----------------------------------------------------------------------------------------------- keys
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.lower().startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def hardware_key(mesh=None) -> str:
+    """Where step costs were measured: backend and device kind (CPU: processor model and cores), and the
+    mesh shape when decoding is sharded."""
+    import jax
+
+    dev = jax.devices()[0]
+    if dev.platform == "cpu":
+        where = f"cpu: {_cpu_name()} x{os.cpu_count()}"
+    else:
+        where = f"{dev.platform}: {getattr(dev, 'device_kind', dev.platform)}"
+    if mesh is not None:
+        where += " mesh " + ",".join(f"{k}={v}" for k, v in dict(mesh.shape).items() if v > 1)
+    return where
+
+
+def entry_key(hardware: str, dtype: str, batch_size: int) -> str:
+    return f"{hardware} | {dtype} | batch {int(batch_size)}"
+
+
+# -------------------------------------------------------------------------------------------- storage
+def cache_dir() -> Path:
+    root = os.environ.get("CLOVER_JAX_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "clover_jax")
+    return Path(root) / "calibration"
+
+
+def _head_folder(head_source) -> Path | None:
+    from clover_jax import pretrained
+
+    if not isinstance(head_source, (str, os.PathLike)):
+        return None
+    path = pretrained.head_path(head_source)
+    return path if path.is_dir() else None
+
+
+def _fingerprint(folder: Path) -> str:
+    """Identifies a head's weights (name, size and modification time of its weight files)."""
+    parts = sorted(f"{p.name}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in folder.rglob("*")
+                   if p.is_file() and p.suffix in (".safetensors", ".msgpack", ".json") and p.name != FILE_NAME)
+    return hashlib.sha1("|".join(parts).encode()).hexdigest()[:16]
+
+
+def calibration_files(head_source) -> list[Path]:
+    """Where calibrations of this head are read from, in order: the head's folder, then the user cache."""
+    folder = _head_folder(head_source)
+    if folder is None:
+        return []
+    return [folder / FILE_NAME, cache_dir() / f"{_fingerprint(folder)}.json"]
+
+
+def _read(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def load_entry(head_source, key: str) -> dict | None:
+    """The saved calibration entry for `key`; else one of the same hardware and dtype at the nearest batch
+    size (a step's cost changes slowly with the batch); else None."""
+    hardware, dtype, batch = key.split(" | ")
+    nearest = None
+    for path in calibration_files(head_source):
+        entries = _read(path).get("entries", {})
+        if entries.get(key):
+            return entries[key]
+        for k, entry in entries.items():
+            h, d, b = k.split(" | ")
+            if (h, d) == (hardware, dtype):
+                gap = abs(int(b.split()[-1]) - int(batch.split()[-1]))
+                if nearest is None or gap < nearest[0]:
+                    nearest = (gap, entry)
+    return nearest[1] if nearest else None
+
+
+def save_entry(head_source, key: str, entry: dict) -> Path | None:
+    """Adds `entry` under `key` to the head folder's calibration file, or the user cache's when the folder is
+    not writable; returns the file (None for a head given as a module)."""
+    for path in calibration_files(head_source):
+        try:
+            data = _read(path)
+            data.setdefault("entries", {})[key] = entry
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(data, indent=1) + "\n")
+            tmp.replace(path)
+            return path
+        except OSError:
+            continue
+    return None
+
+
+# -------------------------------------------------------------------------------------------- measure
+def candidate_trees(head, base, draft_vocab=None, candidates: Sequence[str] | None = None) -> list[str]:
+    """The candidate trees this head can draft (depth within its heads, tree kind supported by its drafter)."""
+    from clover_jax.decoding.speculative import drafter_for
+    from clover_jax.validation import InputError
+
+    names = list(candidates) if candidates else list(STATIC_CANDIDATES + DYNAMIC_CANDIDATES)
+    ok = []
+    for name in names:
+        try:
+            drafter_for(type(head), name, draft_vocab).check(head, base)
+        except (InputError, ValueError):
+            continue
+        ok.append(name)
+    return ok
+
+
+def max_candidate_nodes() -> int:
+    """The most tokens any default candidate verifies (to size a cache before `auto` is resolved)."""
+    from clover_jax.decoding.tree import get_tree
+
+    return max(get_tree(t).num_nodes for t in STATIC_CANDIDATES + DYNAMIC_CANDIDATES)
+
+
+def default_prompts() -> list[str]:
+    from clover_jax.io.prompts import read_prompts
+
+    out = []
+    for source, category, n in DEFAULT_PROMPTS:
+        out += read_prompts(source, category=category, limit=n)
+    return out
+
+
+def measure(loaded, head, *, prompts: Sequence[str] | None = None, candidates: Sequence[str] | None = None,
+            batch_size: int = 1, max_new_tokens: int = 64, draft_vocab=None, mesh=None,
+            progress: bool = False) -> dict[str, Any]:
+    """Runs the calibration (see the module docstring); returns the entry to save, with `best` the tree name
+    or "ar"."""
+    import jax
+
+    from clover_jax.evaluation import DV, evaluate
+
+    prompts = list(prompts) if prompts else default_prompts()
+    trees = candidate_trees(head, loaded.model, draft_vocab, candidates)
+    if not trees:
+        raise CalibrationError(f"no candidate tree fits this head (tried {list(candidates or ())})")
+    names = [t + DV for t in trees] if draft_vocab is not None else trees
+    t0 = time.perf_counter()
+    res = evaluate(loaded, head, prompts, trees=names, batch_size=batch_size, max_new_tokens=max_new_tokens,
+                   draft_vocab=draft_vocab, progress=progress, mesh=mesh)
+    runs = res["runs"]
+    table = {}
+    for tree, name in zip(trees, names):
+        r = runs[name]
+        table[tree] = {"tau": r["tau"], "speedup": r["speedup_vs_ar"], "tokens_per_second": r["tokens_per_second"],
+                       "accept_rate_per_depth": r["accept_rate_per_depth"]}
+    best = max(table, key=lambda t: table[t]["speedup"])
+    if table[best]["speedup"] <= 1.0:
+        best = AR
+    return {"best": best, "ar_tokens_per_second": runs["ar"]["tokens_per_second"], "candidates": table,
+            "greedy_mismatches": res["greedy_mismatches"], "prompts": len(prompts), "batch_size": batch_size,
+            "max_new_tokens": max_new_tokens, "seconds": round(time.perf_counter() - t0, 1),
+            "date": time.strftime("%Y-%m-%d"), "backend": jax.default_backend()}
+
+
+def resolve_auto(loaded, head, head_source=None, *, batch_size: int = 1, draft_vocab=None, mesh=None,
+                 recalibrate: bool = False, **measure_kw) -> tuple[str, dict]:
+    """(tree name or "ar", calibration entry) for `tree="auto"`: the saved calibration of this head for this
+    hardware, dtype and batch size, else a new one (logged, and saved where `save_entry` can)."""
+    import jax.numpy as jnp
+
+    model = loaded.model if hasattr(loaded, "model") else loaded
+    key = entry_key(hardware_key(mesh), jnp.dtype(model.dtype).name, batch_size)
+    memo = (str(head_source) if head_source is not None else id(head), key)
+    entry = None if recalibrate else (_MEMO.get(memo) or load_entry(head_source, key))
+    if entry is None:
+        msg = (f"tree='auto': no calibration of this head for {key}; calibrating now (autoregressive vs each "
+               f"candidate tree on a few prompts)")
+        log.warning(msg)
+        print(msg, file=sys.stderr)
+        entry = measure(loaded, head, batch_size=batch_size, draft_vocab=draft_vocab, mesh=mesh, **measure_kw)
+        where = save_entry(head_source, key, entry)
+        print(f"tree='auto' -> {entry['best']}" + (f" (saved in {where})" if where else ""), file=sys.stderr)
+    _MEMO[memo] = entry
+    return entry["best"], entry
+
+
+# ------------------------------------------------------------------------------------------------ CLI
+def main(argv=None) -> int:
+    from clover_jax.cli import run_cli
+
+    return run_cli(_main, argv)
+
+
+def _main(argv=None) -> int:
+    import jax.numpy as jnp
+
+    from clover_jax.cli import add_debug_argument
+    from clover_jax.heads.draft_vocab import head_draft_vocab
+    from clover_jax.heads.loading import load_head
+    from clover_jax.io.loader import load_model
+    from clover_jax.io.prompts import read_prompts
+
+    ap = argparse.ArgumentParser(prog="python -m clover_jax.calibrate", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--head", default="smollm2-135m-instruct-clover2")
+    ap.add_argument("--prompts-file", help="questions to calibrate on (default: 8 Spec-Bench questions outside "
+                    "MT-Bench: translation, QA, math)")
+    ap.add_argument("--limit", type=int, default=8)
+    ap.add_argument("--candidates", nargs="+", help=f"trees to try (default: {' '.join(STATIC_CANDIDATES)} "
+                    f"{' '.join(DYNAMIC_CANDIDATES)}, those the head supports)")
+    ap.add_argument("--batch-size", type=int, default=1)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    ap.add_argument("--mesh", default=None, help="calibrate sharded decoding, e.g. 'tp=8'")
+    add_debug_argument(ap)
+    args = ap.parse_args(argv)
+    mesh = None
+    if args.mesh:
+        from clover_jax.parallel import parse_mesh
+
+        mesh = parse_mesh(args.mesh)
+    loaded = load_model(args.model, dtype=jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32, mesh=mesh)
+    head = load_head(args.head, loaded.model)
+    prompts = read_prompts(args.prompts_file, limit=args.limit) if args.prompts_file else None
+    best, entry = resolve_auto(loaded, head, args.head, batch_size=args.batch_size, mesh=mesh, recalibrate=True,
+                               draft_vocab=head_draft_vocab(args.head), prompts=prompts,
+                               candidates=args.candidates, max_new_tokens=args.max_new_tokens, progress=True)
+    print(f"\n{entry['prompts']} prompts, batch {args.batch_size}, {args.max_new_tokens} new tokens; "
+          f"autoregressive {entry['ar_tokens_per_second']:.1f} tokens/s; {entry['greedy_mismatches']} greedy "
+          "mismatches\n")
+    print("| tree | tau | speedup vs AR | tokens/s |")
+    print("|---|---|---|---|")
+    for tree, r in sorted(entry["candidates"].items(), key=lambda kv: -kv[1]["speedup"]):
+        print(f"| {tree} | {r['tau']:.3f} | {r['speedup']:.3f} | {r['tokens_per_second']:.1f} |")
+    print(f"\nauto -> {best}" + (" (no tree beats autoregressive decoding here)" if best == AR else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,117 @@
+"""`tree="auto"` and `python -m clover_jax.calibrate`: candidates measured against autoregressive decoding in
+one run, the choice saved beside the head and reused, "ar" when no tree pays, and what generate does with it."""
+
+import json
+
+import pytest
+
+from clover_jax import api, calibrate
+from clover_jax.heads.clover2 import Clover2Config, init_from_base
+from clover_jax.heads.medusa import MedusaConfig, init_from_base as medusa_from_base
+from clover_jax.io.loader import LoadedModel
+from clover_jax.models.config import LlamaConfig
+from clover_jax.models.llama import init_llama
+from clover_jax.validation import InputError
+
+CFG = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=8, eos_token_ids=(2,))
+
+
+class _Tok:
+    """Whitespace 'tokenizer' over ids 3..63 (no chat template)."""
+
+    chat_template = None
+
+    def encode(self, text, add_special_tokens=True):
+        return [3 + (sum(map(ord, w)) % 61) for w in text.split()]
+
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(map(str, ids))
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    base = init_llama(CFG, seed=0)
+    return LoadedModel(CFG, base, _Tok(), "tiny"), init_from_base(base, Clover2Config())
+
+
+PROMPTS = ["a b c d", "hello there world", "x y z w v"]
+
+
+def test_measure_tries_each_candidate_against_ar(tiny):
+    loaded, head = tiny
+    entry = calibrate.measure(loaded, head, prompts=PROMPTS, candidates=["chain-2", "dynamic-4", "clover2-26"],
+                              max_new_tokens=8)
+    assert set(entry["candidates"]) == {"chain-2", "dynamic-4", "clover2-26"}
+    assert entry["greedy_mismatches"] == 0
+    for r in entry["candidates"].values():
+        assert r["tau"] >= 1.0 and r["speedup"] > 0 and r["tokens_per_second"] > 0
+    best = max(entry["candidates"], key=lambda t: entry["candidates"][t]["speedup"])
+    assert entry["best"] == (best if entry["candidates"][best]["speedup"] > 1.0 else "ar")
+
+
+def test_candidates_fit_the_head(tiny):
+    loaded, _ = tiny
+    medusa = medusa_from_base(loaded.model, MedusaConfig(num_heads=3))
+    names = calibrate.candidate_trees(medusa, loaded.model)
+    assert "chain-3" in names and "chain-4" not in names  # deeper than its 3 heads
+    assert not any(n.startswith("dynamic") for n in names)  # Medusa drafts static trees only
+    with pytest.raises(calibrate.CalibrationError, match="no candidate tree"):
+        calibrate.measure(loaded, medusa, prompts=PROMPTS, candidates=["chain-4"], max_new_tokens=4)
+
+
+def _entry(best):
+    return {"best": best, "ar_tokens_per_second": 1.0, "candidates": {}, "prompts": 1}
+
+
+def test_saved_beside_the_head_and_reused(tmp_path, monkeypatch):
+    folder = tmp_path / "head"
+    folder.mkdir()
+    (folder / "model.safetensors").write_bytes(b"0")
+    monkeypatch.setenv("CLOVER_JAX_CACHE", str(tmp_path / "cache"))
+    key = calibrate.entry_key("cpu: test x2", "float32", 1)
+    assert calibrate.load_entry(str(folder), key) is None
+    assert calibrate.save_entry(str(folder), key, _entry("chain-3")) == folder / "calibration.json"
+    assert calibrate.load_entry(str(folder), key)["best"] == "chain-3"
+    # another batch size on the same hardware: the nearest saved one
+    assert calibrate.load_entry(str(folder), calibrate.entry_key("cpu: test x2", "float32", 8))["best"] == "chain-3"
+    # other hardware or dtype: none
+    assert calibrate.load_entry(str(folder), calibrate.entry_key("gpu: H100", "float32", 1)) is None
+    assert calibrate.load_entry(str(folder), calibrate.entry_key("cpu: test x2", "bfloat16", 1)) is None
+    data = json.loads((folder / "calibration.json").read_text())
+    assert list(data["entries"]) == [key]
+
+
+def test_generate_auto_uses_the_saved_choice(tiny, tmp_path, monkeypatch):
+    """A saved choice of "ar" runs autoregressive decoding; a tree name runs that tree; both exact."""
+    loaded, head = tiny
+    folder = tmp_path / "head"
+    folder.mkdir()
+    (folder / "model.safetensors").write_bytes(b"0")
+    monkeypatch.setenv("CLOVER_JAX_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(api, "resolve_head", lambda source, model, tree, dv: (head, tree, dv))
+    key = calibrate.entry_key(calibrate.hardware_key(), "float32", 2)
+    ids = [[5, 6, 7], [9, 10, 11, 12]]
+    ar = api.generate(loaded.model, ids, max_new_tokens=10)
+    calibrate.save_entry(str(folder), key, _entry("ar"))
+    res = api.generate(loaded.model, ids, max_new_tokens=10, mode="speculative", head=str(folder), tree="auto")
+    assert res.stats == {"tree": "ar"} and res.token_ids == ar.token_ids
+    calibrate._MEMO.clear()
+    calibrate.save_entry(str(folder), key, _entry("chain-2"))
+    res = api.generate(loaded.model, ids, max_new_tokens=10, mode="speculative", head=str(folder), tree="auto")
+    assert res.stats["tree"] == "chain-2" and res.token_ids == ar.token_ids
+    assert len(res.stats["accept_hist"]) == 3  # a chain-2 tree: 0, 1 or 2 drafts accepted
+
+
+def test_generate_auto_calibrates_when_nothing_is_saved(tiny, capsys):
+    loaded, head = tiny
+    calibrate._MEMO.clear()
+    with pytest.raises(InputError, match="needs a tokenizer"):
+        api.generate(loaded.model, [[5, 6, 7]], max_new_tokens=4, mode="speculative", head=head, tree="auto")
+    res = api.generate(loaded, [[5, 6, 7]], max_new_tokens=4, mode="speculative", head=head, tree="auto")
+    err = capsys.readouterr().err
+    assert "no calibration of this head" in err and "tree='auto' ->" in err
+    assert res.stats["tree"] in calibrate.STATIC_CANDIDATES + calibrate.DYNAMIC_CANDIDATES + ("ar",)
+    # remembered for this head object in this process: no second calibration
+    api.generate(loaded, [[5, 6, 7]], max_new_tokens=4, mode="speculative", head=head, tree="auto")
+    assert "no calibration" not in capsys.readouterr().err
