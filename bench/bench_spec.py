@@ -98,7 +98,7 @@ def _main(argv=None):
     ap.add_argument("--questions", default="mt_bench", help="mt_bench | spec_bench | path to question.jsonl")
     ap.add_argument("--category")
     ap.add_argument("--limit", type=int, default=0)
-    ap.add_argument("--trees", nargs="+", default=["clover2-26"],
+    ap.add_argument("--trees", nargs="+", default=["clover2-26"],  # "auto": the calibrated tree (clover_jax.calibrate)
                     help="tree names; a name ending in +dv (chain-3+dv) also uses --draft-vocab")
     ap.add_argument("--draft-vocab", help="draft vocabulary JSON (python -m clover_jax.heads.draft_vocab)")
     ap.add_argument("--batch-size", type=int, default=1)
@@ -132,6 +132,14 @@ def _main(argv=None):
 
     draft_vocab = load_draft_vocab(args.draft_vocab) if args.draft_vocab else None
     trained_on = head_draft_vocab(args.head)
+    auto = None
+    if "auto" in args.trees:  # the calibrated choice for this head on this hardware (calibrates if none is saved)
+        from clover_jax.calibrate import AR, resolve_auto
+
+        auto, _ = resolve_auto(loaded, head, args.head, batch_size=args.batch_size, mesh=mesh,
+                               draft_vocab=trained_on if draft_vocab is None else draft_vocab)
+        print(f"tree auto -> {auto}" + (" (autoregressive decoding: the 'ar' row is auto's)" if auto == AR else ""))
+        args.trees = [t for t in args.trees if t != "auto"] + ([auto] if auto != AR and auto not in args.trees else [])
     if trained_on is not None:  # a head trained on a draft vocabulary drafts from it in every run
         draft_vocab = trained_on if draft_vocab is None else draft_vocab
         args.trees = [t if t.endswith(DV) else t + DV for t in args.trees]
@@ -140,6 +148,7 @@ def _main(argv=None):
                       max_new_tokens=args.max_new_tokens, temperature=args.temperature, categories=cats,
                       draft_vocab=draft_vocab, mesh=mesh)
     result["wall_seconds"] = round(time.time() - t0, 1)
+    result["auto"] = auto
     result["args"] = vars(args)
     result["machine"] = f"{platform.machine()}, {os.cpu_count()} cores, {platform.platform()}"
     result["date"] = time.strftime("%Y-%m-%d")

@@ -24,10 +24,8 @@ so (a few minutes on a CPU).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import hashlib
 import json
-import logging
 import os
 import platform
 import sys
@@ -37,7 +35,6 @@ from typing import Any, Sequence
 
 from clover_jax.validation import InputError
 
-log = logging.getLogger(__name__)
 _MEMO: dict[tuple, dict] = {}  # (head, entry key) -> entry, for heads whose calibration cannot be saved
 
 AUTO = "auto"
@@ -233,7 +230,6 @@ def resolve_auto(loaded, head, head_source=None, *, batch_size: int = 1, draft_v
     if entry is None:
         msg = (f"tree='auto': no calibration of this head for {key}; calibrating now (autoregressive vs each "
                f"candidate tree on a few prompts)")
-        log.warning(msg)
         print(msg, file=sys.stderr)
         entry = measure(loaded, head, batch_size=batch_size, draft_vocab=draft_vocab, mesh=mesh, **measure_kw)
         where = save_entry(head_source, key, entry)
