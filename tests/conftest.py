@@ -43,3 +43,16 @@ def chat_prompts():
         "Explain in two sentences why the sky is blue.",
         "List three prime numbers and explain what makes a number prime.",
     ]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _release_compiled_programs():
+    """Drops JAX's compiled programs after each test module: one process runs the whole suite, and the programs
+    of earlier modules (meshes of 8 simulated devices among them) would otherwise stay in host memory."""
+    yield
+    import gc
+
+    import jax
+
+    jax.clear_caches()
+    gc.collect()
