@@ -315,8 +315,9 @@ def prepare_generate(model, prompts: Sequence[Any], *, tokenizer=None, max_new_t
         memory = split_over_mesh(memory, config, dict(mesh.shape))
         if check_free_memory:
             states = [nnx.state(model)] + ([nnx.state(head)] if head is not None else [])
-            weights = sum(parallel.bytes_per_device(st, mesh) for st in states)
-            to_place = sum(parallel.bytes_per_device(st, mesh) for st in states if not parallel.is_placed(st, mesh))
+            per_device = [(parallel.bytes_per_device(st, mesh), parallel.is_placed(st, mesh)) for st in states]
+            weights = sum(n for n, _ in per_device)
+            to_place = sum(n for n, placed in per_device if not placed)
             check_mesh_memory(memory, weights_bytes=weights, weights_to_place=to_place,
                               what=f"{what} on mesh {dict(mesh.shape)}", devices=mesh.devices.flat)
     elif check_free_memory:

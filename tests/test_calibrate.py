@@ -11,28 +11,19 @@ from clover_jax.heads.medusa import MedusaConfig, init_from_base as medusa_from_
 from clover_jax.io.loader import LoadedModel
 from clover_jax.models.config import LlamaConfig
 from clover_jax.models.llama import init_llama
+from word_tokenizer import WordTokenizer
 from clover_jax.validation import InputError
 
 CFG = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=8, eos_token_ids=(2,))
 
 
-class _Tok:
-    """Whitespace 'tokenizer' over ids 3..63 (no chat template)."""
-
-    chat_template = None
-
-    def encode(self, text, add_special_tokens=True):
-        return [3 + (sum(map(ord, w)) % 61) for w in text.split()]
-
-    def decode(self, ids, skip_special_tokens=True):
-        return " ".join(map(str, ids))
 
 
 @pytest.fixture(scope="module")
 def tiny():
     base = init_llama(CFG, seed=0)
-    return LoadedModel(CFG, base, _Tok(), "tiny"), init_from_base(base, Clover2Config())
+    return LoadedModel(CFG, base, WordTokenizer(), "tiny"), init_from_base(base, Clover2Config())
 
 
 PROMPTS = ["a b c d", "hello there world", "x y z w v"]

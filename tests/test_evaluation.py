@@ -7,18 +7,9 @@ from clover_jax.heads.clover2 import Clover2Config, init_from_base
 from clover_jax.io.loader import LoadedModel
 from clover_jax.models.config import LlamaConfig
 from clover_jax.models.llama import init_llama
+from word_tokenizer import WordTokenizer
 
 
-class _Tok:
-    """Whitespace 'tokenizer' over ids 3..63 (no chat template)."""
-
-    chat_template = None
-
-    def encode(self, text, add_special_tokens=True):
-        return [3 + (sum(map(ord, w)) % 61) for w in text.split()]
-
-    def decode(self, ids, skip_special_tokens=True):
-        return " ".join(map(str, ids))
 
 
 def test_evaluate_reports_tau_speed_and_no_mismatch():
@@ -26,7 +17,7 @@ def test_evaluate_reports_tau_speed_and_no_mismatch():
                       num_attention_heads=4, num_key_value_heads=2, head_dim=8, eos_token_ids=(2,))
     base = init_llama(cfg, seed=0)
     head = init_from_base(base, Clover2Config())
-    loaded = LoadedModel(cfg, base, _Tok(), "tiny")
+    loaded = LoadedModel(cfg, base, WordTokenizer(), "tiny")
     prompts = ["a b c", "hello there world", "x y", "one two three four five"]
     res = evaluate(loaded, head, prompts, trees=["clover2-26", "chain-3"], batch_size=2, max_new_tokens=16,
                    categories=["w", "w", "m", "m"], progress=False)
@@ -47,7 +38,7 @@ def test_evaluate_on_a_mesh_matches_one_device():
                       num_attention_heads=4, num_key_value_heads=2, head_dim=8, eos_token_ids=(2,))
     base = init_llama(cfg, seed=0)
     head = init_from_base(base, Clover2Config())
-    loaded = LoadedModel(cfg, base, _Tok(), "tiny")
+    loaded = LoadedModel(cfg, base, WordTokenizer(), "tiny")
     prompts = ["a b c", "hello there world", "x y"]
     kw = dict(trees=["chain-3"], batch_size=3, max_new_tokens=12, progress=False)
     one = evaluate(loaded, head, prompts, **kw)

@@ -28,7 +28,7 @@ from clover_jax.decoding.autoregressive import ar_generate
 from clover_jax.decoding.sampling import SamplingParams
 from clover_jax.decoding.speculative import spec_generate
 from clover_jax.decoding.tree import TreeSpec, build_buffers, get_tree
-from clover_jax.decoding.drafter import Proposal
+from clover_jax.decoding.drafter import Proposal, TreeDrafterBase
 from clover_jax.models.config import LlamaConfig
 from clover_jax.models.llama import init_llama
 
@@ -48,7 +48,7 @@ class OracleState:
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class OracleDrafter:
+class OracleDrafter(TreeDrafterBase):
     """Drafts from a known sequence `seq [B, S]` (prompt + the base model's greedy continuation, laid out
     like the loop's token buffer). The first path of the tree (rank 0 at every depth) gets the true next
     tokens, every other node a wrong one, distinct among siblings: (true + 1 + rank) % V. With
@@ -64,14 +64,6 @@ class OracleDrafter:
         object.__setattr__(self, "buffers", buf)
         on_path = np.array([True] + [all(r == 0 for r in c) for c in self.spec.choices])
         object.__setattr__(self, "on_path", on_path & (not self.anti))
-
-    @property
-    def num_nodes(self) -> int:
-        return self.spec.num_nodes
-
-    @property
-    def max_depth(self) -> int:
-        return self.spec.max_depth
 
     def check(self, head, base) -> None:
         assert self.seq.ndim == 2 and self.seq.max() < base.config.vocab_size
