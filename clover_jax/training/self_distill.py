@@ -69,6 +69,25 @@ def export_chat_file(cache_path, out_path) -> int:
     return len(cache)
 
 
+def export_prompts_file(convs, tokenizer, max_prompt_tokens: int, out_path) -> int:
+    """Writes the first-turn prompts of `convs` that fit in `max_prompt_tokens` as a chat JSONL file (`.gz`:
+    compressed), each with the start of its original first reply (a chat file needs an assistant turn; the
+    reply is replaced when self-distilling). The file is a few MB where the ShareGPT JSON is 125 MB: what a
+    generation run on another machine needs (`data.source`). Returns the count."""
+    import gzip
+    import json
+
+    keep = short_prompts(convs, tokenizer, max_prompt_tokens)
+    gz = str(out_path).endswith(".gz")
+    with (gzip.open(out_path, "wt", encoding="utf-8") if gz else open(out_path, "w", encoding="utf-8")) as f:
+        for c in keep:
+            prompt = list(first_turn_prompt(c))
+            reply = c.messages[len(prompt)]["content"][:200]
+            f.write(json.dumps({"id": c.id, "messages": prompt + [{"role": "assistant", "content": reply}]},
+                               ensure_ascii=False) + "\n")
+    return len(keep)
+
+
 def main(argv=None):
     from clover_jax.config import add_config_arguments, config_from_args
     from clover_jax.io.loader import load_model
@@ -76,11 +95,21 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_config_arguments(ap)
     ap.add_argument("--export-chat", metavar="PATH", help="only write the cached replies as a chat JSONL file")
+    ap.add_argument("--export-prompts", metavar="PATH",
+                    help="only write the configured conversations' short first-turn prompts as a chat JSONL file")
     args = ap.parse_args(argv)
     cfg = config_from_args(args)
     if args.export_chat:
         n = export_chat_file(Path(cfg.self_distill_dir) / "replies.jsonl", args.export_chat)
         print(f"{n} conversations written to {args.export_chat}")
+        return
+    if args.export_prompts:
+        from clover_jax.io.loader import load_tokenizer
+        from clover_jax.training.sources import load_conversations
+
+        n = export_prompts_file(load_conversations(cfg.data), load_tokenizer(cfg.model.name_or_path),
+                                cfg.data.self_distill_max_prompt_tokens, args.export_prompts)
+        print(f"{n} prompts written to {args.export_prompts}")
         return
     loaded = load_model(cfg.model.name_or_path)
     convs = self_distilled_conversations(cfg, loaded)
