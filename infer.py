@@ -69,6 +69,22 @@ def check_args(args) -> None:
         raise InputError(f"--limit: {args.limit} applies to --prompts-file, which is not given")
 
 
+def _head_type_default_tree(head: str) -> str:
+    """The default tree of the head type an exported folder or run directory declares (config.json's head_type,
+    the reference Clover-2 folders' absence of one meaning clover2)."""
+    import json
+    from pathlib import Path
+
+    from clover_jax.heads import registry
+
+    cfg = Path(head) / "config.json"
+    try:
+        head_type = json.loads(cfg.read_text()).get("head_type", "clover2") if cfg.is_file() else "clover2"
+        return registry.get(head_type).default_tree
+    except (OSError, ValueError, registry.InputError):
+        return "clover2-26"
+
+
 def main(argv=None) -> int:
     return run_cli(_main, argv)
 
@@ -96,7 +112,7 @@ def _main(argv=None) -> int:
         from clover_jax.decoding.tree import get_tree
 
         if args.tree is None:
-            args.tree = pretrained.default_tree(args.head) or "clover2-26"
+            args.tree = pretrained.default_tree(args.head) or _head_type_default_tree(args.head)
         if args.tree.strip().lower() == "auto":  # resolved by generate (clover_jax.calibrate); room for any candidate
             from clover_jax.calibrate import max_candidate_nodes
 

@@ -299,7 +299,9 @@ def prepare_generate(model, prompts: Sequence[Any], *, tokenizer=None, max_new_t
         if tree == "ar":  # the calibration found no tree that beats autoregressive decoding here
             mode = "ar"
         else:
-            drafter = drafter_for(type(head), tree or "clover2-26", draft_vocab)
+            from clover_jax.heads import registry
+
+            drafter = drafter_for(type(head), tree or registry.of_head(head).default_tree, draft_vocab)
             drafter.check(head, model)
     depth = drafter.max_depth if drafter is not None else 0
     check_context(lens, max_new_tokens, getattr(config, "max_position_embeddings", None), depth)

@@ -152,7 +152,8 @@ class HeadConfig(_Section):
     type: str = "clover2"  # a registered head type (clover_jax.heads.registry): clover2, medusa
     num_heads: int = 5  # depths drafted per step (Clover-2: head 0 + 4 RNN steps; Medusa: 5 heads)
     num_aug_layers: int = 2  # Clover-2: decoder layers in the Augmenting Block
-    num_layers: int = 1  # Medusa: residual blocks per head (the reference's medusa_num_layers)
+    num_layers: int = 1  # Medusa: residual blocks per head (medusa_num_layers); ReDrafter: its blocks (2)
+    rnn: bool = True  # ReDrafter: the recurrent state update (False: a running sum of embeddings)
     embed_source: Literal["lm_head", "input"] = "lm_head"  # reference: E = copy(W_lm)
     # Augmenting-Block RoPE: a number = plain RoPE with that base; the default is the reference's 10000 (its
     # layers ignore the base's rope_theta), so exported heads compute the same function in the reference code.
@@ -165,7 +166,8 @@ class HeadConfig(_Section):
         self._need(self.type in names(), "type", f"must be a registered head type ({', '.join(names())})")
         self._need(self.num_heads >= 1, "num_heads", "must be >= 1")
         self._need(self.num_aug_layers >= 1, "num_aug_layers", "must be >= 1")
-        self._need(self.num_layers >= 1, "num_layers", "must be >= 1")
+        self._need(self.num_layers >= 0 if self.type == "redrafter" else self.num_layers >= 1, "num_layers",
+                   "must be >= 1 (>= 0 for redrafter)")
         self._need(self.rope_theta is None or self.rope_theta > 0, "rope_theta", "must be > 0")
 
 

@@ -396,10 +396,58 @@ class DynamicTree:
         return int(self.depth)
 
 
-def get_tree(name_or_path: str | os.PathLike | TreeSpec | DynamicTree) -> TreeSpec | DynamicTree:
-    """Resolve "clover2-26", "medusa-63", "chain-N", "dynamic-N[-dD][-kK]" (a `DynamicTree` policy), or a JSON
-    file path (a TreeSpec or DynamicTree passes through)."""
-    if isinstance(name_or_path, (TreeSpec, DynamicTree)):
+@dataclasses.dataclass(frozen=True)
+class BeamTree:
+    """A tree policy for beam-search drafters (ReDrafter, Zhang et al. 2024, arXiv 2403.09919): per step and
+    per row the drafter runs a beam search of `width` beams of `length` tokens (the root included, the
+    reference's `BeamShape(width, length)`), then merges beams that share a prefix into one tree (each distinct
+    prefix one node). The distinct nodes are packed in (beam, depth) order into a budget of `budget` verified
+    tokens, root included (default `1 + width * (length - 1)`: every node of every beam fits); a smaller budget
+    keeps the best beams whole and cuts the later ones, and slots that dedup left empty are unused (verified but
+    never accepted). Name: `beam-WxL`, optionally `beam-WxL-uN`."""
+
+    width: int
+    length: int
+    budget: int = 0
+    name: str = dataclasses.field(default="", compare=False)
+
+    def __post_init__(self):
+        for field, lo in (("width", 1), ("length", 2), ("budget", 0)):
+            v = getattr(self, field)
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < lo:
+                raise TreeSpecError(f"beam tree: {field} must be an integer >= {lo}, got {v!r}")
+        if self.length - 1 > MAX_DEPTH:
+            raise TreeSpecError(f"beam tree: length {self.length} drafts {self.length - 1} deep > MAX_DEPTH "
+                                f"{MAX_DEPTH}")
+        full = 1 + self.width * (self.length - 1)
+        if self.budget == 0:
+            object.__setattr__(self, "budget", full)
+        if not self.length <= self.budget <= full:
+            raise TreeSpecError(f"beam tree: budget {self.budget} must lie between the beam length {self.length} "
+                                f"(the best beam whole) and {full} (every node of {self.width} beams)")
+        if not self.name:
+            suffix = "" if self.budget == full else f"-u{self.budget}"
+            object.__setattr__(self, "name", f"beam-{self.width}x{self.length}{suffix}")
+
+    @property
+    def num_nodes(self) -> int:
+        return int(self.budget)
+
+    @property
+    def max_depth(self) -> int:
+        return int(self.length) - 1
+
+    top_k = property(lambda self: int(self.width))  # the most children a node can have
+
+
+TreePolicy = (TreeSpec, DynamicTree, BeamTree)
+
+
+def get_tree(name_or_path: str | os.PathLike | TreeSpec | DynamicTree | BeamTree
+             ) -> TreeSpec | DynamicTree | BeamTree:
+    """Resolve "clover2-26", "medusa-63", "chain-N", "dynamic-N[-dD][-kK]" (a `DynamicTree` policy),
+    "beam-WxL[-uN]" (a `BeamTree` policy), or a JSON file path (a policy object passes through)."""
+    if isinstance(name_or_path, TreePolicy):
         return name_or_path
     key = os.fspath(name_or_path)
     if key in PRESETS:
@@ -411,9 +459,13 @@ def get_tree(name_or_path: str | os.PathLike | TreeSpec | DynamicTree) -> TreeSp
     if m:
         n, d, k = m.groups()
         return DynamicTree(int(n), depth=int(d) if d else 5, top_k=int(k) if k else 8, name=key)
+    m = re.fullmatch(r"beam-(\d+)x(\d+)(?:-u(\d+))?", key)
+    if m:
+        w, n, u = m.groups()
+        return BeamTree(int(w), int(n), int(u) if u else 0, name=key)
     if key.endswith(".json") or os.path.isfile(key):
         if not os.path.isfile(key):
             raise TreeSpecError(f"tree file {key!r} does not exist")
         return from_json(key)
-    known = ", ".join(list(PRESETS) + ["chain-N", "dynamic-N"])
+    known = ", ".join(list(PRESETS) + ["chain-N", "dynamic-N", "beam-WxL"])
     raise TreeSpecError(f"unknown tree {key!r}; known names: {known}, or a path to a .json file")

@@ -11,7 +11,8 @@ import jax.numpy as jnp
 
 from clover_jax.heads import registry
 from clover_jax.heads.clover2 import Clover2Config, Clover2Head, check_compatible, init_from_base
-from clover_jax.decoding.tree import DynamicTree
+from clover_jax.decoding.tree import BeamTree, DynamicTree
+from clover_jax.validation import InputError
 from clover_jax.heads.clover2_draft import Clover2Drafter, Clover2DynamicDrafter
 
 FIELDS = ("num_heads", "num_aug_layers", "embed_source", "rope_theta")
@@ -35,6 +36,9 @@ def from_experiment(cfg) -> Clover2Config:
 
 def make_drafter(spec, draft_vocab=None) -> Clover2Drafter:
     """A static tree's drafter, or the per-step tree builder of a `DynamicTree` policy."""
+    if isinstance(spec, BeamTree):
+        raise InputError(f"{spec.name!r} is a beam-search policy (ReDrafter); Clover-2 drafts static trees "
+                         "(clover2-26, chain-N, ...) or dynamic ones (dynamic-N)")
     if isinstance(spec, DynamicTree):
         return Clover2DynamicDrafter(spec, draft_vocab=draft_vocab)
     return Clover2Drafter(spec, draft_vocab=draft_vocab)

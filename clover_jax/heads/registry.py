@@ -23,6 +23,7 @@ from clover_jax.validation import InputError
 BUILTIN = {
     "clover2": "clover_jax.heads.clover2_type",
     "medusa": "clover_jax.heads.medusa",
+    "redrafter": "clover_jax.heads.redrafter",
 }
 
 _TYPES: dict[str, "HeadType"] = {}
@@ -61,6 +62,7 @@ class HeadType:
     sharding_rules: dict = dataclasses.field(default_factory=dict)
     description: str = ""
     weights_file: str = "model.safetensors"  # the safetensors file name of an exported folder
+    default_tree: str = "clover2-26"  # the tree (or tree policy) used when none is asked for
 
     def config_to_meta(self, config) -> dict[str, Any]:
         """The JSON-able architecture fields of `config` plus its dtypes (checkpoint metadata)."""

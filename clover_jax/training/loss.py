@@ -72,9 +72,11 @@ def _logits(x: jax.Array, lm_head: jax.Array) -> jax.Array:
 def _student_logits(o: jax.Array, lm_head: jax.Array, student_proj: jax.Array | None) -> jax.Array:
     """float32 student logits `[nh, ..., V]` of head outputs `o [nh, ..., D]`: through the shared frozen
     `lm_head [D, V]` (Clover-2), or through each head's own trainable projection `student_proj [nh, D, V]`
-    (Medusa)."""
+    (Medusa), or one `[D', V]` projection shared by all steps (ReDrafter, whose outputs are D' = 2D wide)."""
     if student_proj is None:
         return _logits(o, lm_head)
+    if student_proj.ndim == 2:  # one projection shared by every step (ReDrafter)
+        return _logits(o, student_proj)
     return jnp.einsum("n...D,nDV->n...V", o.astype(student_proj.dtype), student_proj,
                       preferred_element_type=jnp.float32)
 
@@ -130,6 +132,16 @@ def _vocab_terms(outputs, h, y, lm_head, cfg: LossConfig, student_proj=None):
     return merge(ce), merge(match), merge(cor)
 
 
+def _regression(outputs: jax.Array, h: jax.Array) -> jax.Array:
+    """`[nh, B, T]` SmoothL1 of head i's output at t to h_{t+1+i}, averaged over D; zeros when the outputs do
+    not live in the base's hidden space (a ReDrafter head's 2D-wide outputs: its loss has no regression term)."""
+    nh = outputs.shape[0]
+    if outputs.shape[-1] != h.shape[-1]:
+        return jnp.zeros(outputs.shape[:-1], jnp.float32)
+    targets = jnp.stack([_shift(h, 1 + i) for i in range(nh)]).astype(jnp.float32)  # h_{t+1+i}
+    return jnp.mean(smooth_l1(outputs.astype(jnp.float32), targets), axis=-1)
+
+
 def kd_loss(outputs: jax.Array, teacher_hidden: jax.Array, tokens: jax.Array, loss_mask: jax.Array,
             valid: jax.Array, lm_head: jax.Array, cfg: LossConfig = LossConfig(), student_proj=None):
     """The Clover-2 loss from head outputs and base outputs (no model needed).
@@ -164,8 +176,7 @@ def kd_loss(outputs: jax.Array, teacher_hidden: jax.Array, tokens: jax.Array, lo
         masks.append(base_masks[i] & lbl if cfg.label_mask else base_masks[i])
     m = jnp.stack(masks)  # [nh, B, T]
 
-    targets = jnp.stack([_shift(h, 1 + i) for i in range(nh)]).astype(jnp.float32)  # h_{t+1+i}
-    vl = jnp.mean(smooth_l1(outputs.astype(jnp.float32), targets), axis=-1)  # [nh, B, T]
+    vl = _regression(outputs, h)  # [nh, B, T]
     count = jnp.sum(m, axis=(1, 2)).astype(jnp.float32)  # [nh]
     vloss = jnp.sum(jnp.where(m, vl, 0.0), axis=(1, 2)) / (count + 1)
     ploss = jnp.sum(jnp.where(m, ce, 0.0), axis=(1, 2)) / (count + 1)
@@ -221,8 +232,7 @@ def kd_loss_packed(outputs: jax.Array, teacher_hidden: jax.Array, loss_mask: jax
     h = jax.lax.stop_gradient(teacher_hidden)
     lm = trained_positions(loss_mask, valid)
     m = jnp.stack([_shift(lm, i) for i in range(nh)])  # m^i_t = lm[t+i]
-    targets = jnp.stack([_shift(h, 1 + i) for i in range(nh)]).astype(jnp.float32)
-    vl = jnp.mean(smooth_l1(outputs.astype(jnp.float32), targets), axis=-1)  # [nh, B, T]
+    vl = _regression(outputs, h)  # [nh, B, T]
     count = jnp.sum(m, axis=(1, 2)).astype(jnp.float32)
     vloss = jnp.sum(jnp.where(m, vl, 0.0), axis=(1, 2)) / (count + 1)
 
