@@ -190,6 +190,9 @@ class LossConfig(_Section):
     # ids written to draft_vocab.json) instead of all V: teacher and student distributions both restricted
     # to it, as the head drafts with `draft_vocab=` at inference. Costs N/V of the vocabulary terms.
     draft_vocab: bool = False
+    # cross-entropy against the data's next tokens instead of the base's soft labels (the ReDrafter reference's
+    # public training code trains so); the regression term, where a head has one, is unchanged
+    hard_labels: bool = False
 
     def _validate(self):
         self._need(0 < self.decay <= 1, "decay", "must be in (0, 1]")

@@ -124,7 +124,7 @@ def loss_from_features(head: MedusaHead, base: Llama, f, tokens, loss_mask, vali
     """Distillation loss of the heads from the base's pre-norm features `f [B, T, D]`: `kd_loss`'s soft
     cross-entropy (teacher P_{t+1+i} = softmax(W_lm h_{t+1+i}) for head i at t) through each head's own
     projection, weights `loss_cfg.decay ** i`, no regression term (its metrics are reported as 0)."""
-    from clover_jax.training.loss import kd_loss, kd_loss_packed, output_projection
+    from clover_jax.training.loss import kd_loss, kd_loss_packed, next_token_labels, output_projection
 
     f = jax.lax.stop_gradient(f)
     h = rms_norm(f, jax.lax.stop_gradient(base.final_norm[...]), base.config.rms_norm_eps)  # [B, T, D]
@@ -132,10 +132,11 @@ def loss_from_features(head: MedusaHead, base: Llama, f, tokens, loss_mask, vali
     student = head.projection(vocab_ids)  # [n, D, V or N]
     teacher = output_projection(base, vocab_ids)  # [D, V or N]
     cfg = dataclasses.replace(loss_cfg, v_weight=0.0)
+    labels = next_token_labels(tokens, valid, vocab_ids) if cfg.hard_labels else None
     if index is not None:
-        loss, m = kd_loss_packed(x, h, loss_mask, valid, teacher, index, cfg, student_proj=student)
+        loss, m = kd_loss_packed(x, h, loss_mask, valid, teacher, index, cfg, student_proj=student, labels=labels)
     else:
-        loss, m = kd_loss(x, h, tokens, loss_mask, valid, teacher, cfg, student_proj=student)
+        loss, m = kd_loss(x, h, tokens, loss_mask, valid, teacher, cfg, student_proj=student, labels=labels)
     m["vloss"] = jnp.zeros_like(m["vloss"])
     return loss, m
 

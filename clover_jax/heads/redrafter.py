@@ -27,7 +27,8 @@ exactly, where the reference's own per-beam rule does not (its README says so).
 Training (`loss_from_features`): the reference unrolls 5 steps at every position t (context h_t, step i reads
 e(x_{t+1}) ... e(x_{t+1+i}) and predicts x_{t+2+i}) and sums the steps' cross-entropies with equal weights. We
 use the same unroll with the distillation targets of the paper: the soft cross-entropy against the base's
-distribution at t+1+i (`loss.decay: 1.0` for the reference's equal weights); there is no regression term.
+distribution at t+1+i (`loss.decay: 1.0` for the reference's equal weights), or with `loss.hard_labels: true`
+the reference code's cross-entropy against the data's tokens x_{t+2+i}; there is no regression term.
 
 Axis alphabet: B batch, T tokens, D model width (E = 2D the drafter's width), V vocab (N when restricted to a
 draft vocabulary), n unrolled steps, L residual blocks, W beams, Lb beam length (root included), U tree nodes,
@@ -159,7 +160,7 @@ def loss_from_features(head: ReDrafterHead, base: Llama, f, tokens, loss_mask, v
     """Distillation loss from the base's pre-norm features `f [B, T, D]`: `kd_loss`'s soft cross-entropy, step
     i at t against P_{t+1+i} = softmax(W_lm h_{t+1+i}) through the drafter's projection, weights
     `loss_cfg.decay ** i` (1.0: the reference's equal weights), no regression term."""
-    from clover_jax.training.loss import kd_loss, kd_loss_packed, output_projection
+    from clover_jax.training.loss import kd_loss, kd_loss_packed, next_token_labels, output_projection
 
     f = jax.lax.stop_gradient(f)
     h = rms_norm(f, jax.lax.stop_gradient(base.final_norm[...]), base.config.rms_norm_eps)  # [B, T, D]
@@ -168,9 +169,10 @@ def loss_from_features(head: ReDrafterHead, base: Llama, f, tokens, loss_mask, v
     student = head.projection(vocab_ids)  # [E, V or N]
     teacher = output_projection(base, vocab_ids)  # [D, V or N]
     cfg = dataclasses.replace(loss_cfg, v_weight=0.0)
+    labels = next_token_labels(tokens, valid, vocab_ids) if cfg.hard_labels else None
     if index is not None:
-        return kd_loss_packed(z, h, loss_mask, valid, teacher, index, cfg, student_proj=student)
-    return kd_loss(z, h, tokens, loss_mask, valid, teacher, cfg, student_proj=student)
+        return kd_loss_packed(z, h, loss_mask, valid, teacher, index, cfg, student_proj=student, labels=labels)
+    return kd_loss(z, h, tokens, loss_mask, valid, teacher, cfg, student_proj=student, labels=labels)
 
 
 # ------------------------------------------------------------------------------------------------ drafting

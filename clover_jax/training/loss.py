@@ -39,6 +39,9 @@ class LossConfig:
     label_mask: bool = False  # reference --label_mask (get_id_mask), off by default
     label_top_k: int = 8
     label_top_p: float = 0.8
+    # cross-entropy against the data's own next tokens (one-hot) instead of the base's distribution: the
+    # ReDrafter reference's public training code; the heads take their `labels` from `next_token_labels`
+    hard_labels: bool = False
 
     def __post_init__(self):
         if self.vocab_chunk is not None and self.vocab_chunk < 1:
@@ -89,11 +92,34 @@ def label_in_top(probs: jax.Array, labels: jax.Array, top_k: int, top_p: float) 
     return jnp.any(keep & (idx == labels[..., None]), axis=-1)
 
 
-def _vocab_terms(outputs, h, y, lm_head, cfg: LossConfig, student_proj=None):
+def next_token_labels(tokens: jax.Array, valid: jax.Array, vocab_ids: jax.Array | None = None) -> jax.Array:
+    """`[B, T]` int32: at t the index of x_{t+1} among the student's vocabulary columns (`vocab_ids`, sorted;
+    None: the token id itself), -1 where x_{t+1} is padding (`valid [B, T]`) or past the end, or outside the
+    draft vocabulary. The targets of the hard-label cross-entropy (`LossConfig.hard_labels`): the teacher
+    position t predicts x_{t+1}."""
+    b = tokens.shape[0]
+    y = jnp.concatenate([tokens[:, 1:], jnp.full((b, 1), -1, tokens.dtype)], axis=1).astype(jnp.int32)
+    valid_next = jnp.concatenate([valid[:, 1:].astype(bool), jnp.zeros((b, 1), bool)], axis=1)
+    y = jnp.where(valid_next, y, -1)
+    if vocab_ids is None:
+        return y
+    ids = jnp.asarray(vocab_ids, jnp.int32)
+    pos = jnp.clip(jnp.searchsorted(ids, y), 0, ids.shape[0] - 1).astype(jnp.int32)
+    return jnp.where((y >= 0) & (ids[pos] == y), pos, -1)
+
+
+def _hard_ce(s_logp: jax.Array, labels: jax.Array) -> jax.Array:
+    """`-log q(label)` `[...]` from `s_logp [..., V]` and `labels [...]` (-1: 0)."""
+    picked = jnp.take_along_axis(s_logp, jnp.maximum(labels, 0)[..., None], axis=-1)[..., 0]
+    return jnp.where(labels >= 0, -picked, 0.0)
+
+
+def _vocab_terms(outputs, h, y, lm_head, cfg: LossConfig, student_proj=None, labels=None):
     """V-sized per-position terms, chunked over positions.
 
-    Returns (ce [nh, B, T] float32, match [nh, B, T] bool (student argmax == teacher argmax),
-    cor [B, T] bool (label mask before accumulation over heads)).
+    Returns (ce [nh, B, T] float32, match [nh, B, T] bool (student argmax == teacher argmax, or == the label),
+    cor [B, T] bool (label mask before accumulation over heads), has [nh, B, T] bool (a target exists: always
+    with soft targets, where the label is >= 0 with `labels`)).
     """
     nh, b, t, _ = outputs.shape
     c = t if cfg.vocab_chunk is None else min(cfg.vocab_chunk, t)
@@ -102,6 +128,7 @@ def _vocab_terms(outputs, h, y, lm_head, cfg: LossConfig, student_proj=None):
     o_pad = jnp.pad(outputs, ((0, 0), (0, 0), (0, t_pad - t), (0, 0)))  # [nh, B, T_pad, D]
     h_pad = jnp.pad(h, ((0, 0), (0, t_pad + nh - t), (0, 0)))  # [B, T_pad + nh, D]
     y_pad = jnp.pad(y, ((0, 0), (0, t_pad - t)))  # [B, T_pad]
+    l_pad = None if labels is None else jnp.pad(labels, ((0, 0), (0, t_pad + nh - t)), constant_values=-1)
     lm_head = jax.lax.stop_gradient(lm_head)
 
     def chunk(start):
@@ -113,23 +140,29 @@ def _vocab_terms(outputs, h, y, lm_head, cfg: LossConfig, student_proj=None):
         ow = jax.lax.dynamic_slice_in_dim(o_pad, start, c, axis=2)  # [nh, B, C, D]
         s_logp = jax.nn.log_softmax(_student_logits(ow, lm_head, student_proj), axis=-1)  # [nh, B, C, V]
         p_tgt = jnp.stack([t_prob[:, 1 + i:1 + i + c] for i in range(nh)])  # P_{t+i}: [nh, B, C, V]
-        ce = -jnp.sum(p_tgt * s_logp, axis=-1)  # [nh, B, C]
-        tgt_arg = jnp.stack([t_arg[:, 1 + i:1 + i + c] for i in range(nh)])  # [nh, B, C]
+        if l_pad is None:
+            ce = -jnp.sum(p_tgt * s_logp, axis=-1)  # [nh, B, C]
+            tgt_arg = jnp.stack([t_arg[:, 1 + i:1 + i + c] for i in range(nh)])  # [nh, B, C]
+            has = jnp.ones(tgt_arg.shape, bool)
+        else:  # the data's token x_{t+2+i} (the label of teacher position t+1+i)
+            lw = jax.lax.dynamic_slice_in_dim(l_pad, start, c + nh, axis=1)  # [B, C+nh]
+            tgt_arg = jnp.stack([lw[:, 1 + i:1 + i + c] for i in range(nh)])  # [nh, B, C]
+            ce, has = _hard_ce(s_logp, tgt_arg), tgt_arg >= 0
         match = jnp.argmax(s_logp, axis=-1) == tgt_arg
         if cfg.label_mask:
             yw = jax.lax.dynamic_slice_in_dim(y_pad, start, c, axis=1)  # x_{t+1}: [B, C]
             cor = label_in_top(t_prob[:, :c], yw, cfg.label_top_k, cfg.label_top_p)
         else:
             cor = jnp.ones((b, c), bool)
-        return ce, match, cor
+        return ce, match, cor, has
 
     if n_chunks == 1:
-        ce, match, cor = chunk(0)
-        return ce[:, :, :t], match[:, :, :t], cor[:, :t]
+        ce, match, cor, has = chunk(0)
+        return ce[:, :, :t], match[:, :, :t], cor[:, :t], has[:, :, :t]
     starts = jnp.arange(n_chunks, dtype=jnp.int32) * c
-    ce, match, cor = jax.lax.map(jax.checkpoint(chunk), starts)  # leading [n_chunks]
+    ce, match, cor, has = jax.lax.map(jax.checkpoint(chunk), starts)  # leading [n_chunks]
     merge = lambda x: jnp.moveaxis(x, 0, -2).reshape(*x.shape[1:-1], t_pad)[..., :t]  # noqa: E731
-    return merge(ce), merge(match), merge(cor)
+    return merge(ce), merge(match), merge(cor), merge(has)
 
 
 def _regression(outputs: jax.Array, h: jax.Array) -> jax.Array:
@@ -143,7 +176,7 @@ def _regression(outputs: jax.Array, h: jax.Array) -> jax.Array:
 
 
 def kd_loss(outputs: jax.Array, teacher_hidden: jax.Array, tokens: jax.Array, loss_mask: jax.Array,
-            valid: jax.Array, lm_head: jax.Array, cfg: LossConfig = LossConfig(), student_proj=None):
+            valid: jax.Array, lm_head: jax.Array, cfg: LossConfig = LossConfig(), student_proj=None, labels=None):
     """The Clover-2 loss from head outputs and base outputs (no model needed).
 
     Args:
@@ -153,7 +186,10 @@ def kd_loss(outputs: jax.Array, teacher_hidden: jax.Array, tokens: jax.Array, lo
       tokens: `[B, T]` the sequence x (used by the label mask only).
       loss_mask: `[B, T]` 1 on trained (assistant) positions; valid: `[B, T]` right-padding mask.
       lm_head: `[D, V]` frozen output projection (the teacher's; the student's too unless `student_proj`).
-      student_proj: optional `[num_heads, D, V]` per-head trainable output projections (Medusa).
+      student_proj: optional `[num_heads, D, V]` per-head trainable output projections (Medusa), or one
+        `[D', V]` shared by every head (ReDrafter).
+      labels: with `cfg.hard_labels`, `next_token_labels(tokens, valid, vocab_ids)` `[B, T]` (default: over all V):
+        the cross-entropy and accuracy are then against the data's tokens, positions without a label skipped.
 
     Returns:
       `(loss, metrics)`; metrics hold per-head arrays `[num_heads]`: vloss, ploss, acc (top-1 vs the
@@ -167,14 +203,17 @@ def kd_loss(outputs: jax.Array, teacher_hidden: jax.Array, tokens: jax.Array, lo
     y = jnp.concatenate([tokens[:, 1:], jnp.zeros((b, 1), tokens.dtype)], axis=1)  # x_{t+1}
     lm = trained_positions(loss_mask, valid)  # [B, T]; the target h_{t+1} exists
 
-    ce, match, cor = _vocab_terms(outputs, h, y, lm_head, cfg, student_proj)
+    if cfg.hard_labels and labels is None:
+        labels = next_token_labels(tokens, valid)
+    ce, match, cor, has = _vocab_terms(outputs, h, y, lm_head, cfg, student_proj,
+                                       labels if cfg.hard_labels else None)
     base_masks = [_shift(lm, i) for i in range(nh)]  # m^i_t = lm[t+i]
     masks, lbl = [], cor
     for i in range(nh):
         if i > 0:
             lbl = lbl & _shift(cor, i)  # prod_{j<=i} cor[t+j]
         masks.append(base_masks[i] & lbl if cfg.label_mask else base_masks[i])
-    m = jnp.stack(masks)  # [nh, B, T]
+    m = jnp.stack(masks) & has  # [nh, B, T]
 
     vl = _regression(outputs, h)  # [nh, B, T]
     count = jnp.sum(m, axis=(1, 2)).astype(jnp.float32)  # [nh]
@@ -210,7 +249,8 @@ def trained_positions(loss_mask, valid):
 
 
 def kd_loss_packed(outputs: jax.Array, teacher_hidden: jax.Array, loss_mask: jax.Array, valid: jax.Array,
-                   lm_head: jax.Array, index: jax.Array, cfg: LossConfig = LossConfig(), student_proj=None):
+                   lm_head: jax.Array, index: jax.Array, cfg: LossConfig = LossConfig(), student_proj=None,
+                   labels=None):
     """`kd_loss` with the V-sized terms computed only at listed positions (vocabulary packing); `student_proj`
     as in `kd_loss`.
 
@@ -223,8 +263,11 @@ def kd_loss_packed(outputs: jax.Array, teacher_hidden: jax.Array, loss_mask: jax
     cross-entropy is the same objective estimated on that subset, normalised by its own count.
 
     Returns `(loss, metrics)` as `kd_loss`, plus `p_count [num_heads]` (the cross-entropy's count).
-    The label mask is not supported here (it needs the teacher at every position).
+    The label mask is not supported here (it needs the teacher at every position). `cfg.hard_labels` needs
+    `labels` (`next_token_labels`), as `kd_loss`.
     """
+    if cfg.hard_labels and labels is None:
+        raise ValueError("hard_labels: pass labels=next_token_labels(tokens, valid, vocab_ids)")
     if cfg.label_mask:
         raise ValueError("the label mask needs the teacher at every position; use the dense loss "
                          "(loss.vocab_positions_per_row = 0) with it")
@@ -248,7 +291,13 @@ def kd_loss_packed(outputs: jax.Array, teacher_hidden: jax.Array, loss_mask: jax
     pm = listed[None] & (starts >= 0)  # head i at t = u - i inside the row
     o = jnp.stack([take(outputs[i], jnp.maximum(starts[i], 0)) for i in range(nh)])  # [nh, B, K, D]
     s_logp = jax.nn.log_softmax(_student_logits(o, lm_head, student_proj), axis=-1)  # [nh, B, K, V]
-    ce = -jnp.sum(t_prob[None] * s_logp, axis=-1)  # [nh, B, K]
+    if cfg.hard_labels:  # the data's token after the teacher position u + 1
+        t_arg = jnp.take_along_axis(labels.astype(jnp.int32), jnp.minimum(u + 1, t - 1), axis=1)  # [B, K]
+        t_arg = jnp.where(u + 1 < t, t_arg, -1)
+        ce = _hard_ce(s_logp, jnp.broadcast_to(t_arg[None], s_logp.shape[:-1]))
+        pm = pm & (t_arg >= 0)[None]
+    else:
+        ce = -jnp.sum(t_prob[None] * s_logp, axis=-1)  # [nh, B, K]
     match = pm & (jnp.argmax(s_logp, axis=-1) == t_arg[None])
     p_count = jnp.sum(pm, axis=(1, 2)).astype(jnp.float32)
     ploss = jnp.sum(jnp.where(pm, ce, 0.0), axis=(1, 2)) / (p_count + 1)
@@ -324,9 +373,10 @@ def clover2_loss_from_features(head, base: Llama, f: jax.Array, tokens: jax.Arra
         teacher_hidden = rms_norm(f, jax.lax.stop_gradient(base.final_norm[...]), base.config.rms_norm_eps)
     outputs = head.train_outputs(base, f, tokens, valid)
     lm_head = output_projection(base, vocab_ids)
+    labels = next_token_labels(tokens, valid, vocab_ids) if cfg.hard_labels else None
     if index is not None:
-        return kd_loss_packed(outputs, teacher_hidden, loss_mask, valid, lm_head, index, cfg)
-    return kd_loss(outputs, teacher_hidden, tokens, loss_mask, valid, lm_head, cfg)
+        return kd_loss_packed(outputs, teacher_hidden, loss_mask, valid, lm_head, index, cfg, labels=labels)
+    return kd_loss(outputs, teacher_hidden, tokens, loss_mask, valid, lm_head, cfg, labels=labels)
 
 
 def base_features(base: Llama, tokens: jax.Array, valid: jax.Array) -> jax.Array:

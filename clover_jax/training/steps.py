@@ -44,7 +44,7 @@ def loss_config(loss_cfg, vocab_size: int) -> LossConfig:
     return LossConfig(decay=loss_cfg.decay, v_weight=loss_cfg.v_weight, p_weight=loss_cfg.p_weight,
                       vocab_chunk=loss_cfg.vocab_chunk or None, label_mask=label,
                       label_top_k=loss_cfg.label_mask_topk or vocab_size,
-                      label_top_p=loss_cfg.label_mask_topp or 1.0)
+                      label_top_p=loss_cfg.label_mask_topp or 1.0, hard_labels=loss_cfg.hard_labels)
 
 
 def head_config(cfg):

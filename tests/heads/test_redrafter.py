@@ -242,9 +242,9 @@ def test_redrafter_loss_is_the_unrolled_soft_cross_entropy():
     silu = lambda x: x / (1 + np.exp(-x))  # noqa: E731
     w_lm = np.asarray(base.lm_head_matrix(), np.float64)
     lm = np.asarray(loss_mask & valid & jnp.concatenate([valid[:, 1:], jnp.zeros((2, 1), bool)], 1))
-    total = 0.0
+    total, hard = 0.0, 0.0
     for i in range(3):
-        num, cnt = 0.0, 0
+        num, cnt, num_h, cnt_h = 0.0, 0, 0.0, 0
         for b in range(2):
             for t in range(12 - 1 - i):
                 if not lm[b, t + i]:
@@ -262,8 +262,30 @@ def test_redrafter_loss_is_the_unrolled_soft_cross_entropy():
                 q = np.exp(tl - tl.max())
                 num += -np.sum(q / q.sum() * logp)
                 cnt += 1
+                if t + 2 + i < 12 and valid[b, t + 2 + i]:  # the hard label x_{t+2+i}
+                    num_h += -logp[int(tokens[b, t + 2 + i])]
+                    cnt_h += 1
         total += num / (cnt + 1)
+        hard += num_h / (cnt_h + 1)
     np.testing.assert_allclose(float(loss), total, rtol=1e-4)
+    hcfg = LossConfig(decay=1.0, hard_labels=True)  # the reference code's ground-truth cross-entropy
+    loss_h, m_h = ht.loss_from_features(head, base, f, tokens, loss_mask, valid, hcfg)
+    np.testing.assert_allclose(float(loss_h), hard, rtol=1e-4)
+    index = jnp.asarray(pack_positions(loss_mask, valid, 12))
+    loss_hp, _ = ht.loss_from_features(head, base, f, tokens, loss_mask, valid, hcfg, index=index)
+    np.testing.assert_allclose(float(loss_hp), float(loss_h), rtol=1e-5)
+    # over a draft vocabulary, positions whose label is outside it have no target
+    ids = jnp.asarray(sorted(set(np.asarray(tokens).ravel().tolist()))[::2], jnp.int32)
+    from clover_jax.training.loss import next_token_labels
+
+    lab = np.asarray(next_token_labels(tokens, jnp.ones_like(valid), ids))
+    toks = np.asarray(tokens)
+    for b in range(2):
+        for t in range(11):
+            k = lab[b, t]
+            assert (k == -1) if toks[b, t + 1] not in np.asarray(ids) else np.asarray(ids)[k] == toks[b, t + 1]
+    _, m_v = ht.loss_from_features(head, base, f, tokens, loss_mask, valid, hcfg, vocab_ids=ids)
+    assert np.all(np.asarray(m_v["p_count"]) < np.asarray(m_h["p_count"]))
 
     index = jnp.asarray(pack_positions(loss_mask, valid, 12))
     loss_p, _ = ht.loss_from_features(head, base, f, tokens, loss_mask, valid, cfg, index=index)
