@@ -16,6 +16,7 @@ from clover_jax.decoding import autoregressive, speculative
 from clover_jax.decoding.sampling import SamplingParams
 from clover_jax.heads.clover2 import Clover2Config, init_from_base
 from clover_jax.heads.medusa import MedusaConfig, init_from_base as medusa_from_base
+from clover_jax.heads.redrafter import ReDrafterConfig, init_from_base as redrafter_from_base
 from clover_jax.models.cache import KVCache
 from clover_jax.models.config import LlamaConfig, RopeScaling
 from clover_jax.models.llama import init_llama
@@ -37,7 +38,9 @@ def _need_devices(n=8):
 @pytest.fixture(scope="module")
 def tiny():
     base = init_llama(LLAMA3ISH, seed=1)
-    return base, init_from_base(base, Clover2Config()), medusa_from_base(base, MedusaConfig(num_heads=3))
+    redrafter = redrafter_from_base(base, ReDrafterConfig(), seed=2)
+    redrafter.vocab_proj[...] = redrafter.vocab_proj[...] * 8  # peaked drafts: beams share prefixes
+    return base, init_from_base(base, Clover2Config()), medusa_from_base(base, MedusaConfig(num_heads=3)), redrafter
 
 
 def _prompts(n, seed=0):
@@ -93,14 +96,14 @@ def test_tiny_sharded_equals_single_device(tiny, mesh):
     """AR and speculative greedy tokens and acceptance histograms on the mesh equal the single-device run
     (6 prompts: the batch is padded to the 4 data shards)."""
     _need_devices()
-    base, clover2, medusa = tiny
+    base, clover2, medusa, redrafter = tiny
     prompts = _prompts(6)
     kw = dict(max_new_tokens=24, cache_size=128)
     ar1 = api.generate(base, prompts, **kw)
     arm = api.generate(base, prompts, mesh=mesh, **kw)
     assert arm.token_ids == ar1.token_ids
     assert arm.row_steps == ar1.row_steps
-    for head, tree in [(clover2, "clover2-26"), (clover2, "dynamic-10"), (medusa, "chain-3")]:
+    for head, tree in [(clover2, "clover2-26"), (clover2, "dynamic-10"), (medusa, "chain-3"), (redrafter, "beam-3x4")]:
         sp1 = api.generate(base, prompts, mode="speculative", head=head, tree=tree, **kw)
         spm = api.generate(base, prompts, mode="speculative", head=head, tree=tree, mesh=mesh, **kw)
         assert sp1.token_ids == ar1.token_ids, tree
@@ -114,7 +117,7 @@ def test_sampling_on_mesh_keeps_rows_independent_of_padding(tiny):
     """Sampling on a mesh: same seed, same tokens as one device (the random streams do not depend on the
     layout), and the rows added to pad the batch are cut from the result."""
     _need_devices()
-    base, clover2, _ = tiny
+    base, clover2, *_ = tiny
     prompts = _prompts(3, seed=4)
     kw = dict(max_new_tokens=16, cache_size=96, temperature=0.8, seed=7, mode="speculative", head=clover2,
               tree="chain-3")
@@ -182,7 +185,7 @@ def test_caches_and_weights_are_split_not_replicated():
 # --------------------------------------------------------------------------------------- planning
 def test_memory_planning_on_mesh_names_the_numbers(tiny, monkeypatch):
     _need_devices()
-    base, clover2, _ = tiny
+    base, clover2, *_ = tiny
     plan = api.prepare_generate(base, _prompts(8), max_new_tokens=16, cache_size=4096, mesh="data=4,tp=2",
                                 check_free_memory=False)
     one = api.prepare_generate(base, _prompts(8), max_new_tokens=16, cache_size=4096, check_free_memory=False)

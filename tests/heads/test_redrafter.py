@@ -368,3 +368,16 @@ def test_redrafter_training_run_export_and_reference_layout(tmp_path):
     s1_ours = back.rnn_step(jnp.asarray(s), jnp.asarray(e))
     got = np.asarray(back.features(jnp.asarray(h), s1_ours)) @ np.asarray(back.vocab_proj[...])
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.slow
+def test_redrafter_on_smollm2_equals_greedy(smollm, chat_prompts):
+    """The real SmolLM2 (tied 49k vocabulary, 30 layers) with a fresh drafter and its beam trees: speculative
+    greedy decoding returns exactly the autoregressive tokens, with and without a draft vocabulary."""
+    base = smollm.model
+    head = init_from_base(base, ReDrafterConfig(), seed=0)
+    kw = dict(tokenizer=smollm.tokenizer, max_new_tokens=24)
+    ar = generate(base, chat_prompts, **kw)
+    for tree, vocab in (("beam-4x5", None), ("beam-3x4-u8", list(range(0, 49152, 3)))):
+        sp = generate(base, chat_prompts, mode="speculative", head=head, tree=tree, draft_vocab=vocab, **kw)
+        assert sp.token_ids == ar.token_ids, tree
