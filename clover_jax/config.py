@@ -151,7 +151,7 @@ class HeadConfig(_Section):
     _name = "head"
     type: str = "clover2"  # a registered head type (clover_jax.heads.registry): clover2, medusa
     num_heads: int = 5  # depths drafted per step (Clover-2: head 0 + 4 RNN steps; Medusa: 5 heads)
-    num_aug_layers: int = 2  # Clover-2: decoder layers in the Augmenting Block
+    num_aug_layers: int = 2  # Clover-2 / Clover-1: decoder layers in the Augmenting Block
     num_layers: int = 1  # Medusa: residual blocks per head (medusa_num_layers); ReDrafter: its blocks (2)
     rnn: bool = True  # ReDrafter: the recurrent state update (False: a running sum of embeddings)
     embed_source: Literal["lm_head", "input"] = "lm_head"  # reference: E = copy(W_lm)

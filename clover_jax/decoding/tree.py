@@ -362,11 +362,17 @@ class DynamicTree:
     best of all the candidates by cumulative log-probability (an ancestor-closed set: a child never scores
     above its parent) and verifies them with the root. Name: `dynamic-N` (N = budget, root included), optionally
     `dynamic-N-dD-kK`. The defaults (depth 5, top-k 8) are the Clover-2 head's depth and EAGLE-2's order of
-    magnitude, not tuned on our heads yet."""
+    magnitude, not tuned on our heads yet.
+
+    `top_p < 1` adds Clover-1's candidate selection (Xiao et al. 2024, arXiv 2405.00263): each node keeps only
+    its children up to cumulative draft probability `top_p` (the first always), the rest are never verified;
+    what is kept is ranked by joint probability into the same budget, so a confident head verifies fewer tokens
+    (the slots left over are unused). Name suffix `-pP`, e.g. `dynamic-10-p0.8`."""
 
     budget: int
     depth: int = 5
     top_k: int = 8
+    top_p: float = 1.0
     name: str = dataclasses.field(default="", compare=False)
 
     def __post_init__(self):
@@ -376,11 +382,14 @@ class DynamicTree:
                 raise TreeSpecError(f"dynamic tree: {field} must be an integer >= {lo}, got {v!r}")
         if self.depth > MAX_DEPTH:
             raise TreeSpecError(f"dynamic tree: depth {self.depth} > MAX_DEPTH {MAX_DEPTH}")
+        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            raise TreeSpecError(f"dynamic tree: top_p must be in (0, 1], got {self.top_p!r}")
         if self.budget - 1 > self.num_candidates:
             raise TreeSpecError(f"dynamic tree: budget {self.budget} needs {self.budget - 1} drafts but depth "
                                 f"{self.depth} x top-k {self.top_k} proposes only {self.num_candidates}")
         if not self.name:
-            object.__setattr__(self, "name", f"dynamic-{self.budget}-d{self.depth}-k{self.top_k}")
+            p = "" if self.top_p == 1 else f"-p{self.top_p:g}"
+            object.__setattr__(self, "name", f"dynamic-{self.budget}-d{self.depth}-k{self.top_k}{p}")
 
     @property
     def num_candidates(self) -> int:
@@ -455,10 +464,11 @@ def get_tree(name_or_path: str | os.PathLike | TreeSpec | DynamicTree | BeamTree
     m = re.fullmatch(r"chain-(\d+)", key)
     if m:
         return chain(int(m.group(1)))
-    m = re.fullmatch(r"dynamic-(\d+)(?:-d(\d+))?(?:-k(\d+))?", key)
+    m = re.fullmatch(r"dynamic-(\d+)(?:-d(\d+))?(?:-k(\d+))?(?:-p(\d*\.?\d+))?", key)
     if m:
-        n, d, k = m.groups()
-        return DynamicTree(int(n), depth=int(d) if d else 5, top_k=int(k) if k else 8, name=key)
+        n, d, k, p = m.groups()
+        return DynamicTree(int(n), depth=int(d) if d else 5, top_k=int(k) if k else 8,
+                           top_p=float(p) if p else 1.0, name=key)
     m = re.fullmatch(r"beam-(\d+)x(\d+)(?:-u(\d+))?", key)
     if m:
         w, n, u = m.groups()

@@ -208,11 +208,13 @@ class Clover2Head(nnx.Module):
         """Head 0: `o^0 = head_norm(FC0 s^0 + b0)`; `state [..., D]` (s^0, the Augmenting Block output)."""
         return self._fc(state, self.fc0_w, self.fc0_b)
 
-    def step(self, base: Llama, state: jax.Array, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
+    def step(self, base: Llama, state: jax.Array, tokens: jax.Array, depth: int = 1) -> tuple[jax.Array, jax.Array]:
         """One RNN step (heads 1..): `s' = AD2(s, E[tok])`, `o = head_norm(FCout [s'; E[tok]] + b2)`.
 
         Args:
           state: `[..., D]` the parent's state (s^{i-1}); tokens: `[...]` the parent's drafted token.
+          depth: the head index i (>= 1); the RNN shares its weights over depths, so it is unused here (heads
+            with one set of weights per depth, Clover-1's, read it).
         Returns:
           `(new_state [..., D], o [..., D])`.
         """

@@ -22,7 +22,7 @@ from flax import struct
 from clover_jax.decoding.sampling import top_k_ids  # noqa: F401  (re-exported for callers of its old home)
 from clover_jax.decoding.topology import topology_from_parents
 from clover_jax.decoding.tree import DynamicTree, TreeBuffers, TreeSpec, build_buffers
-from clover_jax.heads.clover2 import Clover2Head, check_compatible
+from clover_jax.heads.clover2 import Clover2Head
 from clover_jax.decoding.drafter import Proposal, TreeDrafterBase
 from clover_jax.models.cache import KVCache
 from clover_jax.validation import InputError
@@ -49,7 +49,9 @@ class Clover2Drafter(TreeDrafterBase):
         object.__setattr__(self, "buffers", build_buffers(self.spec))
 
     def check(self, head: Clover2Head, base) -> None:
-        check_compatible(head, base.config)
+        from clover_jax.heads import registry
+
+        registry.of_head(head).check_compatible(head, base.config)  # Clover-2, or Clover-1 (same drafting)
         self.check_tree(head.cfg.num_heads, base.config.vocab_size)
 
     def arrays(self) -> dict:
@@ -110,7 +112,7 @@ class Clover2Drafter(TreeDrafterBase):
             ranks = np.asarray(buf.expand_rank[s, :e])
             tokens = prev_top[:, slots, ranks]  # [B, e] the expanded nodes' own tokens
             parent_states = prev_states[:, slots]  # [B, e, D]
-            new_states, o = head.step(base, parent_states, tokens)
+            new_states, o = head.step(base, parent_states, tokens, depth=s)
             top = self._top_k(head, base, state, o)  # [B, e, k]
             per_step.append(jnp.pad(top, ((0, 0), (0, emax - e), (0, 0))))
             prev_states, prev_top = new_states, top
@@ -153,6 +155,9 @@ class Clover2DynamicDrafter(Clover2Drafter):
         logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
         idx = top_k_ids(logp, self.spec.top_k)  # [..., k] into the (draft) vocabulary
         lp = jnp.take_along_axis(logp, idx, axis=-1)
+        if self.spec.top_p < 1.0:  # Clover-1's token-level cut: children past cumulative probability top_p
+            p = jnp.exp(lp)  # [..., k] descending
+            lp = jnp.where(jnp.cumsum(p, axis=-1) - p < self.spec.top_p, lp, -jnp.inf)
         ids = idx if state.vocab_ids is None else state.vocab_ids[idx]
         return ids, lp
 
@@ -166,8 +171,8 @@ class Clover2DynamicDrafter(Clover2Drafter):
         f_state = jnp.broadcast_to(state.s0[:, None, :], (b, k, state.s0.shape[-1]))  # its parents' states
         f_index = jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), (b, k))  # its candidate indices
         offset = k
-        for _ in range(1, depth):
-            new_state, o = head.step(base, f_state, f_tok)  # the frontier nodes' states, [B, k, D]
+        for d in range(1, depth):
+            new_state, o = head.step(base, f_state, f_tok, depth=d)  # the frontier nodes' states, [B, k, D]
             ids, lp = self._scored(head, base, state, o)  # their children: [B, k, k]
             cum = (f_score[:, :, None] + lp).reshape(b, k * k)  # cumulative log-probability
             ids = ids.reshape(b, k * k)
@@ -183,10 +188,11 @@ class Clover2DynamicDrafter(Clover2Drafter):
         all_tok = jnp.concatenate(tokens, axis=1)  # [B, M]
         all_score = jnp.concatenate(scores, axis=1)
         all_parent = jnp.concatenate(parents, axis=1)
-        sel = jax.lax.top_k(all_score, n - 1)[1]  # [B, U-1] the kept candidates, best first
+        kept, sel = jax.lax.top_k(all_score, n - 1)  # [B, U-1] the kept candidates, best first
         node_of = jnp.full(all_tok.shape, -1, jnp.int32).at[rows, sel].set(jnp.arange(1, n, dtype=jnp.int32))
         par = jnp.take_along_axis(all_parent, sel, axis=1)  # candidate index of each kept node's parent
         par_node = jnp.where(par < 0, 0, jnp.take_along_axis(node_of, jnp.maximum(par, 0), axis=1))
+        par_node = jnp.where(kept > -jnp.inf, par_node, -1)  # cut by top-p: an unused slot (never accepted)
         parent = jnp.concatenate([jnp.full((b, 1), -1, jnp.int32), par_node], axis=1)  # [B, U]
         rank = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (b, n))  # by score: siblings in that order
         topo = topology_from_parents(parent, rank, depth, k)

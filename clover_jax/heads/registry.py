@@ -21,6 +21,7 @@ from clover_jax.validation import InputError
 
 # name -> the module whose import registers it (imported on first lookup)
 BUILTIN = {
+    "clover1": "clover_jax.heads.clover1",
     "clover2": "clover_jax.heads.clover2_type",
     "medusa": "clover_jax.heads.medusa",
     "redrafter": "clover_jax.heads.redrafter",
