@@ -184,3 +184,11 @@ def test_packed_cross_entropy_and_draft_vocab_keys():
         load_config(None, ["loss.vocab_positions_per_row=32", "loss.label_mask_topk=8"])
     with pytest.raises(ConfigError, match="train.draft_vocab_size"):
         load_config(None, ["train.draft_vocab_size=-1"])
+
+
+@pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.yaml")), ids=lambda p: p.stem)
+def test_every_config_in_the_repository_loads(path):
+    """Every recipe under configs/ parses and validates, and names its head type in its file name."""
+    cfg = load_config(path)
+    assert cfg.head.type in path.stem.replace("-shipped", "").replace("-stage2", "").replace("-stage3", "")
+    assert cfg.optim.warmup_steps <= cfg.train.steps
