@@ -46,6 +46,10 @@ class TreeTopology:
     def max_depth(self) -> int:
         return self.paths.shape[-1] - 1
 
+    @property
+    def max_children(self) -> int:
+        return self.children.shape[-1]
+
 
 def _one_row(parent: jax.Array, rank: jax.Array, max_depth: int, max_children: int) -> TreeTopology:
     u = parent.shape[0]

@@ -42,14 +42,35 @@ def assert_same(got: V.AcceptResult, want: dict):
         np.testing.assert_array_equal(np.asarray(getattr(got, f)), want[f], err_msg=f)
 
 
+def random_parents(rng, batch: int, slots: int, max_depth: int) -> np.ndarray:
+    """`[B, U]` parent pointers as the dynamic and beam drafters build them: node i hangs under an earlier used
+    node of depth < max_depth, or is an unused slot (-1, about one in five) that nothing hangs under."""
+    parent = np.full((batch, slots), -1, np.int32)
+    for b in range(batch):
+        depth = {0: 0}
+        for i in range(1, slots):
+            if rng.random() < 0.2:
+                continue
+            p = int(rng.choice([j for j, d in depth.items() if d < max_depth]))
+            parent[b, i], depth[i] = p, depth[p] + 1
+    return parent
+
+
 def cases():
-    """(buffers, batch) pairs: presets, random shared trees, and per-row stacked trees."""
+    """(buffers, batch) pairs: presets, random shared trees, per-row stacked trees, and per-row trees built on
+    device from parent pointers with unused slots (what dynamic and beam policies verify)."""
+    from clover_jax.decoding.topology import topology_from_parents
+
     rng = np.random.default_rng(1)
     out = [(T.build_buffers(T.clover2_26()), 6), (T.build_buffers(T.chain(4)), 5)]
     out += [(T.build_buffers(random_spec(rng, int(n))), 7) for n in (2, 6, 9, 13)]
     for n in (5, 11):
         rows = [T.build_buffers(random_spec(rng, n)) for _ in range(6)]
         out.append((T.stack_buffers(rows), 6))
+    for n, depth in ((7, 3), (12, 4)):
+        parent = random_parents(rng, 6, n, depth)
+        rank = np.broadcast_to(np.arange(n, dtype=np.int32), parent.shape)
+        out.append((topology_from_parents(jnp.asarray(parent), jnp.asarray(rank), depth, n), 6))
     return out
 
 
