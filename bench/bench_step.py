@@ -219,7 +219,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", choices=sorted(SHAPES), default="smollm2-135m")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    ap.add_argument("--head-type", default="clover2", help="a registered head type (clover2, medusa)")
+    ap.add_argument("--head-type", default="clover2", help="a registered head type (clover2, clover1, medusa, redrafter)")
     ap.add_argument("--trees", nargs="+", default=["chain-3"])
     ap.add_argument("--draft-vocab", type=int, default=8192, help="draft vocabulary size (0: the full vocabulary)")
     ap.add_argument("--batch-size", type=int, default=1)
@@ -258,6 +258,8 @@ def main(argv=None) -> int:
     b, t = args.batch_size, args.context
     prompt = jnp.asarray(rng.integers(0, config.vocab_size, (b, t)), jnp.int32)
     lens = jnp.full((b,), t, jnp.int32)
+    if args.draft_vocab >= config.vocab_size:  # e.g. the default 8,192 on --shape tiny: the full vocabulary
+        args.draft_vocab = 0
     vocab = (np.sort(rng.choice(config.vocab_size, args.draft_vocab, replace=False)).astype(np.int32)
              if args.draft_vocab else None)
     report = {"head_type": args.head_type, "backend": jax.default_backend(), "device": str(jax.devices()[0]), "shape": args.shape,

@@ -9,23 +9,24 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("head_type", ["clover2", "medusa"])
-def test_bench_step_reports_each_part(head_type, capsys):
+@pytest.mark.parametrize("head_type,tree,nodes", [("clover2", "chain-2", 3), ("medusa", "chain-2", 3),
+                                                  ("redrafter", "beam-2x3", 5), ("clover1", "dynamic-4-d2-k2-p0.9", 4)])
+def test_bench_step_reports_each_part(head_type, tree, nodes, capsys):
     spec = importlib.util.spec_from_file_location("bench_step", ROOT / "bench" / "bench_step.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    assert mod.main(["--shape", "tiny", "--head-type", head_type, "--trees", "chain-2", "--draft-vocab", "64",
+    assert mod.main(["--shape", "tiny", "--head-type", head_type, "--trees", tree, "--draft-vocab", "64",
                      "--context", "12", "--cache-size", "128", "--repeat", "1", "--loop-tokens", "2", "6",
                      "--loop-repeat", "1", "--json"]) == 0
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    rows = report["trees"]["chain-2"]
+    rows = report["trees"][tree]
     assert report["head_type"] == head_type
     for part in ("spec: draft", "spec: verify forward + KV write", "spec: logits", "spec: acceptance",
                  "spec: KV compaction", "spec: head commit", "ar: forward + KV append"):
         assert rows[part] > 0, (part, rows)
     # ms per step from a difference of two tiny runs: present and finite (its sign is timing noise at this size)
     assert all(abs(rows[k]) < 1e4 for k in ("loop: AR step", "loop: speculative step")), rows
-    assert report["summary"]["chain-2"]["U"] == 3 and report["summary"]["chain-2"]["ratio"] > 0
+    assert report["summary"][tree]["U"] == nodes and report["summary"][tree]["ratio"] > 0
 
 
 def test_bench_step_runs_on_a_mesh(capsys):
