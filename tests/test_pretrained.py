@@ -53,7 +53,7 @@ def test_shipped_files_are_reference_format_and_small():
     ids = head_draft_vocab(NAME)
     assert ids is not None and len(ids) == 7005 and np.all(np.diff(ids) > 0)
     card = (path / "README.md").read_text()
-    assert "tau" in card and "rope_theta" in card and "configs/smollm2-135m-clover2-stage2.yaml" in card
+    assert "tau" in card and "rope_theta" in card and "configs/smollm2-135m-clover2-stage3.yaml" in card
 
 
 @pytest.mark.slow
