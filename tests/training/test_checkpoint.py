@@ -167,9 +167,11 @@ def test_corrupt_checkpoint_is_reported_and_kept(uninterrupted, tmp_path, damage
         data_files = sorted((step_dir / "params").rglob("d/*"), key=lambda p: p.stat().st_size)
         target = data_files[-1]
         raw = bytearray(target.read_bytes())
-        if damage == "garbage":  # same length, flipped bytes: only the checksums can tell
+        if damage == "garbage":  # same length, flipped bytes: the checksums tell, unless the bytes fall in an
+            # encoded (compressed) chunk, which then fails to decode (which file is largest can vary between runs)
             raw[len(raw) // 2: len(raw) // 2 + 64] = bytes(b ^ 0xFF for b in raw[len(raw) // 2: len(raw) // 2 + 64])
-            expect = "checkpoints/6: corrupt checkpoint: the data of params '.*' does not match the checksum"
+            expect = ("checkpoints/6: corrupt checkpoint: (the data of params '.*' does not match the checksum"
+                      "|cannot restore its arrays)")
         else:
             raw = raw[: len(raw) // 2]
             expect = "checkpoints/6: corrupt checkpoint: cannot restore its arrays"
