@@ -49,10 +49,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from clover_jax.decoding.tree import BeamTree, DynamicTree
 from clover_jax.heads import registry
 from clover_jax.heads.clover2 import (EMBED_SOURCES, REFERENCE_ROPE_THETA, aug_block_config, attention_decoder)
-from clover_jax.heads.clover2_draft import Clover2Drafter, Clover2DynamicDrafter
 from clover_jax.models.cache import KVCache, causal_mask, check_room, prefix_mask
 from clover_jax.models.config import LlamaConfig
 from clover_jax.models.llama import DecoderStack, Llama, rms_norm
@@ -222,12 +220,10 @@ def init_from_base(base: Llama, cfg: Clover1Config = Clover1Config(), seed: int 
 
 
 def make_drafter(spec, draft_vocab=None):
-    if isinstance(spec, BeamTree):
-        raise InputError(f"{spec.name!r} is a beam-search policy (ReDrafter); Clover-1 drafts static trees or "
-                         "dynamic ones (dynamic-N, with Clover-1's top-p cut: dynamic-N-pP)")
-    if isinstance(spec, DynamicTree):
-        return Clover2DynamicDrafter(spec, draft_vocab=draft_vocab)
-    return Clover2Drafter(spec, draft_vocab=draft_vocab)
+    """Clover-2's drafters (static or dynamic trees): the head exposes the interface they call."""
+    from clover_jax.heads.clover2_type import make_drafter as clover2_make_drafter
+
+    return clover2_make_drafter(spec, draft_vocab)
 
 
 def loss_from_features(head, base, f, tokens, loss_mask, valid, loss_cfg, *, index=None, vocab_ids=None):
@@ -238,19 +234,24 @@ def loss_from_features(head, base, f, tokens, loss_mask, valid, loss_cfg, *, ind
 
 
 # ----------------------------------------------------------------------------- export / import (own names)
-def to_reference(head: Clover1Head, base=None, include_frozen: bool = True, include_lm_head=None) -> dict:
-    """{`clover1.<parameter path>`: numpy array} in this module's `[in, out]` layouts (no reference code exists)."""
-    flat = {}
+def _flat(head: Clover1Head, leaf) -> dict:
+    """{`clover1.<parameter path>`: leaf(array)} over the head's parameters."""
+    out = {}
 
     def walk(prefix, tree):
         for k, v in tree.items():
             if isinstance(v, dict):
                 walk(f"{prefix}{k}.", v)
             else:
-                flat[f"clover1.{prefix}{k}"] = np.asarray(v, np.float32)
+                out[f"clover1.{prefix}{k}"] = leaf(v)
 
     walk("", nnx.to_pure_dict(nnx.state(head, nnx.Param)))
-    return flat
+    return out
+
+
+def to_reference(head: Clover1Head, base=None, include_frozen: bool = True, include_lm_head=None) -> dict:
+    """{`clover1.<parameter path>`: numpy array} in this module's `[in, out]` layouts (no reference code exists)."""
+    return _flat(head, lambda v: np.asarray(v, np.float32))
 
 
 def config_dict(head: Clover1Head, base_name=None, extra=None) -> dict:
@@ -277,7 +278,7 @@ def from_reference(folder, meta: dict, base, dtype=None) -> Clover1Head:
         raise ExportError(f"{folder}: config.json lacks a valid Clover-1 configuration ({e})") from None
     head = nnx.eval_shape(lambda: Clover1Head(base.config, cfg, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(head)
-    want = to_reference_shapes(head)
+    want = _flat(head, lambda v: tuple(v.shape))
     with safe_open(str(file), framework="numpy") as fh:
         keys = set(fh.keys())
         missing = sorted(set(want) - keys)
@@ -295,21 +296,6 @@ def from_reference(folder, meta: dict, base, dtype=None) -> Clover1Head:
             node[parts[-1]] = jnp.asarray(a, cfg.param_dtype)
     nnx.replace_by_pure_dict(state, tree)
     return nnx.merge(graphdef, state)
-
-
-def to_reference_shapes(head: Clover1Head) -> dict[str, tuple[int, ...]]:
-    """{exported name: shape} of an (abstract) head."""
-    out = {}
-
-    def walk(prefix, tree):
-        for k, v in tree.items():
-            if isinstance(v, dict):
-                walk(f"{prefix}{k}.", v)
-            else:
-                out[f"clover1.{prefix}{k}"] = tuple(v.shape)
-
-    walk("", nnx.to_pure_dict(nnx.state(head, nnx.Param)))
-    return out
 
 
 def from_experiment(cfg) -> Clover1Config:

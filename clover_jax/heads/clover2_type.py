@@ -37,8 +37,8 @@ def from_experiment(cfg) -> Clover2Config:
 def make_drafter(spec, draft_vocab=None) -> Clover2Drafter:
     """A static tree's drafter, or the per-step tree builder of a `DynamicTree` policy."""
     if isinstance(spec, BeamTree):
-        raise InputError(f"{spec.name!r} is a beam-search policy (ReDrafter); Clover-2 drafts static trees "
-                         "(clover2-26, chain-N, ...) or dynamic ones (dynamic-N)")
+        raise InputError(f"{spec.name!r} is a beam-search policy (ReDrafter); Clover-2 and Clover-1 draft static "
+                         "trees (clover2-26, chain-N, ...) or dynamic ones (dynamic-N, dynamic-N-pP)")
     if isinstance(spec, DynamicTree):
         return Clover2DynamicDrafter(spec, draft_vocab=draft_vocab)
     return Clover2Drafter(spec, draft_vocab=draft_vocab)
