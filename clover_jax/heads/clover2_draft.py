@@ -85,6 +85,16 @@ class Clover2Drafter(TreeDrafterBase):
         active = num_new > 0
         return state.replace(cache=cache, s0=jnp.where(active[:, None], s0, state.s0))
 
+    # The node step. A node's state is a pytree of `[B, E, ...]` arrays (Clover-2: the RNN state s `[B, E, D]`;
+    # EAGLE overrides both methods with its own); `o [B, E, D]` is the output its children are drafted from.
+    def _root_node(self, head: Clover2Head, base, state: Clover2State):
+        """`(root node state [B, 1, ...], o [B, D])`: the root's state and head 0's output."""
+        return state.s0[:, None, :], head.head0(state.s0)
+
+    def _step(self, head: Clover2Head, base, state: Clover2State, parents, tokens: jax.Array, depth: int):
+        """`(node states, o [B, E, D])` of the nodes at `depth` with tokens `[B, E]`, from their parents' states."""
+        return head.step(base, parents, tokens, depth=depth)
+
     def _top_k(self, head: Clover2Head, base, state: Clover2State, o: jax.Array) -> jax.Array:
         """Top-k draft token ids `[..., k]` of the head output `o [..., D]`."""
         k = self.spec.top_k
@@ -102,17 +112,17 @@ class Clover2Drafter(TreeDrafterBase):
         num_expand = np.asarray(buf.num_expand)
         emax = buf.expand_nodes.shape[1]
         # step 0: the root is the only expanded node
-        top0 = self._top_k(head, base, state, head.head0(state.s0))  # [B, k]
+        prev_states, o0 = self._root_node(head, base, state)  # the nodes expanded at the previous step [B, E_prev, ..]
+        top0 = self._top_k(head, base, state, o0)  # [B, k]
         per_step = [jnp.pad(top0[:, None, :], ((0, 0), (0, emax - 1), (0, 0)))]  # each [B, E, k]
-        prev_states = state.s0[:, None, :]  # states of the nodes expanded at the previous step [B, E_prev, D]
         prev_top = top0[:, None, :]  # [B, E_prev, k]
         for s in range(1, self.max_depth):
             e = int(num_expand[s])
             slots = np.asarray(buf.expand_parent_slot[s, :e])  # parent's slot among step s-1 expansions
             ranks = np.asarray(buf.expand_rank[s, :e])
             tokens = prev_top[:, slots, ranks]  # [B, e] the expanded nodes' own tokens
-            parent_states = prev_states[:, slots]  # [B, e, D]
-            new_states, o = head.step(base, parent_states, tokens, depth=s)
+            parent_states = jax.tree.map(lambda x: x[:, slots], prev_states)  # [B, e, ...]
+            new_states, o = self._step(head, base, state, parent_states, tokens, s)
             top = self._top_k(head, base, state, o)  # [B, e, k]
             per_step.append(jnp.pad(top, ((0, 0), (0, emax - e), (0, 0))))
             prev_states, prev_top = new_states, top
@@ -165,14 +175,15 @@ class Clover2DynamicDrafter(Clover2Drafter):
         k, depth, n = self.spec.top_k, self.spec.depth, self.spec.budget
         b = root.shape[0]
         rows = jnp.arange(b)[:, None]
-        ids0, lp0 = self._scored(head, base, state, head.head0(state.s0))  # [B, k]
+        root_state, o0 = self._root_node(head, base, state)
+        ids0, lp0 = self._scored(head, base, state, o0)  # [B, k]
         tokens, scores, parents = [ids0], [lp0], [jnp.full((b, k), -1, jnp.int32)]
         f_tok, f_score = ids0, lp0  # the frontier: [B, k]
-        f_state = jnp.broadcast_to(state.s0[:, None, :], (b, k, state.s0.shape[-1]))  # its parents' states
+        f_state = jax.tree.map(lambda x: jnp.broadcast_to(x, (b, k, *x.shape[2:])), root_state)  # parents' states
         f_index = jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), (b, k))  # its candidate indices
         offset = k
         for d in range(1, depth):
-            new_state, o = head.step(base, f_state, f_tok, depth=d)  # the frontier nodes' states, [B, k, D]
+            new_state, o = self._step(head, base, state, f_state, f_tok, d)  # the frontier nodes' states [B, k, ..]
             ids, lp = self._scored(head, base, state, o)  # their children: [B, k, k]
             cum = (f_score[:, :, None] + lp).reshape(b, k * k)  # cumulative log-probability
             ids = ids.reshape(b, k * k)
@@ -182,7 +193,8 @@ class Clover2DynamicDrafter(Clover2Drafter):
             best = jax.lax.top_k(cum, k)[1]  # [B, k] the next frontier
             f_tok = jnp.take_along_axis(ids, best, axis=1)
             f_score = jnp.take_along_axis(cum, best, axis=1)
-            f_state = jnp.take_along_axis(new_state, (best // k)[..., None], axis=1)
+            f_state = jax.tree.map(lambda x: jnp.take_along_axis(  # noqa: B023  (used at once)
+                x, (best // k).reshape(b, k, *([1] * (x.ndim - 2))), axis=1), new_state)
             f_index = (offset + best).astype(jnp.int32)
             offset += k * k
         all_tok = jnp.concatenate(tokens, axis=1)  # [B, M]

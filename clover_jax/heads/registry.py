@@ -23,6 +23,7 @@ from clover_jax.validation import InputError
 BUILTIN = {
     "clover1": "clover_jax.heads.clover1",
     "clover2": "clover_jax.heads.clover2_type",
+    "eagle": "clover_jax.heads.eagle",
     "medusa": "clover_jax.heads.medusa",
     "redrafter": "clover_jax.heads.redrafter",
 }

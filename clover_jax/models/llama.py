@@ -54,7 +54,8 @@ class DecoderStack(nnx.Module):
 
     def __init__(self, config: LlamaConfig, num_layers: int | None = None, *, rngs: nnx.Rngs,
                  param_dtype=jnp.float32, dtype=jnp.float32, remat: bool = False,
-                 init_std: float = 0.02):
+                 init_std: float = 0.02, attn_norm: bool = True):
+        """`attn_norm=False` drops the attention input's RMSNorm (EAGLE's draft layer has none)."""
         c = config
         n_layers = c.num_hidden_layers if num_layers is None else num_layers
         L, D, N, K, H, F = (n_layers, c.hidden_size, c.num_attention_heads, c.num_key_value_heads,
@@ -65,7 +66,8 @@ class DecoderStack(nnx.Module):
         self.remat = remat
         self.scan_unroll = 1  # layers per scan iteration; decoding can set it higher (see decoding/)
         p = lambda shape, **kw: _param(rngs, shape, param_dtype, init_std, **kw)  # noqa: E731
-        self.attn_norm = p((L, D), init="ones")
+        if attn_norm:
+            self.attn_norm = p((L, D), init="ones")
         self.wq = p((L, D, N, H))
         self.wk = p((L, D, K, H))
         self.wv = p((L, D, K, H))
@@ -86,7 +88,8 @@ class DecoderStack(nnx.Module):
             self.b_down = p((L, D), init="zeros")
 
     def layer_params(self) -> dict[str, jax.Array]:
-        names = ["attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down"]
+        names = ["attn_norm"] if hasattr(self, "attn_norm") else []
+        names += ["wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down"]
         if self.config.attention_bias:
             names += ["bq", "bk", "bv"]
         if self.config.attention_out_bias:
@@ -97,7 +100,8 @@ class DecoderStack(nnx.Module):
 
     def __call__(self, x: jax.Array, positions: jax.Array, self_mask: jax.Array,
                  cache_k: jax.Array | None = None, cache_v: jax.Array | None = None,
-                 cache_mask: jax.Array | None = None):
+                 cache_mask: jax.Array | None = None, path_k: jax.Array | None = None,
+                 path_v: jax.Array | None = None):
         """Runs the stack.
 
         Args:
@@ -106,6 +110,8 @@ class DecoderStack(nnx.Module):
           self_mask: `[B, T, T]` which new tokens each new token attends to.
           cache_k, cache_v: optional `[L, B, S, K, H]` cached keys/values (read only).
           cache_mask: `[B, T, S]` which cache slots each new token attends to.
+          path_k, path_v: optional `[L, B, T, P, K, H]` keys/values that only new token t attends to, all of
+            them (a draft-tree node's ancestors: P = its depth - 1), besides the cache and the new tokens.
 
         Returns:
           `(y [B, T, D], new_k [L, B, T, K, H], new_v [L, B, T, K, H])`.
@@ -118,9 +124,9 @@ class DecoderStack(nnx.Module):
         use_cache = cache_k is not None
 
         def layer(h, xs):
-            lp, ck, cv = xs
+            lp, ck, cv, pk, pv = xs
             lp = {k: v.astype(dtype) if k not in ("attn_norm", "mlp_norm") else v for k, v in lp.items()}
-            a = rms_norm(h, lp["attn_norm"], eps)
+            a = rms_norm(h, lp["attn_norm"], eps) if "attn_norm" in lp else h
             q = _dot("BTD,DNH->BTNH", a, lp["wq"])
             k = _dot("BTD,DKH->BTKH", a, lp["wk"])
             v = _dot("BTD,DKH->BTKH", a, lp["wv"])
@@ -128,7 +134,7 @@ class DecoderStack(nnx.Module):
                 q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
             q = apply_rope(q, positions, inv_freq)
             k = apply_rope(k, positions, inv_freq)
-            attn = _attention(q, k, v, self_mask, ck, cv, cache_mask, c.num_key_value_heads)
+            attn = _attention(q, k, v, self_mask, ck, cv, cache_mask, c.num_key_value_heads, pk, pv)
             o = _dot("BTNH,NHD->BTD", attn, lp["wo"])
             h = h + (o + lp["bo"] if c.attention_out_bias else o)
             m = rms_norm(h, lp["mlp_norm"], eps)
@@ -142,7 +148,7 @@ class DecoderStack(nnx.Module):
 
         if self.remat:
             layer = jax.checkpoint(layer)
-        xs = (self.layer_params(), cache_k if use_cache else None, cache_v if use_cache else None)
+        xs = (self.layer_params(), cache_k if use_cache else None, cache_v if use_cache else None, path_k, path_v)
         y, (new_k, new_v) = jax.lax.scan(layer, x.astype(dtype), xs, unroll=self.scan_unroll)
         return y, new_k, new_v
 
@@ -155,11 +161,13 @@ def _dot(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
     return jnp.einsum(spec, x, w, preferred_element_type=jnp.float32).astype(x.dtype)
 
 
-def _attention(q, k, v, self_mask, ck, cv, cache_mask, num_kv_heads):
-    """GQA attention of new queries over (cache ++ new keys); scores, softmax and the weighted sum of values
-    in float32 (values and probabilities enter the products in the compute dtype), one rounding at the end.
+def _attention(q, k, v, self_mask, ck, cv, cache_mask, num_kv_heads, pk=None, pv=None):
+    """GQA attention of new queries over (cache ++ per-query path ++ new keys); scores, softmax and the weighted
+    sum of values in float32 (values and probabilities enter the products in the compute dtype), one rounding at
+    the end.
 
-    q: [B, T, N, H]; k, v: [B, T, K, H]; ck, cv: [B, S, K, H] or None.
+    q: [B, T, N, H]; k, v: [B, T, K, H]; ck, cv: [B, S, K, H] or None; pk, pv: [B, T, P, K, H] or None (keys
+    only query t sees, every one of them).
     """
     b, t, n, h = q.shape
     g = n // num_kv_heads
@@ -167,17 +175,31 @@ def _attention(q, k, v, self_mask, ck, cv, cache_mask, num_kv_heads):
     qg = q.reshape(b, t, num_kv_heads, g, h) * (h ** -0.5)  # [B, T, K, G, H]
     s_new = jnp.einsum("BTKGH,BSKH->BKGTS", qg, k, preferred_element_type=f32)
     s_new = jnp.where(self_mask[:, None, None], s_new, NEG_INF)
-    if ck is None:
+    if ck is None and pk is None:
         p = jax.nn.softmax(s_new, axis=-1).astype(v.dtype)
         out = jnp.einsum("BKGTS,BSKH->BTKGH", p, v, preferred_element_type=f32)
-    else:
+        return out.astype(v.dtype).reshape(b, t, n, h)
+    scores = []  # [B, K, G, T, *] blocks, softmaxed together
+    if ck is not None:
         s_old = jnp.einsum("BTKGH,BSKH->BKGTS", qg, ck.astype(q.dtype), preferred_element_type=f32)
-        s_old = jnp.where(cache_mask[:, None, None], s_old, NEG_INF)
-        p = jax.nn.softmax(jnp.concatenate([s_old, s_new], axis=-1), axis=-1).astype(v.dtype)
+        scores.append(jnp.where(cache_mask[:, None, None], s_old, NEG_INF))
+    if pk is not None:
+        scores.append(jnp.einsum("BTKGH,BTPKH->BKGTP", qg, pk.astype(q.dtype), preferred_element_type=f32))
+    scores.append(s_new)
+    p = jax.nn.softmax(jnp.concatenate(scores, axis=-1), axis=-1).astype(v.dtype)
+    # the blocks are summed in float32: where a key sits (cache, path or new) does not round
+    out = jnp.zeros((b, t, num_kv_heads, g, h), f32)
+    start = 0
+    if ck is not None:
         s = ck.shape[1]
-        # the cache and the new tokens are summed in float32: where a key sits (cache or new) does not round
-        out = (jnp.einsum("BKGTS,BSKH->BTKGH", p[..., :s], cv.astype(v.dtype), preferred_element_type=f32)
-               + jnp.einsum("BKGTS,BSKH->BTKGH", p[..., s:], v, preferred_element_type=f32))
+        out += jnp.einsum("BKGTS,BSKH->BTKGH", p[..., :s], cv.astype(v.dtype), preferred_element_type=f32)
+        start = s
+    if pk is not None:
+        n_path = pk.shape[2]
+        out += jnp.einsum("BKGTP,BTPKH->BTKGH", p[..., start:start + n_path], pv.astype(v.dtype),
+                          preferred_element_type=f32)
+        start += n_path
+    out += jnp.einsum("BKGTS,BSKH->BTKGH", p[..., start:], v, preferred_element_type=f32)
     return out.astype(v.dtype).reshape(b, t, n, h)
 
 

@@ -1,0 +1,266 @@
+"""EAGLE-1 heads through the head registry: every drafted node equals a full causal recompute of the draft over
+its path (the cached tree drafting with per-node ancestor keys is checked against the plain definition), exact
+greedy decoding over static and dynamic trees, acceptance when the drafts are right, the reference architecture
+in torch loading the export strictly and computing the same outputs, a training run, export and import back."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from clover_jax import parallel
+from clover_jax.decoding.autoregressive import ar_generate
+from clover_jax.decoding.sampling import SamplingParams
+from clover_jax.decoding.speculative import drafter_for, spec_generate
+from clover_jax.decoding.tree import get_tree
+from clover_jax.heads import registry
+from clover_jax.heads.eagle import EagleConfig, EagleDrafter, EagleDynamicDrafter, EagleHead, init_from_base
+from clover_jax.models.cache import causal_mask
+from clover_jax.models.config import LlamaConfig
+from clover_jax.models.llama import init_llama
+from clover_jax.training.loss import base_features
+from clover_jax.validation import InputError
+
+CFG = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=8, eos_token_ids=(2,))
+NO_EOS = ()
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "training"))  # training_helpers, test_trainer
+
+
+def _head(base, seed=1, init="reference"):
+    """A head with attention sharp enough that which keys a node sees changes its drafts."""
+    head = init_from_base(base, EagleConfig(init=init), seed=seed)
+    kq, kk = jax.random.split(jax.random.key(seed + 7))
+    head.layer.wq[...] = head.layer.wq[...] + 0.6 * jax.random.normal(kq, head.layer.wq.shape)
+    head.layer.wk[...] = head.layer.wk[...] + 0.6 * jax.random.normal(kk, head.layer.wk.shape)
+    return head
+
+
+def _prompts(b=2, t=8, seed=0):
+    rng = np.random.default_rng(seed)
+    return jnp.asarray(rng.integers(3, CFG.vocab_size, (b, t)), jnp.int32), jnp.asarray([t, t - 3][:b], jnp.int32)
+
+
+def _spec(base, head, tree, prompt, lens, n=24, eos=NO_EOS):
+    out, stats, _ = spec_generate(base, head, prompt, lens, max_new_tokens=n, cache_size=160,
+                                  sampling=SamplingParams(), key=jax.random.key(0), tree=tree, eos_ids=eos)
+    return out, stats
+
+
+def _same_as_greedy(base, out, prompt, lens, n, eos):
+    ar = ar_generate(base, prompt, lens, max_new_tokens=n, cache_size=160, eos_ids=eos)
+    np.testing.assert_array_equal(np.asarray(out.lengths), np.asarray(ar.lengths))
+    for r in range(prompt.shape[0]):
+        k = int(ar.lengths[r])
+        np.testing.assert_array_equal(np.asarray(out.tokens)[r, :k], np.asarray(ar.tokens)[r, :k])
+
+
+def test_registry_and_drafters():
+    ht = registry.get("eagle")
+    assert registry.of_head(EagleHead) is ht and ht.default_tree == "clover2-26"
+    assert isinstance(drafter_for(EagleHead, "clover2-26"), EagleDrafter)
+    assert isinstance(drafter_for(EagleHead, "dynamic-10"), EagleDynamicDrafter)
+    with pytest.raises(InputError, match="beam-search policy"):
+        drafter_for(EagleHead, "beam-2x3")
+    with pytest.raises(InputError, match="init must be one of"):
+        EagleConfig(init="random")
+
+
+def _reference_output(head, base, h_prefix, y_prefix, path_tokens, path_feats):
+    """The draft's output after a path, recomputed from scratch: one causal pass of FC + the layer over the
+    committed pairs (h_t, x_{t+1}) then the path's pairs (f^ of the parent, the node's token). `[D]`."""
+    e = head.embed(base, jnp.concatenate([y_prefix, jnp.asarray(path_tokens, jnp.int32)]))
+    h = jnp.concatenate([h_prefix] + [f[None] for f in path_feats], axis=0) if path_feats else h_prefix
+    z = head.fc(e, h)[None]  # [1, T, D]
+    t = z.shape[1]
+    out, _, _ = head.layer(z, jnp.arange(t, dtype=jnp.int32)[None], causal_mask(jnp.ones((1, t), bool)))
+    return out[0, -1]
+
+
+@pytest.mark.parametrize("tree", ["clover2-26", "dynamic-10-d4-k3"])
+def test_every_drafted_node_equals_a_full_recompute_of_its_path(tree):
+    """A drafted node's token is the rank-r token (static trees; among the top-k for dynamic ones) of the draft's
+    output recomputed without any cache over the committed prefix and the node's ancestors. A drafter that let a
+    node see its cousins, skipped an ancestor, used a wrong position or a stale cache would differ."""
+    base = init_llama(CFG, seed=0)
+    head = _head(base)
+    prompt, lens = _prompts()
+    root = jnp.asarray([5, 9], jnp.int32)
+    drafter = drafter_for(EagleHead, tree)
+    b, t = prompt.shape
+    valid = jnp.arange(t)[None] < lens[:, None]
+    f = base_features(base, prompt, valid)
+    y = jnp.concatenate([prompt[:, 1:], jnp.zeros((b, 1), jnp.int32)], axis=1).at[jnp.arange(b), lens - 1].set(root)
+    state = drafter.start(head, base, drafter.init_state(head, base, b, 64), f, y, lens)
+    prop = drafter.propose(head, base, state, root, jax.random.key(0))
+    tokens = np.asarray(prop.tokens)
+    parent, rank, depth = (np.broadcast_to(np.asarray(x), tokens.shape) for x in
+                           (prop.buffers.parent, prop.buffers.rank, prop.buffers.depth))
+    static = not isinstance(drafter, EagleDynamicDrafter)
+    checked = 0
+    for r in range(b):
+        n = int(lens[r])
+        args = (head, base, head.features(base, f[r, :n]), y[r, :n])
+        done = {0: ([], [], _reference_output(*args, [], []))}  # node -> (path tokens, path features, output)
+        for node in sorted(range(1, tokens.shape[1]), key=lambda i: depth[r, i]):
+            p = int(parent[r, node])
+            if p < 0:
+                continue  # an unused slot
+            path, feats, out = done[p]
+            order = np.argsort(-np.asarray(head.logits(base, out)), kind="stable")
+            tok = int(tokens[r, node])
+            if static:
+                assert tok == order[int(rank[r, node])], (r, node)
+            else:
+                assert tok in order[:drafter.spec.top_k], (r, node)
+            done[node] = (path + [tok], feats + [out], _reference_output(*args, path + [tok], feats + [out]))
+            checked += 1
+    assert checked >= 2 * 9
+
+
+@pytest.mark.parametrize("tree", ["chain-4", "clover2-26", "dynamic-10"])
+@pytest.mark.parametrize("init", ["reference", "base_layer"])
+def test_speculative_eagle_equals_greedy(tree, init):
+    base = init_llama(CFG, seed=0)
+    head = _head(base, init=init)
+    prompt, lens = _prompts()
+    for eos in (NO_EOS, (2,)):
+        out, _ = _spec(base, head, tree, prompt, lens, eos=eos)
+        _same_as_greedy(base, out, prompt, lens, 24, eos)
+
+
+def test_eagle_drafts_are_accepted_when_right():
+    """The base emits token 0 forever (final norm 0). A head whose FC and layer output nothing predicts the zero
+    feature: all logits tie and every draft is token 0, so each step accepts its deepest path (depths beyond any
+    training: EAGLE drafts as deep as the tree asks). A head whose output is token 1's direction gets nothing."""
+    base = init_llama(CFG, seed=0)
+    base.final_norm[...] = jnp.zeros_like(base.final_norm[...])
+    head = init_from_base(base, EagleConfig(), seed=1)
+    zero = {n: jnp.zeros_like(getattr(head.layer, n)[...]) for n in ("wo", "w_down")}
+    nnx.update(head, {"fc_w": jnp.zeros_like(head.fc_w[...]), "fc_b": jnp.zeros_like(head.fc_b[...]),
+                      "layer": zero})
+    prompt, lens = _prompts()
+    for tree, depth in (("chain-3", 3), ("chain-6", 6), ("dynamic-5-d4-k1", 4)):
+        n = 2 + 4 * (depth + 1)
+        out, stats = _spec(base, head, tree, prompt, lens, n=n)
+        assert stats["tau"] == depth + 1, (tree, stats)
+        _same_as_greedy(base, out, prompt, lens, n, NO_EOS)
+    w1 = np.asarray(base.lm_head_matrix())[:, 1]
+    head.fc_b[...] = jnp.asarray(w1 / np.linalg.norm(w1))
+    out, stats = _spec(base, head, "chain-3", prompt, lens, n=12)
+    assert stats["tau"] == 1.0 and stats["accept_hist"][0] > 0, stats
+
+
+# ----------------------------------------------------------------------------- the torch reference
+def _reference_model(torch, c: LlamaConfig):
+    """The reference's EAGLE-1 `Model` (SafeAILab/EAGLE v1 `cnets.py`) in torch: a frozen `embed_tokens`,
+    `fc` (2D -> D, bias) over cat(embedding, feature), `layers.0` a Llama decoder layer without
+    `input_layernorm`, RoPE plain with base 10000."""
+    import transformers
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+    nn = torch.nn
+    layer_cfg = transformers.LlamaConfig(
+        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+        num_hidden_layers=1, num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
+        head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps, attention_bias=False, mlp_bias=False, hidden_act="silu",
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    layer_cfg._attn_implementation = "eager"
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+            self.layers = nn.ModuleList([LlamaDecoderLayer(layer_cfg, 0)])
+            self.layers[0].input_layernorm = nn.Identity()  # the reference's layer 0 has none
+            self.fc = nn.Linear(2 * c.hidden_size, c.hidden_size, bias=True)
+            self.rotary_emb = LlamaRotaryEmbedding(config=layer_cfg)
+
+        def forward(self, hidden_states, input_ids):
+            z = self.fc(torch.cat((self.embed_tokens(input_ids), hidden_states), dim=-1))
+            b, t, _ = z.shape
+            position_ids = torch.arange(t)[None].expand(b, t)
+            mask = torch.zeros(b, 1, t, t).masked_fill(~torch.tril(torch.ones(t, t, dtype=torch.bool)),
+                                                        torch.finfo(torch.float32).min)
+            return self.layers[0](z, attention_mask=mask, position_ids=position_ids,
+                                  position_embeddings=self.rotary_emb(z, position_ids))
+
+    return Model().eval()
+
+
+@pytest.mark.torch
+def test_export_loads_strictly_into_the_reference_and_computes_the_same(tmp_path):
+    torch = pytest.importorskip("torch")
+    from safetensors.torch import load_file
+
+    from clover_jax.io.export import export_head, import_head
+
+    base = init_llama(CFG, seed=0)
+    head = _head(base)
+    out = export_head(head, tmp_path / "eagle", base=base)
+    meta = json.loads((out / "config.json").read_text())
+    assert meta["head_type"] == "eagle" and meta["num_hidden_layers"] == 1 and meta["rope_theta"] == 10000.0
+    model = _reference_model(torch, CFG)
+    tensors = load_file(str(out / "model.safetensors"))
+    assert set(tensors) == set(model.state_dict())
+    model.load_state_dict(tensors, strict=True)
+
+    rng = np.random.default_rng(3)
+    tokens = jnp.asarray(rng.integers(0, CFG.vocab_size, (2, 9)), jnp.int32)
+    valid = jnp.ones((2, 9), bool)
+    f = base_features(base, tokens, valid)
+    got = np.asarray(head.train_outputs(base, f, tokens, valid))[0]
+    h = np.asarray(head.features(base, f))
+    y = np.concatenate([np.asarray(tokens)[:, 1:], np.zeros((2, 1), np.int64)], axis=1)
+    with torch.no_grad():
+        want = model(torch.tensor(h), torch.tensor(y, dtype=torch.long)).numpy()
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+
+    back = import_head(out, base)
+    for a, b in zip(jax.tree.leaves(nnx.state(back)), jax.tree.leaves(nnx.state(head))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    prompt, lens = _prompts()
+    np.testing.assert_array_equal(np.asarray(_spec(base, back, "clover2-26", prompt, lens)[0].tokens),
+                                  np.asarray(_spec(base, head, "clover2-26", prompt, lens)[0].tokens))
+
+
+def test_eagle_training_run_export_and_import(tmp_path):
+    from clover_jax.export import export_head_from_run
+    from clover_jax.heads.loading import load_head
+    from clover_jax.io.export import export_base, import_head
+    from clover_jax.training.data import BucketedBatcher
+    from clover_jax.training.run import run_experiment
+    from clover_jax.training.trainer import Trainer
+    from test_trainer import _tiny_dataset
+    from training_helpers import SyntheticBatcher, make_cfg, tiny_base
+
+    base = tiny_base()
+    base.lm_head[...] = base.lm_head[...] * 40
+    mesh = parallel.make_mesh(1, 1, 1, devices=jax.devices("cpu")[:1])
+    overrides = ("head.type=eagle", "loss.v_weight=1.0", "loss.p_weight=0.1")
+    trainer = Trainer(make_cfg(*overrides, "optim.lr=1e-2", "optim.warmup_steps=0", "train.steps=40"), base,
+                      mesh=mesh, donate=False)
+    data = SyntheticBatcher(seed=2)
+    losses = [float(trainer.train_step(next(data))["loss"]) for _ in range(40)]
+    assert np.mean(losses[-5:]) < 0.8 * losses[0], losses
+
+    run = tmp_path / "run"
+    cfg = make_cfg(*overrides, "head.init=base_layer", "train.steps=4", "loss.vocab_positions_per_row=4",
+                   output_dir=str(run))
+    summary = run_experiment(cfg, progress=False, mesh=mesh, loaded=base,
+                             batcher=BucketedBatcher(_tiny_dataset(), 8, [8, 16], seed=0), eval_batches=[])
+    assert summary["final_step"] == 4
+    from_run = load_head(run, base)
+    assert isinstance(from_run, EagleHead)
+    out = export_head_from_run(run, tmp_path / "head", model=str(export_base(base, tmp_path / "base")))
+    assert json.loads((out / "config.json").read_text())["head_type"] == "eagle"
+    back = import_head(out, base)
+    for a, b in zip(jax.tree.leaves(nnx.state(back)), jax.tree.leaves(nnx.state(from_run))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
