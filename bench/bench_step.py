@@ -219,7 +219,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", choices=sorted(SHAPES), default="smollm2-135m")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    ap.add_argument("--head-type", default="clover2", help="a registered head type (clover2, clover1, medusa, redrafter)")
+    ap.add_argument("--head-type", default="clover2", help="a registered head type (clover2, clover1, eagle, medusa, redrafter)")
     ap.add_argument("--trees", nargs="+", default=["chain-3"])
     ap.add_argument("--draft-vocab", type=int, default=8192, help="draft vocabulary size (0: the full vocabulary)")
     ap.add_argument("--batch-size", type=int, default=1)

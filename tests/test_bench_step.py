@@ -10,7 +10,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize("head_type,tree,nodes", [("clover2", "chain-2", 3), ("medusa", "chain-2", 3),
-                                                  ("redrafter", "beam-2x3", 5), ("clover1", "dynamic-4-d2-k2-p0.9", 4)])
+                                                  ("redrafter", "beam-2x3", 5), ("clover1", "dynamic-4-d2-k2-p0.9", 4),
+                                                  ("eagle", "dynamic-4-d2-k2", 4)])
 def test_bench_step_reports_each_part(head_type, tree, nodes, capsys):
     spec = importlib.util.spec_from_file_location("bench_step", ROOT / "bench" / "bench_step.py")
     mod = importlib.util.module_from_spec(spec)

@@ -1,0 +1,173 @@
+"""Draft heads side by side: tau, acceptance per depth, tokens/s and speed-up over our autoregressive loop (measured
+in the same evaluation), greedy mismatches, and each head's training cost, on the same prompts and trees.
+
+  python bench/compare_heads.py clover2 eagle medusa --runs runs --prefix compare-   # runs/compare-<head>
+  python bench/compare_heads.py runs/a runs/b path/to/exported --trees chain-4 clover2-26 --limit 24
+
+A head is a training run folder, an exported folder or a registered head name. Every head runs the `--trees` its
+type can draft (ReDrafter drafts beam policies only) plus its type's default tree; a head trained on a draft
+vocabulary drafts from it. `scripts/compare_heads.sh` trains the heads on an equal budget and calls this.
+Writes compare.json, compare.md and compare.png to --out-dir and prints the markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def training_cost(run: Path) -> dict:
+    """What a run folder says about its training: steps, wall time, tokens/s, tokens seen, held-out accuracy."""
+    out = {}
+    summary = run / "train_summary.jsonl"  # written by scripts/compare_heads.sh from train.py's output
+    if summary.is_file():
+        for line in summary.read_text().splitlines():
+            try:
+                out.update(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    if out.get("train_time_s") and out.get("tokens_per_s"):
+        out["tokens_seen"] = int(out["train_time_s"] * out["tokens_per_s"])
+    return out
+
+
+def supported(head_type, tree: str) -> bool:
+    from clover_jax.decoding.tree import get_tree
+    from clover_jax.validation import InputError
+
+    try:
+        head_type.make_drafter(get_tree(tree))
+    except InputError:
+        return False
+    return True
+
+
+def _main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("heads", nargs="+", help="run folders, exported folders or registered names (see --prefix)")
+    ap.add_argument("--runs", default=None, help="with --prefix: a bare head-type name X means RUNS/PREFIX+X")
+    ap.add_argument("--prefix", default="")
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--trees", nargs="+", default=["chain-4", "clover2-26"])
+    ap.add_argument("--questions", default="mt_bench")
+    ap.add_argument("--limit", type=int, default=24, help="prompts (spread over the categories); 0 = all")
+    ap.add_argument("--batch-size", type=int, default=1)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--out-dir", default="artifacts/compare_heads")
+    from clover_jax.cli import add_debug_argument
+
+    add_debug_argument(ap)
+    args = ap.parse_args(argv)
+
+    from bench_spec import load_questions
+
+    from clover_jax.evaluation import DV, evaluate
+    from clover_jax.heads import registry
+    from clover_jax.heads.draft_vocab import head_draft_vocab
+    from clover_jax.heads.loading import load_head
+    from clover_jax.io.loader import load_model
+
+    loaded = load_model(args.model)
+    prompts, cats = load_questions(args.questions, args.limit or None, None)
+    rows, result = [], {"heads": {}, "prompts": len(prompts), "args": vars(args), "date": time.strftime("%Y-%m-%d"),
+                        "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.platform()}"}
+    for spec in args.heads:
+        where = Path(args.runs) / f"{args.prefix}{spec}" if args.runs and spec in registry.names() else spec
+        head = load_head(str(where), loaded.model)
+        ht = registry.of_head(head)
+        trees = [t for t in args.trees if supported(ht, t)]
+        trees += [ht.default_tree] if ht.default_tree not in trees else []
+        vocab = head_draft_vocab(str(where))
+        names = [t + DV if vocab is not None else t for t in trees]
+        t0 = time.time()
+        res = evaluate(loaded, head, prompts, trees=names, batch_size=args.batch_size,
+                       max_new_tokens=args.max_new_tokens, categories=cats, draft_vocab=vocab, progress=False)
+        import jax
+        from flax import nnx
+
+        params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(head, nnx.Param)))
+        cost = training_cost(Path(where)) if Path(where).is_dir() else {}
+        entry = {"type": ht.name, "source": str(where), "params": params, "training": cost,
+                 "greedy_mismatches": res["greedy_mismatches"], "greedy_compared": res["greedy_compared"],
+                 "ar": res["runs"]["ar"], "trees": {t: res["runs"][n] for t, n in zip(trees, names)},
+                 "wall_seconds": round(time.time() - t0, 1)}
+        result["heads"][spec] = entry
+        for t in trees:
+            r = entry["trees"][t]
+            rates = r.get("accept_rate_per_depth") or []
+            rows.append(f"| {spec} ({ht.name}) | {t} | {r['tau']} | {', '.join(f'{x:.2f}' for x in rates)} | "
+                        f"{r['tokens_per_second']:.1f} | {r['speedup_vs_ar']} | "
+                        f"{res['greedy_mismatches']}/{res['greedy_compared']} | {params / 1e6:.1f}M | "
+                        f"{cost.get('final_step', '-')} | {cost.get('tokens_seen', '-')} | "
+                        f"{round(cost['train_time_s'] / 60, 1) if cost.get('train_time_s') else '-'} | "
+                        f"{cost.get('eval_acc', ['-'])[0] if isinstance(cost.get('eval_acc'), list) else '-'} |")
+        print(rows[-1], flush=True)
+    lines = [f"{len(prompts)} prompts ({args.questions}), batch {args.batch_size}, {args.max_new_tokens} new tokens, "
+             f"greedy; {result['machine']}; {result['date']}", "",
+             "| head | tree | tau | accept rate per depth | tokens/s | speedup vs our AR | greedy mismatches | params | "
+             "train steps | tokens seen | train min | held-out acc (depth 1) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"] + rows
+    lines += ratio_lines(result)
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "compare.json").write_text(json.dumps(result, indent=1))
+    (out / "compare.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    plot(result, out / "compare.png")
+
+
+def ratio_lines(result: dict) -> list[str]:
+    """The papers' comparisons where both heads ran the same tree: tau of Clover-2 over EAGLE-1 and over Medusa."""
+    by_type = {}
+    for entry in result["heads"].values():
+        by_type.setdefault(entry["type"], entry)
+    out = []
+    for other in ("eagle", "medusa", "clover1", "redrafter"):
+        if "clover2" not in by_type or other not in by_type:
+            continue
+        for tree, r in by_type["clover2"]["trees"].items():
+            o = by_type[other]["trees"].get(tree)
+            if o and o.get("tau") and r.get("tau"):
+                out.append(f"- Clover-2 / {other} tau on {tree}: {r['tau'] / o['tau']:.3f}")
+    return [""] + out if out else []
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    heads = list(result["heads"])
+    trees = sorted({t for e in result["heads"].values() for t in e["trees"]})
+    fig, ax = plt.subplots(figsize=(8, 4))
+    width = 0.8 / max(len(heads), 1)
+    for j, h in enumerate(heads):
+        vals = [result["heads"][h]["trees"].get(t, {}).get("tau") or 0.0 for t in trees]
+        ax.bar(np.arange(len(trees)) + j * width, vals, width, label=h)
+    ax.set_xticks(np.arange(len(trees)) + width * (len(heads) - 1) / 2, trees)
+    ax.set_ylabel("tau (tokens per base forward)")
+    ax.axhline(1.0, color="gray", lw=0.5)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    from clover_jax.cli import run_cli
+
+    return run_cli(_main, argv) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

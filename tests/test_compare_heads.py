@@ -1,0 +1,44 @@
+"""`bench/compare_heads.py`'s pieces that need no trained heads: which trees a head type can draft, the training
+cost read from a run folder, and the papers' tau ratios computed only where two heads ran the same tree."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _module():
+    spec = importlib.util.spec_from_file_location("compare_heads", ROOT / "bench" / "compare_heads.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_supported_trees_per_head_type():
+    from clover_jax.heads import registry
+
+    mod = _module()
+    assert mod.supported(registry.get("eagle"), "clover2-26") and mod.supported(registry.get("eagle"), "dynamic-10")
+    assert not mod.supported(registry.get("eagle"), "beam-4x5")
+    assert mod.supported(registry.get("redrafter"), "beam-4x5") and not mod.supported(registry.get("redrafter"),
+                                                                                        "chain-4")
+    assert not mod.supported(registry.get("medusa"), "dynamic-10")
+
+
+def test_training_cost_from_a_run_folder(tmp_path):
+    mod = _module()
+    assert mod.training_cost(tmp_path) == {}
+    (tmp_path / "train_summary.jsonl").write_text(
+        json.dumps({"final_step": 300, "train_time_s": 600.0, "tokens_per_s": 500.0}) + "\n"
+        + json.dumps({"eval_acc": [0.4, 0.2]}) + "\nnot json\n")
+    cost = mod.training_cost(tmp_path)
+    assert cost["tokens_seen"] == 300000 and cost["final_step"] == 300 and cost["eval_acc"] == [0.4, 0.2]
+
+
+def test_ratio_lines_only_on_shared_trees():
+    mod = _module()
+    result = {"heads": {"a": {"type": "clover2", "trees": {"chain-4": {"tau": 2.2}, "clover2-26": {"tau": 2.5}}},
+                        "b": {"type": "eagle", "trees": {"chain-4": {"tau": 2.0}, "dynamic-10": {"tau": 2.4}}},
+                        "c": {"type": "medusa", "trees": {"clover2-26": {"tau": None}}}}}
+    assert mod.ratio_lines(result) == ["", "- Clover-2 / eagle tau on chain-4: 1.100"]
