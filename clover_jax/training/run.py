@@ -66,14 +66,15 @@ def build_data(cfg: ExperimentConfig, loaded) -> tuple[Any, list[dict[str, Any]]
     batcher = data_lib.BucketedBatcher(train, cfg.data.batch_size, cfg.data.bucket_boundaries, seed=cfg.data.seed,
                                        shuffle=cfg.data.shuffle, **kw)
     if cfg.train.cache_features:
-        attach_features(batcher, loaded.model, progress=jax.process_index() == 0)
+        attach_features(batcher, loaded.model, progress=jax.process_index() == 0,
+                        cache_dir=cfg.train.feature_cache_dir)
     eval_batches: list[dict[str, Any]] = []
     if cfg.train.eval_every and len(held):
         held_batcher = data_lib.BucketedBatcher(held, cfg.data.batch_size, cfg.data.bucket_boundaries,
                                                 seed=cfg.data.seed, shuffle=True, **kw)  # seeded: every evaluation
         # sees the same batches, drawn from all length buckets (unshuffled, the first ones are the shortest)
         if cfg.train.cache_features:
-            attach_features(held_batcher, loaded.model, progress=False)
+            attach_features(held_batcher, loaded.model, progress=False, cache_dir=cfg.train.feature_cache_dir)
         limit = cfg.train.eval_batches or None
         eval_batches = list(itertools.islice(held_batcher.epoch_batches(0), limit))
     log.info("data: %d train / %d held-out examples, %d batches per epoch", len(train), len(held),

@@ -16,6 +16,7 @@ from clover_jax.decoding import autoregressive, speculative
 from clover_jax.decoding.sampling import SamplingParams
 from clover_jax.heads.clover2 import Clover2Config, init_from_base
 from clover_jax.heads.clover1 import Clover1Config, init_from_base as clover1_from_base
+from clover_jax.heads.eagle import EagleConfig, init_from_base as eagle_from_base
 from clover_jax.heads.medusa import MedusaConfig, init_from_base as medusa_from_base
 from clover_jax.heads.redrafter import ReDrafterConfig, init_from_base as redrafter_from_base
 from clover_jax.models.cache import KVCache
@@ -42,7 +43,7 @@ def tiny():
     redrafter = redrafter_from_base(base, ReDrafterConfig(), seed=2)
     redrafter.vocab_proj[...] = redrafter.vocab_proj[...] * 8  # peaked drafts: beams share prefixes
     heads = (init_from_base(base, Clover2Config()), medusa_from_base(base, MedusaConfig(num_heads=3)), redrafter,
-             clover1_from_base(base, Clover1Config(num_heads=3)))
+             clover1_from_base(base, Clover1Config(num_heads=3)), eagle_from_base(base, EagleConfig(init="base_layer")))
     return (base, *heads)
 
 
@@ -99,7 +100,7 @@ def test_tiny_sharded_equals_single_device(tiny, mesh):
     """AR and speculative greedy tokens and acceptance histograms on the mesh equal the single-device run
     (6 prompts: the batch is padded to the 4 data shards)."""
     _need_devices()
-    base, clover2, medusa, redrafter, clover1 = tiny
+    base, clover2, medusa, redrafter, clover1, eagle = tiny
     prompts = _prompts(6)
     kw = dict(max_new_tokens=24, cache_size=128)
     ar1 = api.generate(base, prompts, **kw)
@@ -107,7 +108,7 @@ def test_tiny_sharded_equals_single_device(tiny, mesh):
     assert arm.token_ids == ar1.token_ids
     assert arm.row_steps == ar1.row_steps
     for head, tree in [(clover2, "clover2-26"), (clover2, "dynamic-10"), (medusa, "chain-3"), (redrafter, "beam-3x4"),
-                       (clover1, "dynamic-8-d3-k3-p0.8")]:
+                       (clover1, "dynamic-8-d3-k3-p0.8"), (eagle, "dynamic-10")]:
         sp1 = api.generate(base, prompts, mode="speculative", head=head, tree=tree, **kw)
         spm = api.generate(base, prompts, mode="speculative", head=head, tree=tree, mesh=mesh, **kw)
         assert sp1.token_ids == ar1.token_ids, tree

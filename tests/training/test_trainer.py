@@ -180,6 +180,38 @@ def test_cached_base_features_give_the_online_step():
     assert default.features[0].dtype == jnp.bfloat16  # the memory-saving default
 
 
+def test_features_on_disk_are_reused_only_for_the_same_model_and_data(tmp_path, monkeypatch):
+    """The second run on the same base and data loads the file (the base never runs), bit-equal in bfloat16; another
+    base or other tokens get their own file; a file whose size does not fit the data set is an error naming it."""
+    from clover_jax.training import features
+    from clover_jax.training.data import BucketedBatcher
+
+    base, ds = tiny_base(), _tiny_dataset()
+    first = features.attach_features(BucketedBatcher(ds, 8, [8, 16], seed=0), base, progress=False, cache_dir=tmp_path)
+    files = sorted(tmp_path.glob("features-*.npy"))
+    assert len(files) == 1
+
+    def no_base(*a, **k):
+        raise AssertionError("the base ran although its features were on disk")
+
+    monkeypatch.setattr(features, "compute_features", no_base)
+    again = features.attach_features(BucketedBatcher(ds, 8, [8, 16], seed=0), base, progress=False, cache_dir=tmp_path)
+    for a, b in zip(first.features, again.features):
+        assert b.dtype == jnp.bfloat16 and np.array_equal(np.asarray(a).view(np.uint16), np.asarray(b).view(np.uint16))
+    monkeypatch.undo()
+
+    other = tiny_base()
+    other.final_norm[...] = other.final_norm[...] * 2
+    features.attach_features(BucketedBatcher(ds, 8, [8, 16], seed=0), other, progress=False, cache_dir=tmp_path)
+    features.attach_features(BucketedBatcher(_tiny_dataset((5, 9, 3)), 8, [8, 16], seed=0), base, progress=False,
+                             cache_dir=tmp_path)
+    assert len(list(tmp_path.glob("features-*.npy"))) == 3
+
+    np.save(files[0], np.zeros((7, TINY.hidden_size), np.uint16))  # a damaged file under the right name
+    with pytest.raises(ValueError, match="delete the file"):
+        features.attach_features(BucketedBatcher(ds, 8, [8, 16], seed=0), base, progress=False, cache_dir=tmp_path)
+
+
 def test_draft_vocabulary_training_run_marks_its_vocabulary_and_exports_it(tmp_path):
     from clover_jax.config import ConfigError
     from clover_jax.export import export_head_from_run
