@@ -109,7 +109,7 @@ def _main(argv=None):
                         f"{res['greedy_mismatches']}/{res['greedy_compared']} | {params / 1e6:.1f}M | "
                         f"{cost.get('final_step', '-')} | {cost.get('tokens_seen', '-')} | "
                         f"{round(cost['train_time_s'] / 60, 1) if cost.get('train_time_s') else '-'} | "
-                        f"{cost.get('eval_acc', ['-'])[0] if isinstance(cost.get('eval_acc'), list) else '-'} |")
+                        f"{_first_acc(cost)} |")
         print(rows[-1], flush=True)
     lines = [f"{len(prompts)} prompts ({args.questions}), batch {args.batch_size}, {args.max_new_tokens} new tokens, "
              f"greedy; {result['machine']}; {result['date']}", "",
@@ -123,6 +123,12 @@ def _main(argv=None):
     (out / "compare.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     plot(result, out / "compare.png")
+
+
+def _first_acc(cost: dict) -> str:
+    """The run's last held-out accuracy of its first draft depth, rounded (or '-')."""
+    acc = cost.get("eval_acc")
+    return f"{acc[0]:.3f}" if isinstance(acc, list) and acc else "-"
 
 
 def ratio_lines(result: dict) -> list[str]:

@@ -34,6 +34,7 @@ def test_training_cost_from_a_run_folder(tmp_path):
         + json.dumps({"eval_acc": [0.4, 0.2]}) + "\nnot json\n")
     cost = mod.training_cost(tmp_path)
     assert cost["tokens_seen"] == 300000 and cost["final_step"] == 300 and cost["eval_acc"] == [0.4, 0.2]
+    assert mod._first_acc(cost) == "0.400" and mod._first_acc({}) == "-"
 
 
 def test_ratio_lines_only_on_shared_trees():
