@@ -250,7 +250,8 @@ class DataConfig(_Section):
 
 @dataclasses.dataclass(frozen=True)
 class OptimConfig(_Section):
-    """optax.chain(clip(clip_value), adamw(schedule, b1, b2, eps, weight_decay)), as the Clover-2 reference trainer."""
+    """optax.chain(clip(clip_value), clip_by_global_norm(clip_norm), adamw(schedule, b1, b2, eps, weight_decay)), as
+    the Clover-2 reference trainer (which clips by value only)."""
 
     _name = "optim"
     lr: float = 1e-3
@@ -263,6 +264,9 @@ class OptimConfig(_Section):
     eps: float = 1e-8
     weight_decay: float = 0.01
     clip_value: Optional[float] = 0.5  # clip each gradient element to [-v, v] (by value); null = off
+    # clip the gradient's global L2 norm to this (HF Trainer's max_grad_norm, e.g. Medusa's recipe); null = off.
+    # With both, the value clip comes first.
+    clip_norm: Optional[float] = None
     schedule: Literal["linear", "cosine", "constant"] = "linear"
     grad_accum: int = 1  # micro-batches per optimizer step (data.batch_size is split into these)
 
@@ -275,6 +279,7 @@ class OptimConfig(_Section):
         self._need(self.eps > 0, "eps", "must be > 0")
         self._need(self.weight_decay >= 0, "weight_decay", "must be >= 0")
         self._need(self.clip_value is None or self.clip_value > 0, "clip_value", "must be > 0 or null")
+        self._need(self.clip_norm is None or self.clip_norm > 0, "clip_norm", "must be > 0 or null")
         self._need(self.grad_accum >= 1, "grad_accum", "must be >= 1")
 
 

@@ -72,11 +72,14 @@ def make_schedule(optim_cfg, total_steps: int) -> optax.Schedule:
 
 
 def make_optimizer(optim_cfg, total_steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
-    """`chain(clip(clip_value), adamw(schedule, b1, b2, eps, weight_decay))`: clip *by value* (the reference's
-    `clip_grad_value_`), weight decay on every head parameter (torch AdamW default param group)."""
+    """`chain(clip(clip_value), clip_by_global_norm(clip_norm), adamw(schedule, b1, b2, eps, weight_decay))`: clip
+    *by value* (the Clover-2 reference's `clip_grad_value_`) and/or by global norm (HF Trainer's `max_grad_norm`),
+    weight decay on every head parameter (torch AdamW default param group)."""
     o = optim_cfg
     schedule = make_schedule(o, total_steps)
     parts = [optax.clip(o.clip_value)] if o.clip_value else []
+    if getattr(o, "clip_norm", None):
+        parts.append(optax.clip_by_global_norm(o.clip_norm))
     parts.append(optax.adamw(schedule, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay))
     return optax.chain(*parts), schedule
 

@@ -80,6 +80,25 @@ def test_clip_by_value_in_the_chain():
     assert abs(float(updates["w"][0] - updates["w"][1])) > 1e-5
 
 
+def test_clip_by_global_norm_in_the_chain():
+    """With clip_norm 1, a first gradient of norm 5 enters Adam as the same direction at norm 1: two steps (norm 5,
+    then norm 1) give the update of the unclipped chain fed norm 1 twice; without the clip they differ."""
+
+    def second_update(first, *overrides):
+        tx, _ = steps_lib.make_optimizer(make_cfg("optim.warmup_steps=0", "optim.schedule=constant",
+                                                  "optim.clip_value=null", *overrides).optim, 6)
+        params = {"w": jnp.zeros(2)}
+        state = tx.init(params)
+        _, state = tx.update({"w": jnp.array(first)}, state, params)
+        return tx.update({"w": jnp.array([0.6, 0.8])}, state, params)[0]["w"]  # norm 1
+
+    want = second_update([0.6, 0.8])
+    np.testing.assert_allclose(second_update([3.0, 4.0], "optim.clip_norm=1.0"), want, rtol=1e-5)
+    assert not np.allclose(second_update([3.0, 4.0]), want, rtol=1e-3)
+    with pytest.raises(Exception, match="clip_norm"):
+        make_cfg("optim.clip_norm=0")
+
+
 def test_bf16_remat_label_mask_accum_and_eval():
     """One compile covering the other code paths: bf16 head compute, remat, the label mask (whose
     accumulation falls back to averaging per-micro-batch losses) and evaluation."""
