@@ -34,14 +34,21 @@ def from_experiment(cfg) -> Clover2Config:
                          dtype=DTYPES[cfg.train.compute_dtype], param_dtype=jnp.float32, remat=cfg.train.remat)
 
 
-def make_drafter(spec, draft_vocab=None) -> Clover2Drafter:
-    """A static tree's drafter, or the per-step tree builder of a `DynamicTree` policy."""
-    if isinstance(spec, BeamTree):
-        raise InputError(f"{spec.name!r} is a beam-search policy (ReDrafter); Clover-2 and Clover-1 draft static "
-                         "trees (clover2-26, chain-N, ...) or dynamic ones (dynamic-N, dynamic-N-pP)")
-    if isinstance(spec, DynamicTree):
-        return Clover2DynamicDrafter(spec, draft_vocab=draft_vocab)
-    return Clover2Drafter(spec, draft_vocab=draft_vocab)
+def tree_drafter_factory(static_cls, dynamic_cls, what: str):
+    """`make_drafter(spec, draft_vocab)` for heads that draft through Clover-2's tree drafters: `static_cls` for a
+    static tree, `dynamic_cls` for a `DynamicTree` policy, a clear error for a beam policy."""
+    def make_drafter(spec, draft_vocab=None):
+        if isinstance(spec, BeamTree):
+            raise InputError(f"{spec.name!r} is a beam-search policy (ReDrafter); {what} draft static trees "
+                             "(clover2-26, chain-N, ...) or dynamic ones (dynamic-N, dynamic-N-pP)")
+        if isinstance(spec, DynamicTree):
+            return dynamic_cls(spec, draft_vocab=draft_vocab)
+        return static_cls(spec, draft_vocab=draft_vocab)
+
+    return make_drafter
+
+
+make_drafter = tree_drafter_factory(Clover2Drafter, Clover2DynamicDrafter, "Clover-2 and Clover-1")
 
 
 def loss_from_features(head, base, f, tokens, loss_mask, valid, loss_cfg, *, index=None, vocab_ids=None):

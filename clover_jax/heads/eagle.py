@@ -43,9 +43,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from clover_jax.decoding.tree import BeamTree, DynamicTree
 from clover_jax.heads import registry
 from clover_jax.heads.clover2 import REFERENCE_ROPE_THETA, aug_block_config
+from clover_jax.heads.clover2_type import tree_drafter_factory
 from clover_jax.heads.clover2_draft import Clover2Drafter, Clover2DynamicDrafter, Clover2State
 from clover_jax.models.cache import KVCache, causal_mask, check_room, prefix_mask
 from clover_jax.models.config import LlamaConfig
@@ -263,13 +263,7 @@ class EagleDynamicDrafter(_EagleNodes, Clover2DynamicDrafter):
     """EAGLE-2's dynamic tree (`tree.DynamicTree`) drafted by an EAGLE-1 head."""
 
 
-def make_drafter(spec, draft_vocab=None):
-    if isinstance(spec, BeamTree):
-        raise InputError(f"{spec.name!r} is a beam-search policy (ReDrafter); EAGLE drafts static trees "
-                         "(clover2-26, chain-N, ...) or dynamic ones (dynamic-N)")
-    if isinstance(spec, DynamicTree):
-        return EagleDynamicDrafter(spec, draft_vocab=draft_vocab)
-    return EagleDrafter(spec, draft_vocab=draft_vocab)
+make_drafter = tree_drafter_factory(EagleDrafter, EagleDynamicDrafter, "EAGLE")
 
 
 # ----------------------------------------------------------------------------------- export / import
@@ -310,7 +304,7 @@ def config_dict(head: EagleHead, base_name=None, extra=None) -> dict:
 
 def from_reference(folder, meta: dict, base, dtype=None) -> EagleHead:
     """An EAGLE head from a folder (ours, or the reference's with its weights as safetensors)."""
-    from clover_jax.io.export import ExportError
+    from clover_jax.io.export import ExportError, merge_checked
     from clover_jax.io.hf import _layer_table, read_safetensors_dir
 
     if int(meta.get("num_hidden_layers", NUM_LAYERS)) != NUM_LAYERS:
@@ -334,14 +328,7 @@ def from_reference(folder, meta: dict, base, dtype=None) -> EagleHead:
         if ours in pure["layer"]:
             pure["layer"][ours] = to_ours(need(f"layers.0.{suffix}"))[None]
 
-    def place(abstract, arr):
-        arr = np.asarray(arr)
-        if arr.shape != abstract.shape:
-            raise ExportError(f"{folder}: tensor shape {arr.shape} != expected {abstract.shape}")
-        return jnp.asarray(arr, abstract.dtype)
-
-    nnx.replace_by_pure_dict(state, jax.tree.map(place, nnx.to_pure_dict(state), pure))
-    return nnx.merge(graphdef, state)
+    return merge_checked(graphdef, state, pure, folder)
 
 
 def from_experiment(cfg) -> EagleConfig:

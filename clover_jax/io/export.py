@@ -7,6 +7,8 @@ partial folder behind, and an existing folder is only replaced when `overwrite=T
 
 from __future__ import annotations
 
+from typing import Any
+
 import json
 import os
 import shutil
@@ -320,10 +322,16 @@ def clover2_from_reference(path, meta, base, dtype=None):
     for suffix, (ours, to_ours, _) in _layer_table(abstract.aug.config).items():
         pure["aug"][ours] = np.stack([to_ours(need(f"layers.{i}.{suffix}")) for i in range(cfg.num_aug_layers)])
 
+    return merge_checked(graphdef, state, pure, path)
+
+
+def merge_checked(graphdef, state, pure: dict, where) -> Any:
+    """The module `graphdef` with `state`'s leaves replaced by the arrays of `pure` (same tree), each checked
+    against the abstract leaf's shape (an `ExportError` naming `where` otherwise) and cast to its dtype."""
     def place(abs_leaf, arr):
         arr = np.asarray(arr)
         if arr.shape != abs_leaf.shape:
-            raise ExportError(f"{path}: tensor shape {arr.shape} != expected {abs_leaf.shape}")
+            raise ExportError(f"{where}: tensor shape {arr.shape} != expected {abs_leaf.shape}")
         return jnp.asarray(arr, abs_leaf.dtype)
 
     nnx.replace_by_pure_dict(state, jax.tree.map(place, nnx.to_pure_dict(state), pure))

@@ -15,22 +15,18 @@ import pytest
 from flax import nnx
 
 from clover_jax import parallel
-from clover_jax.decoding.autoregressive import ar_generate
-from clover_jax.decoding.sampling import SamplingParams
-from clover_jax.decoding.speculative import drafter_for, spec_generate
+from clover_jax.decoding.speculative import drafter_for
 from clover_jax.decoding.tree import DynamicTree, TreeSpecError, get_tree
 from clover_jax.heads import registry
 from clover_jax.heads.clover1 import Clover1Config, Clover1Head, init_from_base
 from clover_jax.heads.clover2_draft import Clover2DynamicDrafter
-from clover_jax.models.config import LlamaConfig
 from clover_jax.models.llama import init_llama
 from clover_jax.training.loss import base_features
 from clover_jax.validation import InputError
 
-CFG = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=8, eos_token_ids=(2,))
-NO_EOS = ()
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "training"))  # training_helpers, test_trainer
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # spec_helpers
+from spec_helpers import CFG, NO_EOS, prompts, same_as_greedy, spec  # noqa: E402
 
 
 def _head(base, seed=1, num_heads=4):
@@ -39,25 +35,6 @@ def _head(base, seed=1, num_heads=4):
     nnx.update(head, {"ad_wv": jax.random.normal(k[0], head.ad_wv.shape) * 0.3,  # the state matters
                       "fc_w": head.fc_w[...] + jax.random.normal(k[1], head.fc_w.shape) * 0.3})
     return head
-
-
-def _prompts(b=2, t=8, seed=0):
-    rng = np.random.default_rng(seed)
-    return jnp.asarray(rng.integers(3, CFG.vocab_size, (b, t)), jnp.int32), jnp.asarray([t, t - 3][:b], jnp.int32)
-
-
-def _spec(base, head, tree, prompt, lens, n=24, eos=NO_EOS):
-    out, stats, _ = spec_generate(base, head, prompt, lens, max_new_tokens=n, cache_size=160,
-                                  sampling=SamplingParams(), key=jax.random.key(0), tree=tree, eos_ids=eos)
-    return out, stats
-
-
-def _same_as_greedy(base, out, prompt, lens, n, eos):
-    ar = ar_generate(base, prompt, lens, max_new_tokens=n, cache_size=160, eos_ids=eos)
-    np.testing.assert_array_equal(np.asarray(out.lengths), np.asarray(ar.lengths))
-    for r in range(prompt.shape[0]):
-        k = int(ar.lengths[r])
-        np.testing.assert_array_equal(np.asarray(out.tokens)[r, :k], np.asarray(ar.tokens)[r, :k])
 
 
 def test_top_p_policy_names_and_registry():
@@ -99,10 +76,10 @@ def test_training_outputs_equal_the_drafting_path():
 def test_speculative_clover1_equals_greedy(tree):
     base = init_llama(CFG, seed=0)
     head = _head(base, num_heads=5)
-    prompt, lens = _prompts()
+    prompt, lens = prompts()
     for eos in (NO_EOS, (2,)):
-        out, _ = _spec(base, head, tree, prompt, lens, eos=eos)
-        _same_as_greedy(base, out, prompt, lens, 24, eos)
+        out, _ = spec(base, head, tree, prompt, lens, eos=eos)
+        same_as_greedy(base, out, prompt, lens, 24, eos)
 
 
 def test_clover1_drafts_are_accepted_when_right_and_the_top_p_cut_keeps_them():
@@ -114,15 +91,15 @@ def test_clover1_drafts_are_accepted_when_right_and_the_top_p_cut_keeps_them():
     base = init_llama(CFG, seed=0)
     base.final_norm[...] = jnp.zeros_like(base.final_norm[...])
     head = init_from_base(base, Clover1Config(num_heads=4, num_aug_layers=1), seed=1)
-    prompt, lens = _prompts()
+    prompt, lens = prompts()
     for tree, depth in (("chain-3", 3), ("dynamic-5-d4-k1", 4), ("dynamic-10-d4-k3-p0.01", 4)):
-        out, stats = _spec(base, head, tree, prompt, lens, n=2 + 4 * (depth + 1))
+        out, stats = spec(base, head, tree, prompt, lens, n=2 + 4 * (depth + 1))
         assert stats["tau"] == depth + 1, (tree, stats)
-        _same_as_greedy(base, out, prompt, lens, 2 + 4 * (depth + 1), NO_EOS)
+        same_as_greedy(base, out, prompt, lens, 2 + 4 * (depth + 1), NO_EOS)
     w1 = np.asarray(base.lm_head_matrix())[:, 1]
     nnx.update(head, {"head_norm": jnp.ones(CFG.hidden_size), "fc_w": jnp.zeros_like(head.fc_w[...]),
                       "fc_b": jnp.broadcast_to(jnp.asarray(w1 / np.linalg.norm(w1)), head.fc_b.shape)})
-    out, stats = _spec(base, head, "chain-3", prompt, lens, n=12)
+    out, stats = spec(base, head, "chain-3", prompt, lens, n=12)
     assert stats["tau"] == 1.0 and stats["accept_hist"][0] > 0, stats
 
 
@@ -131,7 +108,7 @@ def test_top_p_cut_leaves_unused_slots():
     head = _head(base)
     drafter = drafter_for(Clover1Head, "dynamic-10-d3-k4-p0.01")
     state = drafter.init_state(head, base, 2, 64)
-    f = base_features(base, *_prompts()[:1], jnp.ones((2, 8), bool))
+    f = base_features(base, *prompts()[:1], jnp.ones((2, 8), bool))
     state = drafter.start(head, base, state, f, jnp.zeros((2, 8), jnp.int32), jnp.asarray([8, 8]))
     prop = drafter.propose(head, base, state, jnp.asarray([3, 4]), jax.random.key(0))
     used = np.asarray(prop.buffers.parent)[:, 1:] >= 0

@@ -16,10 +16,7 @@ import pytest
 from flax import nnx
 
 from clover_jax import parallel
-from clover_jax.decoding.autoregressive import ar_generate
-from clover_jax.decoding.sampling import SamplingParams
-from clover_jax.decoding.speculative import drafter_for, spec_generate
-from clover_jax.decoding.tree import get_tree
+from clover_jax.decoding.speculative import drafter_for
 from clover_jax.heads import registry
 from clover_jax.heads.eagle import EagleConfig, EagleDrafter, EagleDynamicDrafter, EagleHead, init_from_base
 from clover_jax.models.cache import causal_mask
@@ -28,10 +25,9 @@ from clover_jax.models.llama import init_llama
 from clover_jax.training.loss import base_features
 from clover_jax.validation import InputError
 
-CFG = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=8, eos_token_ids=(2,))
-NO_EOS = ()
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "training"))  # training_helpers, test_trainer
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # spec_helpers
+from spec_helpers import CFG, NO_EOS, prompts, same_as_greedy, spec  # noqa: E402
 
 
 def _head(base, seed=1, init="reference"):
@@ -41,25 +37,6 @@ def _head(base, seed=1, init="reference"):
     head.layer.wq[...] = head.layer.wq[...] + 0.6 * jax.random.normal(kq, head.layer.wq.shape)
     head.layer.wk[...] = head.layer.wk[...] + 0.6 * jax.random.normal(kk, head.layer.wk.shape)
     return head
-
-
-def _prompts(b=2, t=8, seed=0):
-    rng = np.random.default_rng(seed)
-    return jnp.asarray(rng.integers(3, CFG.vocab_size, (b, t)), jnp.int32), jnp.asarray([t, t - 3][:b], jnp.int32)
-
-
-def _spec(base, head, tree, prompt, lens, n=24, eos=NO_EOS):
-    out, stats, _ = spec_generate(base, head, prompt, lens, max_new_tokens=n, cache_size=160,
-                                  sampling=SamplingParams(), key=jax.random.key(0), tree=tree, eos_ids=eos)
-    return out, stats
-
-
-def _same_as_greedy(base, out, prompt, lens, n, eos):
-    ar = ar_generate(base, prompt, lens, max_new_tokens=n, cache_size=160, eos_ids=eos)
-    np.testing.assert_array_equal(np.asarray(out.lengths), np.asarray(ar.lengths))
-    for r in range(prompt.shape[0]):
-        k = int(ar.lengths[r])
-        np.testing.assert_array_equal(np.asarray(out.tokens)[r, :k], np.asarray(ar.tokens)[r, :k])
 
 
 def test_registry_and_drafters():
@@ -91,7 +68,7 @@ def test_every_drafted_node_equals_a_full_recompute_of_its_path(tree):
     node see its cousins, skipped an ancestor, used a wrong position or a stale cache would differ."""
     base = init_llama(CFG, seed=0)
     head = _head(base)
-    prompt, lens = _prompts()
+    prompt, lens = prompts()
     root = jnp.asarray([5, 9], jnp.int32)
     drafter = drafter_for(EagleHead, tree)
     b, t = prompt.shape
@@ -130,10 +107,10 @@ def test_every_drafted_node_equals_a_full_recompute_of_its_path(tree):
 def test_speculative_eagle_equals_greedy(tree, init):
     base = init_llama(CFG, seed=0)
     head = _head(base, init=init)
-    prompt, lens = _prompts()
+    prompt, lens = prompts()
     for eos in (NO_EOS, (2,)):
-        out, _ = _spec(base, head, tree, prompt, lens, eos=eos)
-        _same_as_greedy(base, out, prompt, lens, 24, eos)
+        out, _ = spec(base, head, tree, prompt, lens, eos=eos)
+        same_as_greedy(base, out, prompt, lens, 24, eos)
 
 
 def test_eagle_drafts_are_accepted_when_right():
@@ -146,15 +123,15 @@ def test_eagle_drafts_are_accepted_when_right():
     zero = {n: jnp.zeros_like(getattr(head.layer, n)[...]) for n in ("wo", "w_down")}
     nnx.update(head, {"fc_w": jnp.zeros_like(head.fc_w[...]), "fc_b": jnp.zeros_like(head.fc_b[...]),
                       "layer": zero})
-    prompt, lens = _prompts()
+    prompt, lens = prompts()
     for tree, depth in (("chain-3", 3), ("chain-6", 6), ("dynamic-5-d4-k1", 4)):
         n = 2 + 4 * (depth + 1)
-        out, stats = _spec(base, head, tree, prompt, lens, n=n)
+        out, stats = spec(base, head, tree, prompt, lens, n=n)
         assert stats["tau"] == depth + 1, (tree, stats)
-        _same_as_greedy(base, out, prompt, lens, n, NO_EOS)
+        same_as_greedy(base, out, prompt, lens, n, NO_EOS)
     w1 = np.asarray(base.lm_head_matrix())[:, 1]
     head.fc_b[...] = jnp.asarray(w1 / np.linalg.norm(w1))
-    out, stats = _spec(base, head, "chain-3", prompt, lens, n=12)
+    out, stats = spec(base, head, "chain-3", prompt, lens, n=12)
     assert stats["tau"] == 1.0 and stats["accept_hist"][0] > 0, stats
 
 
@@ -226,9 +203,9 @@ def test_export_loads_strictly_into_the_reference_and_computes_the_same(tmp_path
     back = import_head(out, base)
     for a, b in zip(jax.tree.leaves(nnx.state(back)), jax.tree.leaves(nnx.state(head))):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    prompt, lens = _prompts()
-    np.testing.assert_array_equal(np.asarray(_spec(base, back, "clover2-26", prompt, lens)[0].tokens),
-                                  np.asarray(_spec(base, head, "clover2-26", prompt, lens)[0].tokens))
+    prompt, lens = prompts()
+    np.testing.assert_array_equal(np.asarray(spec(base, back, "clover2-26", prompt, lens)[0].tokens),
+                                  np.asarray(spec(base, head, "clover2-26", prompt, lens)[0].tokens))
 
 
 def test_eagle_training_run_export_and_import(tmp_path):

@@ -1,0 +1,38 @@
+"""What the head tests share: a tiny Llama config, prompts, a speculative run and the check against greedy decoding."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from clover_jax.decoding.autoregressive import ar_generate
+from clover_jax.decoding.sampling import SamplingParams
+from clover_jax.decoding.speculative import spec_generate
+from clover_jax.models.config import LlamaConfig
+
+CFG = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=8, eos_token_ids=(2,))
+NO_EOS = ()
+
+
+def prompts(b=2, t=8, seed=0):
+    """`(prompt [b, t], lengths [b])`: random tokens of CFG's vocabulary, the second row 3 shorter."""
+    rng = np.random.default_rng(seed)
+    return jnp.asarray(rng.integers(3, CFG.vocab_size, (b, t)), jnp.int32), jnp.asarray([t, t - 3][:b], jnp.int32)
+
+
+def spec(base, head, tree, prompt, lens, n=24, eos=NO_EOS):
+    """Greedy speculative decoding: `(output, stats)`."""
+    out, stats, _ = spec_generate(base, head, prompt, lens, max_new_tokens=n, cache_size=160,
+                                  sampling=SamplingParams(), key=jax.random.key(0), tree=tree, eos_ids=eos)
+    return out, stats
+
+
+def same_as_greedy(base, out, prompt, lens, n, eos):
+    """Asserts that `out` equals autoregressive greedy decoding, lengths and tokens."""
+    ar = ar_generate(base, prompt, lens, max_new_tokens=n, cache_size=160, eos_ids=eos)
+    np.testing.assert_array_equal(np.asarray(out.lengths), np.asarray(ar.lengths))
+    for r in range(prompt.shape[0]):
+        k = int(ar.lengths[r])
+        np.testing.assert_array_equal(np.asarray(out.tokens)[r, :k], np.asarray(ar.tokens)[r, :k])
