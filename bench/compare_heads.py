@@ -5,8 +5,8 @@ in the same evaluation), greedy mismatches, and each head's training cost, on th
   python bench/compare_heads.py runs/a runs/b path/to/exported --trees chain-4 clover2-26 --limit 24
 
 A head is a training run folder, an exported folder or a registered head name. Every head runs the `--trees` its
-type can draft (ReDrafter drafts beam policies only) plus its type's default tree; a head trained on a draft
-vocabulary drafts from it. `scripts/compare_heads.sh` trains the heads on an equal budget and calls this.
+type can draft (ReDrafter drafts beam policies only) plus its type's default tree (not with --no-default-tree); a
+head trained on a draft vocabulary drafts from it. `scripts/compare_heads.sh` trains the heads on an equal budget and calls this.
 Writes compare.json, compare.md and compare.png to --out-dir and prints the markdown table.
 """
 
@@ -58,6 +58,8 @@ def _main(argv=None):
     ap.add_argument("--prefix", default="")
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--trees", nargs="+", default=["chain-4", "clover2-26"])
+    ap.add_argument("--no-default-tree", action="store_true",
+                    help="run only --trees (not also each head type's default tree)")
     ap.add_argument("--questions", default="mt_bench")
     ap.add_argument("--limit", type=int, default=24, help="prompts (spread over the categories); 0 = all")
     ap.add_argument("--batch-size", type=int, default=1)
@@ -85,7 +87,9 @@ def _main(argv=None):
         head = load_head(str(where), loaded.model)
         ht = registry.of_head(head)
         trees = [t for t in args.trees if supported(ht, t)]
-        trees += [ht.default_tree] if ht.default_tree not in trees else []
+        trees += [ht.default_tree] if ht.default_tree not in trees and not args.no_default_tree else []
+        if not trees:
+            raise SystemExit(f"{spec}: none of --trees {args.trees} fits a {ht.name} head (and --no-default-tree)")
         vocab = head_draft_vocab(str(where))
         names = [t + DV if vocab is not None else t for t in trees]
         t0 = time.time()

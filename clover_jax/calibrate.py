@@ -14,6 +14,13 @@ candidate's tau, acceptance per depth, tokens/s and speedup over autoregressive 
 candidate with the highest speedup, or plain autoregressive decoding when no tree beats it (speculation that
 does not pay is not used).
 
+For heads that draft static trees the calibration also fits trees to the head (`clover_jax.decoding.tree_fit`,
+after Sequoia, Chen et al. 2024): a probe tree (a comb of the first child ranks along the top-1 path) joins the
+candidates, the loop's per-node acceptance counts of every static run give the head's acceptance per depth and
+child rank, a least-squares model of the step cost in verified tokens and depth comes from the same runs, and
+the fitted trees with the highest predicted speed are measured in a second round like the presets. Fitted trees
+are named `fit-N-<hash>` (N nodes, root included); the calibration stores their shapes, so `auto` can pick one.
+
 A calibration is keyed by the hardware (backend and device kind; on a CPU the processor model and core
 count), the compute dtype and the batch size; it is saved beside the head (`calibration.json` in the head's
 folder) when that folder is writable, else in `~/.cache/clover_jax/calibration/` (`CLOVER_JAX_CACHE`
@@ -42,6 +49,9 @@ AR = "ar"  # the calibration's answer when no tree beats autoregressive decoding
 FILE_NAME = "calibration.json"
 STATIC_CANDIDATES = ("chain-1", "chain-2", "chain-3", "chain-4", "small-10", "clover2-26")
 DYNAMIC_CANDIDATES = ("dynamic-4", "dynamic-6", "dynamic-10", "dynamic-16", "dynamic-26")
+BEAM_CANDIDATES = ("beam-2x3", "beam-2x4", "beam-3x4", "beam-4x5")  # for beam-search drafters (ReDrafter)
+PROBE_WIDTHS = (8, 6, 4, 3, 3)  # child ranks measured per depth by the probe tree: 24 drafts, 25 nodes
+FITTED_TO_MEASURE = 2  # fitted trees measured per calibration (the best predicted ones)
 # Spec-Bench categories other than MT-Bench's, so a calibration does not see the usual evaluation prompts
 DEFAULT_PROMPTS = (("spec_bench", "translation", 3), ("spec_bench", "qa", 3), ("spec_bench", "math_reasoning", 2))
 
@@ -153,12 +163,17 @@ def save_entry(head_source, key: str, entry: dict) -> Path | None:
 
 
 # -------------------------------------------------------------------------------------------- measure
+def _row(run: dict) -> dict:
+    return {"tau": run["tau"], "speedup": run["speedup_vs_ar"], "tokens_per_second": run["tokens_per_second"],
+            "accept_rate_per_depth": run["accept_rate_per_depth"]}
+
+
 def candidate_trees(head, base, draft_vocab=None, candidates: Sequence[str] | None = None) -> list[str]:
     """The candidate trees this head can draft (depth within its heads, tree kind supported by its drafter)."""
     from clover_jax.decoding.speculative import drafter_for
     from clover_jax.validation import InputError
 
-    names = list(candidates) if candidates else list(STATIC_CANDIDATES + DYNAMIC_CANDIDATES)
+    names = list(candidates) if candidates else list(STATIC_CANDIDATES + DYNAMIC_CANDIDATES + BEAM_CANDIDATES)
     ok = []
     for name in names:
         try:
@@ -173,7 +188,58 @@ def max_candidate_nodes() -> int:
     """The most tokens any default candidate verifies (to size a cache before `auto` is resolved)."""
     from clover_jax.decoding.tree import get_tree
 
-    return max(get_tree(t).num_nodes for t in STATIC_CANDIDATES + DYNAMIC_CANDIDATES)
+    from clover_jax.decoding.tree_fit import probe_tree
+
+    sizes = [get_tree(t).num_nodes for t in STATIC_CANDIDATES + DYNAMIC_CANDIDATES + BEAM_CANDIDATES]
+    return max(sizes + [probe_tree(PROBE_WIDTHS).num_nodes])
+
+
+def probe_for(head, base, draft_vocab=None):
+    """The deepest prefix of the probe comb (`PROBE_WIDTHS`) this head can draft (registered by name), or None
+    for heads that draft no static tree."""
+    from clover_jax.decoding.speculative import drafter_for
+    from clover_jax.decoding.tree import register_tree
+    from clover_jax.decoding.tree_fit import probe_tree
+
+    for depth in range(len(PROBE_WIDTHS), 0, -1):
+        spec = probe_tree(PROBE_WIDTHS[:depth])
+        try:
+            drafter_for(type(head), spec, draft_vocab).check(head, base)
+        except (InputError, ValueError):
+            continue
+        return register_tree(spec)
+    return None
+
+
+def register_trees(entry: dict) -> None:
+    """Makes a calibration entry's probe and fitted trees known by name in this process."""
+    from clover_jax.decoding.tree import TreeSpec, register_tree
+
+    for name, t in (entry.get("trees") or {}).items():
+        register_tree(TreeSpec([tuple(c) for c in t["choices"]], top_k=int(t["top_k"]), name=name))
+
+
+def _fit(table: dict, runs: dict, names: dict, probe) -> tuple[list, dict]:
+    """The fitted trees to measure (best predicted first) and what the fit found (per-rank acceptance, step
+    cost points), from the first round's static runs."""
+    from clover_jax.decoding.tree import TreeSpec, get_tree
+    from clover_jax.decoding.tree_fit import fit_step_cost, fitted_candidates, rank_acceptance
+
+    static = {t: get_tree(t) for t in table if isinstance(get_tree(t), TreeSpec) and runs[names[t]].get("node_hist")}
+    p, parents = rank_acceptance([(static[t], runs[names[t]]["node_hist"]) for t in static], probe.max_depth,
+                                 max(PROBE_WIDTHS))
+    points = [(spec.num_nodes, spec.max_depth, table[t]["tau"] / table[t]["speedup"]) for t, spec in static.items()
+              if table[t]["speedup"] > 0]
+    cost = fit_step_cost(points)
+    max_nodes = max(spec.num_nodes for spec in static.values())
+    measured = {spec.choices for spec in static.values()}
+    picks = [(spec, tau, speed) for spec, tau, speed in
+             fitted_candidates(p, cost, max_nodes, probe.max_depth, count=FITTED_TO_MEASURE + len(measured))
+             if spec.choices not in measured][:FITTED_TO_MEASURE]
+    info = {"rank_acceptance": [[round(float(x), 4) for x in row] for row in p],
+            "rank_parents": parents.astype(int).tolist(),
+            "step_cost_points": [[int(a), int(b), round(float(c), 4)] for a, b, c in points]}
+    return picks, info
 
 
 def default_prompts() -> list[str]:
@@ -186,34 +252,52 @@ def default_prompts() -> list[str]:
 
 
 def measure(loaded, head, *, prompts: Sequence[str] | None = None, candidates: Sequence[str] | None = None,
-            batch_size: int = 1, max_new_tokens: int = 64, draft_vocab=None, mesh=None,
+            batch_size: int = 1, max_new_tokens: int = 64, draft_vocab=None, mesh=None, fit: bool = True,
             progress: bool = False) -> dict[str, Any]:
     """Runs the calibration (see the module docstring); returns the entry to save, with `best` the tree name
-    or "ar"."""
+    or "ar". `fit=False` measures the candidates only (no probe, no fitted trees)."""
     import jax
 
+    from clover_jax.decoding.tree import register_tree
     from clover_jax.evaluation import DV, evaluate
 
     prompts = list(prompts) if prompts else default_prompts()
     trees = candidate_trees(head, loaded.model, draft_vocab, candidates)
     if not trees:
         raise CalibrationError(f"no candidate tree fits this head (tried {list(candidates or ())})")
-    names = [t + DV for t in trees] if draft_vocab is not None else trees
+    probe = probe_for(head, loaded.model, draft_vocab) if fit else None
+    if probe is not None and probe.name not in trees:
+        trees.append(probe.name)
+    dv = DV if draft_vocab is not None else ""
+    names = {t: t + dv for t in trees}
     t0 = time.perf_counter()
-    res = evaluate(loaded, head, prompts, trees=names, batch_size=batch_size, max_new_tokens=max_new_tokens,
-                   draft_vocab=draft_vocab, progress=progress, mesh=mesh)
+    res = evaluate(loaded, head, prompts, trees=list(names.values()), batch_size=batch_size,
+                   max_new_tokens=max_new_tokens, draft_vocab=draft_vocab, progress=progress, mesh=mesh)
     runs = res["runs"]
-    table = {}
-    for tree, name in zip(trees, names):
-        r = runs[name]
-        table[tree] = {"tau": r["tau"], "speedup": r["speedup_vs_ar"], "tokens_per_second": r["tokens_per_second"],
-                       "accept_rate_per_depth": r["accept_rate_per_depth"]}
+    mismatches = res["greedy_mismatches"]
+    table = {t: _row(runs[names[t]]) for t in trees}
+    fitted, fit_info = [], {}
+    if probe is not None:
+        fitted, fit_info = _fit(table, runs, names, probe)
+    if fitted:
+        for spec, _, _ in fitted:
+            register_tree(spec)
+        more = {spec.name: spec.name + dv for spec, _, _ in fitted}
+        res2 = evaluate(loaded, head, prompts, trees=list(more.values()), batch_size=batch_size,
+                        max_new_tokens=max_new_tokens, draft_vocab=draft_vocab, progress=progress, mesh=mesh)
+        mismatches += res2["greedy_mismatches"]
+        for spec, tau, speed in fitted:
+            table[spec.name] = _row(res2["runs"][more[spec.name]]) | {
+                "fitted": True, "predicted_tau": round(tau, 3), "predicted_speedup": round(speed, 3)}
     best = max(table, key=lambda t: table[t]["speedup"])
     if table[best]["speedup"] <= 1.0:
         best = AR
+    shapes = [probe] if probe is not None else []
+    shapes += [spec for spec, _, _ in fitted]
+    trees_out = {spec.name: {"choices": [list(c) for c in spec.choices], "top_k": spec.top_k} for spec in shapes}
     return {"best": best, "ar_tokens_per_second": runs["ar"]["tokens_per_second"], "candidates": table,
-            "greedy_mismatches": res["greedy_mismatches"], "prompts": len(prompts), "batch_size": batch_size,
-            "max_new_tokens": max_new_tokens, "seconds": round(time.perf_counter() - t0, 1),
+            "trees": trees_out, **fit_info, "greedy_mismatches": mismatches, "prompts": len(prompts),
+            "batch_size": batch_size, "max_new_tokens": max_new_tokens, "seconds": round(time.perf_counter() - t0, 1),
             "date": time.strftime("%Y-%m-%d"), "backend": jax.default_backend()}
 
 
@@ -234,6 +318,7 @@ def resolve_auto(loaded, head, head_source=None, *, batch_size: int = 1, draft_v
         entry = measure(loaded, head, batch_size=batch_size, draft_vocab=draft_vocab, mesh=mesh, **measure_kw)
         where = save_entry(head_source, key, entry)
         print(f"tree='auto' -> {entry['best']}" + (f" (saved in {where})" if where else ""), file=sys.stderr)
+    register_trees(entry)
     _MEMO[memo] = entry
     return entry["best"], entry
 
@@ -249,6 +334,7 @@ def _main(argv=None) -> int:
     import jax.numpy as jnp
 
     from clover_jax.cli import add_debug_argument
+    from clover_jax.decoding.tree import get_tree
     from clover_jax.heads.draft_vocab import head_draft_vocab
     from clover_jax.heads.loading import load_head
     from clover_jax.io.loader import load_model
@@ -267,6 +353,8 @@ def _main(argv=None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     ap.add_argument("--mesh", default=None, help="calibrate sharded decoding, e.g. 'tp=8'")
+    ap.add_argument("--no-fit", action="store_true", help="measure the candidates only: no probe tree and no trees "
+                    "fitted to the head's per-rank acceptance")
     add_debug_argument(ap)
     args = ap.parse_args(argv)
     mesh = None
@@ -279,14 +367,23 @@ def _main(argv=None) -> int:
     prompts = read_prompts(args.prompts_file, limit=args.limit) if args.prompts_file else None
     best, entry = resolve_auto(loaded, head, args.head, batch_size=args.batch_size, mesh=mesh, recalibrate=True,
                                draft_vocab=head_draft_vocab(args.head), prompts=prompts,
-                               candidates=args.candidates, max_new_tokens=args.max_new_tokens, progress=True)
+                               candidates=args.candidates, max_new_tokens=args.max_new_tokens, progress=True,
+                               fit=not args.no_fit)
     print(f"\n{entry['prompts']} prompts, batch {args.batch_size}, {args.max_new_tokens} new tokens; "
           f"autoregressive {entry['ar_tokens_per_second']:.1f} tokens/s; {entry['greedy_mismatches']} greedy "
           "mismatches\n")
-    print("| tree | tau | speedup vs AR | tokens/s |")
-    print("|---|---|---|---|")
+    print("| tree | nodes | tau | speedup vs AR | tokens/s | fitted: predicted tau / speedup |")
+    print("|---|---|---|---|---|---|")
     for tree, r in sorted(entry["candidates"].items(), key=lambda kv: -kv[1]["speedup"]):
-        print(f"| {tree} | {r['tau']:.3f} | {r['speedup']:.3f} | {r['tokens_per_second']:.1f} |")
+        fitted = f"{r['predicted_tau']:.3f} / {r['predicted_speedup']:.3f}" if r.get("fitted") else ""
+        print(f"| {tree} | {get_tree(tree).num_nodes} | {r['tau']:.3f} | {r['speedup']:.3f} | "
+              f"{r['tokens_per_second']:.1f} | {fitted} |")
+    if entry.get("rank_acceptance"):
+        print("\nacceptance per depth (rows) and child rank (columns), pooled over the static trees:")
+        for d, row in enumerate(entry["rank_acceptance"]):
+            print(f"  depth {d + 1}: " + " ".join(f"{x:.3f}" for x in row))
+        for name, t in entry.get("trees", {}).items():
+            print(f"  {name}: {t['choices']}")
     print(f"\nauto -> {best}" + (" (no tree beats autoregressive decoding here)" if best == AR else ""))
     return 0
 

@@ -26,6 +26,7 @@ class RunStats:
     compile_seconds: float = 0.0
     steps: int = 0  # decode-phase base forwards summed over rows
     accept_hist: np.ndarray | None = None  # steps that accepted n drafts
+    node_hist: np.ndarray | None = None  # [U] steps whose accepted path held tree node u (node 0: every step)
     per_prompt: list[dict] = dataclasses.field(default_factory=list)
 
     @property
@@ -51,7 +52,8 @@ class RunStats:
                 "tokens_per_second": round(self.tokens_per_second, 2), "compile_seconds": round(self.compile_seconds, 2),
                 "tau": None if self.tau is None else round(self.tau, 3),
                 "accept_hist": None if self.accept_hist is None else self.accept_hist.tolist(),
-                "accept_rate_per_depth": self.accept_rates()}
+                "accept_rate_per_depth": self.accept_rates(),
+                "node_hist": None if self.node_hist is None else self.node_hist.tolist()}
 
 
 DV = "+dv"  # tree-name suffix: run that tree with the draft vocabulary
@@ -102,6 +104,8 @@ def evaluate(loaded, head, prompts: Sequence[str], *, trees: Sequence[str] = ("c
             if name != "ar":
                 h = np.asarray(res.stats["accept_hist"])
                 run.accept_hist = h if run.accept_hist is None else run.accept_hist + h
+                nh = np.asarray(res.stats["node_hist"])
+                run.node_hist = nh if run.node_hist is None else run.node_hist + nh
             for i, toks in enumerate(res.token_ids):
                 rec = {"index": start + i, "tokens": len(toks)}
                 if categories is not None:

@@ -73,6 +73,7 @@ _STATE_RULES: dict[str, tuple] = {
     "done": (BATCH_AXES,),  # [B]
     "row_steps": (BATCH_AXES,),  # [B]
     "accept_hist": (BATCH_AXES, None),  # [B, Dmax+1]
+    "node_hist": (BATCH_AXES, None),  # [B, U]
     "s0": (BATCH_AXES, None),  # Clover-2 drafter: the Augmenting Block's last output [B, D]
     "h": (BATCH_AXES, None),  # Medusa drafter: the last accepted token's normed hidden state [B, D]
 }

@@ -2,6 +2,8 @@
 one run, the choice saved beside the head and reused, "ar" when no tree pays, and what generate does with it."""
 
 import json
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -13,6 +15,9 @@ from clover_jax.models.config import LlamaConfig
 from clover_jax.models.llama import init_llama
 from word_tokenizer import WordTokenizer
 from clover_jax.validation import InputError
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "heads"))  # spec_helpers
+from spec_helpers import ranked_medusa  # noqa: E402
 
 CFG = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=8, eos_token_ids=(2,))
@@ -32,7 +37,7 @@ PROMPTS = ["a b c d", "hello there world", "x y z w v"]
 def test_measure_tries_each_candidate_against_ar(tiny):
     loaded, head = tiny
     entry = calibrate.measure(loaded, head, prompts=PROMPTS, candidates=["chain-2", "dynamic-4", "clover2-26"],
-                              max_new_tokens=8)
+                              max_new_tokens=8, fit=False)
     assert set(entry["candidates"]) == {"chain-2", "dynamic-4", "clover2-26"}
     assert entry["greedy_mismatches"] == 0
     for r in entry["candidates"].values():
@@ -100,12 +105,47 @@ def test_generate_auto_calibrates_when_nothing_is_saved(tiny, capsys, monkeypatc
     monkeypatch.setattr(calibrate, "DEFAULT_PROMPTS", (("spec_bench", "qa", 2),))  # a small calibration
     monkeypatch.setattr(calibrate, "STATIC_CANDIDATES", ("chain-2",))
     monkeypatch.setattr(calibrate, "DYNAMIC_CANDIDATES", ("dynamic-4",))
+    monkeypatch.setattr(calibrate, "PROBE_WIDTHS", (2, 2))
     with pytest.raises(InputError, match="needs a tokenizer"):
         api.generate(loaded.model, [[5, 6, 7]], max_new_tokens=4, mode="speculative", head=head, tree="auto")
     res = api.generate(loaded, [[5, 6, 7]], max_new_tokens=4, mode="speculative", head=head, tree="auto")
     err = capsys.readouterr().err
     assert "no calibration of this head" in err and "tree='auto' ->" in err
-    assert res.stats["tree"] in ("chain-2", "dynamic-4", "ar")
+    assert res.stats["tree"] in ("chain-2", "dynamic-4", "probe-2-2", "ar") or res.stats["tree"].startswith("fit-")
     # remembered for this head object in this process: no second calibration
     api.generate(loaded, [[5, 6, 7]], max_new_tokens=4, mode="speculative", head=head, tree="auto")
     assert "no calibration" not in capsys.readouterr().err
+
+
+def test_calibration_fits_the_tree_the_head_accepts(tmp_path, monkeypatch):
+    """A head that always accepts child ranks (0, 0, 3) and nothing else: the probe measures that, the fitted tree
+    is that path, it is measured (tau 4, as predicted), stored in the calibration, and reached by name in a later
+    process through `auto`, with output equal to autoregressive decoding."""
+    from clover_jax.decoding import tree as tree_mod
+
+    base, head = ranked_medusa((0, 0, 3))
+    loaded = LoadedModel(CFG, base, WordTokenizer(), "tiny")
+    entry = calibrate.measure(loaded, head, prompts=PROMPTS, candidates=["chain-2", "clover2-26"],
+                              max_new_tokens=12)
+    assert entry["greedy_mismatches"] == 0
+    assert entry["rank_acceptance"][2][3] == 1.0 and sum(map(sum, entry["rank_acceptance"])) == 3.0
+    fitted = {t: r for t, r in entry["candidates"].items() if r.get("fitted")}
+    path = [t for t in fitted if entry["trees"][t]["choices"] == [[0], [0, 0], [0, 0, 3]]]
+    assert path, entry["trees"]
+    assert fitted[path[0]]["predicted_tau"] == 4.0 and fitted[path[0]]["tau"] == 4.0
+    assert "probe-8-6-4" in entry["candidates"]  # the probe as deep as the head's three heads
+
+    folder = tmp_path / "head"
+    folder.mkdir()
+    (folder / "model.safetensors").write_bytes(b"0")
+    monkeypatch.setenv("CLOVER_JAX_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(api, "resolve_head", lambda source, model, tree, dv: (head, tree, dv))
+    entry["best"] = path[0]
+    calibrate.save_entry(str(folder), calibrate.entry_key(calibrate.hardware_key(), "float32", 1), entry)
+    calibrate._MEMO.clear()
+    monkeypatch.setattr(tree_mod, "_REGISTERED", {})  # a fresh process knows no fitted tree
+    ids = [[5, 6, 7]]
+    ar = api.generate(base, ids, max_new_tokens=13)
+    res = api.generate(base, ids, max_new_tokens=13, mode="speculative", head=str(folder), tree="auto")
+    assert res.stats["tree"] == path[0] and res.token_ids == ar.token_ids
+    assert res.stats["tau"] == 4.0

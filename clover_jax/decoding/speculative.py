@@ -31,6 +31,7 @@ from clover_jax.models.cache import KVCache, prefix_mask
 @struct.dataclass
 class SpecStats:
     accept_hist: jax.Array  # [B, Dmax+1] steps that accepted n drafts, n = 0..Dmax
+    node_hist: jax.Array  # [B, U] steps whose accepted path holds tree node u (the root, node 0, every step)
     row_steps: jax.Array  # [B]
 
 
@@ -43,6 +44,7 @@ class _SpecState:
     head_state: object
     done: jax.Array  # [B]
     accept_hist: jax.Array  # [B, Dmax+1]
+    node_hist: jax.Array  # [B, U]
     row_steps: jax.Array  # [B]
     key: jax.Array
 
@@ -87,7 +89,7 @@ def _spec_generate(base_graph, base_state, head_graph, head_state_params, drafte
     done = is_eos(root, eos_ids) | (prompt_lengths + 1 >= limit)
     st = shard(_SpecState(step=jnp.zeros((), jnp.int32), tokens=tokens, lengths=prompt_lengths + 1, cache=cache,
                           head_state=hs, done=done, accept_hist=jnp.zeros((b, dmax + 1), jnp.int32),
-                          row_steps=jnp.zeros((b,), jnp.int32), key=key))
+                          node_hist=jnp.zeros((b, u), jnp.int32), row_steps=jnp.zeros((b,), jnp.int32), key=key))
 
     def cond(s: _SpecState):
         room = s.cache.lengths + u <= cache_size  # the tree's K/V must fit after each row's prefix
@@ -129,13 +131,17 @@ def _spec_generate(base_graph, base_state, head_graph, head_state_params, drafte
         f_new = jnp.take_along_axis(hidden, nodes[..., None], axis=1)  # [B, Dmax+1, D]
         hs = drafter.commit(head, base, s.head_state, f_new, new, jnp.where(active, n + 1, 0))
         hist = s.accept_hist + (jax.nn.one_hot(n, dmax + 1, dtype=jnp.int32) * active[:, None])
+        # which nodes were on the accepted path (for a static tree: which child ranks were accepted per depth)
+        on_path = (i <= n[:, None]) & active[:, None]  # [B, Dmax+1]
+        node_hist = s.node_hist + (jax.nn.one_hot(nodes, u, dtype=jnp.int32) * on_path[..., None]).sum(1)
         return shard(_SpecState(step=s.step + 1, tokens=tokens, lengths=lengths, cache=cache, head_state=hs,
-                                done=done, accept_hist=hist, row_steps=s.row_steps + active, key=key))
+                                done=done, accept_hist=hist, node_hist=node_hist, row_steps=s.row_steps + active,
+                                key=key))
 
     st = jax.lax.while_loop(cond, body, st)
     out = DecodeOutput(tokens=st.tokens, prompt_lengths=prompt_lengths, lengths=st.lengths,
                        num_generated=st.lengths - prompt_lengths, steps=st.step, row_steps=st.row_steps)
-    return out, SpecStats(accept_hist=st.accept_hist, row_steps=st.row_steps)
+    return out, SpecStats(accept_hist=st.accept_hist, node_hist=st.node_hist, row_steps=st.row_steps)
 
 
 @functools.lru_cache(maxsize=None)
@@ -196,5 +202,6 @@ def spec_generate(base, head, prompt, prompt_lengths, *, max_new_tokens, cache_s
     reach = hist[:, ::-1].cumsum(1)[:, ::-1].sum(0)  # steps that accepted >= n drafts
     alpha = [float(reach[d] / reach[d - 1]) if reach[d - 1] else float("nan") for d in range(1, hist.shape[1])]
     stats = {"tau": tau, "accept_hist": hist.sum(0).tolist(), "accept_rate_per_depth": alpha,
+             "node_hist": np.asarray(st.node_hist)[:stat_rows].sum(0).tolist(),
              "row_tau": ((hist * (np.arange(hist.shape[1]) + 1)).sum(1) / np.maximum(hist.sum(1), 1)).tolist()}
     return out, stats, seconds

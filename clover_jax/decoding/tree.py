@@ -451,6 +451,24 @@ class BeamTree:
 
 TreePolicy = (TreeSpec, DynamicTree, BeamTree)
 
+# trees named at run time (the fitted trees of a calibration, `clover_jax.decoding.tree_fit`): name -> spec
+_REGISTERED: dict[str, TreeSpec] = {}
+
+
+def register_tree(spec: TreeSpec) -> TreeSpec:
+    """Makes `get_tree(spec.name)` return `spec` in this process (how a calibration's fitted trees are reached
+    by name). Re-registering the same tree is a no-op; another tree under a taken name is an error."""
+    if not isinstance(spec, TreeSpec):
+        raise TreeSpecError(f"only static trees can be registered, got {type(spec).__name__}")
+    try:
+        taken = get_tree(spec.name)
+    except TreeSpecError:
+        taken = None
+    if taken is not None and taken != spec:
+        raise TreeSpecError(f"tree name {spec.name!r} is already taken by another tree")
+    _REGISTERED[spec.name] = spec
+    return spec
+
 
 def get_tree(name_or_path: str | os.PathLike | TreeSpec | DynamicTree | BeamTree
              ) -> TreeSpec | DynamicTree | BeamTree:
@@ -461,6 +479,8 @@ def get_tree(name_or_path: str | os.PathLike | TreeSpec | DynamicTree | BeamTree
     key = os.fspath(name_or_path)
     if key in PRESETS:
         return PRESETS[key]()
+    if key in _REGISTERED:
+        return _REGISTERED[key]
     m = re.fullmatch(r"chain-(\d+)", key)
     if m:
         return chain(int(m.group(1)))
@@ -478,4 +498,7 @@ def get_tree(name_or_path: str | os.PathLike | TreeSpec | DynamicTree | BeamTree
             raise TreeSpecError(f"tree file {key!r} does not exist")
         return from_json(key)
     known = ", ".join(list(PRESETS) + ["chain-N", "dynamic-N", "beam-WxL"])
+    if re.fullmatch(r"(fit|probe)-[0-9a-f-]+", key):
+        raise TreeSpecError(f"tree {key!r} is a calibration's fitted tree, not known in this process: ask for "
+                            "tree='auto' (it loads the calibration's trees), or save it as JSON (TreeSpec.to_json)")
     raise TreeSpecError(f"unknown tree {key!r}; known names: {known}, or a path to a .json file")

@@ -10,6 +10,7 @@ from clover_jax.decoding.autoregressive import ar_generate
 from clover_jax.decoding.sampling import SamplingParams
 from clover_jax.decoding.speculative import spec_generate
 from clover_jax.models.config import LlamaConfig
+from clover_jax.models.llama import init_llama
 
 CFG = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=8, eos_token_ids=(2,))
@@ -36,3 +37,22 @@ def same_as_greedy(base, out, prompt, lens, n, eos):
     for r in range(prompt.shape[0]):
         k = int(ar.lengths[r])
         np.testing.assert_array_equal(np.asarray(out.tokens)[r, :k], np.asarray(ar.tokens)[r, :k])
+
+
+def ranked_medusa(ranks):
+    """`(base, head)`: a tiny base whose logits are all 0 (greedy emits token 0 forever) and a Medusa head whose
+    head i ranks token 0 at `ranks[i]` (tokens 1..r score above it, the rest below). Every step then accepts
+    exactly the path of child ranks `ranks`, and nothing off it."""
+    from flax import nnx
+
+    from clover_jax.heads.medusa import MedusaConfig, init_from_base
+
+    base = init_llama(CFG, seed=0)
+    base.final_norm[...] = jnp.zeros_like(base.final_norm[...])
+    head = init_from_base(base, MedusaConfig(num_heads=len(ranks)), seed=1)
+    proj = np.full(head.proj.shape, -1.0, np.float32)  # [n, D, V]; with h = 0 and b = 1, x = SiLU(1) > 0
+    for i, r in enumerate(ranks):
+        proj[i, :, 0] = 0.5
+        proj[i, :, 1:r + 1] = 1.0 + np.arange(r)[None, ::-1] * 0.1
+    nnx.update(head, {"res_b": jnp.ones_like(head.res_b[...]), "proj": jnp.asarray(proj)})
+    return base, head

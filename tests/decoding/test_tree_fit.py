@@ -1,0 +1,127 @@
+"""Trees fitted to a head (`clover_jax.decoding.tree_fit`): the greedy expansion is the optimum (exhaustive search),
+per-rank acceptance is recovered from the loop's per-node counts, and a head that accepts known ranks gets the tree
+that holds exactly those ranks."""
+
+import itertools
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from clover_jax.decoding.tree import TreeSpec, TreeSpecError, get_tree, register_tree
+from clover_jax.decoding.tree_fit import (best_tree, expected_tau, fit_step_cost, fitted_candidates, path_scores,
+                                          probe_tree, rank_acceptance)
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "heads"))  # spec_helpers
+from spec_helpers import NO_EOS, prompts, ranked_medusa, same_as_greedy, spec  # noqa: E402
+
+
+def _all_trees(depth, width):
+    """Every ancestor-closed set of paths of the complete tree of `depth` levels and `width` ranks."""
+    nodes = [p for d in range(1, depth + 1) for p in itertools.product(range(width), repeat=d)]
+    for mask in range(1, 1 << len(nodes)):
+        chosen = {nodes[i] for i in range(len(nodes)) if mask >> i & 1}
+        if all(len(p) == 1 or p[:-1] in chosen for p in chosen):
+            yield chosen
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_best_tree_is_the_exhaustive_optimum(seed):
+    rng = np.random.default_rng(seed)
+    p = rng.dirichlet(np.ones(3), size=3)[:, :2] * rng.uniform(0.5, 1.0, (3, 1))  # [3 depths, 2 ranks], rows <= 1
+    best = {}  # (size, depth limit) -> best expected tau by exhaustive search
+    for chosen in _all_trees(3, 2):
+        spec = TreeSpec(sorted(chosen), top_k=2)
+        tau = expected_tau(spec, p)
+        for limit in range(spec.max_depth, 4):
+            key = (len(chosen) + 1, limit)
+            best[key] = max(best.get(key, 0.0), tau)
+    for (size, limit), tau in best.items():
+        got = best_tree(p, size, limit)
+        assert got.num_nodes <= size and got.max_depth <= limit
+        assert expected_tau(got, p) == pytest.approx(tau, abs=1e-12), (size, limit)
+
+
+def test_expected_tau_and_zero_scores():
+    p = np.array([[0.5, 0.2], [0.4, 0.1]])
+    chain = get_tree("chain-2")
+    assert expected_tau(chain, p) == pytest.approx(1 + 0.5 + 0.5 * 0.4)
+    np.testing.assert_allclose(path_scores(TreeSpec([[0], [1], [1, 1]], top_k=2), p), [1, 0.5, 0.2, 0.02])
+    assert path_scores(TreeSpec([[0], [2]], top_k=3), p)[2] == 0  # a rank the measurement never saw scores 0
+    only = best_tree(np.array([[0.3, 0.0], [0.0, 0.0]]), 10)
+    assert only.choices == ((0,),)  # nodes that can never be accepted are left out
+    assert best_tree(p, 3).choices == ((0,), (1,))  # 0.5 * 0.4 = 0.2 ties rank 1's 0.2: the shallower node wins
+    with pytest.raises(TreeSpecError, match="at least 2 nodes"):
+        best_tree(p, 1)
+    with pytest.raises(ValueError, match="probabilities"):
+        best_tree(p * 3, 4)
+
+
+def test_rank_acceptance_recovers_the_rates_it_was_made_from():
+    p = np.array([[0.5, 0.2, 0.1], [0.4, 0.15, 0.0], [0.3, 0.1, 0.05]])
+    trees = [probe_tree((3, 3, 3)), get_tree("clover2-26")]
+    runs = [(t, np.round(1e6 * path_scores(t, p))) for t in trees]  # the counts a million steps would give
+    est, parents = rank_acceptance(runs, max_depth=3, max_rank=3)
+    np.testing.assert_allclose(est, p, atol=1e-5)
+    assert parents[0, 0] == 2e6  # both trees' roots, every step
+    est, parents = rank_acceptance(runs[:1], max_depth=4, max_rank=4)
+    assert parents[3].sum() == 0 and parents[0, 3] == 0 and est[0, 3] == 0  # never measured: 0, not a guess
+    with pytest.raises(ValueError, match="nodes"):
+        rank_acceptance([(trees[0], [1, 2])], 3, 3)
+
+
+def test_step_cost_model_and_candidates():
+    truth = lambda n, d: 0.9 + 0.05 * n + 0.1 * d  # noqa: E731
+    pts = [(n, d, truth(n, d)) for n, d in [(2, 1), (4, 3), (11, 5), (26, 5), (5, 4)]]
+    cost = fit_step_cost(pts)
+    assert cost(16, 3) == pytest.approx(truth(16, 3))
+    assert fit_step_cost([(2, 1, 1.3)])(26, 5) == pytest.approx(1.3)
+    p = np.array([[0.6, 0.2], [0.5, 0.1], [0.4, 0.05]])
+    picks = fitted_candidates(p, cost, max_nodes=12, max_depth=3, count=3)
+    assert len(picks) == 3 and picks[0][2] >= picks[1][2] >= picks[2][2]
+    for tree, tau, speed in picks:
+        assert tau == pytest.approx(expected_tau(tree, p))
+        assert speed == pytest.approx(tau / cost(tree.num_nodes, tree.max_depth))
+    free = fitted_candidates(p, lambda n, d: 1.0, max_nodes=12, max_depth=3, count=1)[0][0]
+    assert free.num_nodes == 12  # when verifying is free, the biggest tree wins
+
+
+def test_fitted_trees_are_reached_by_name():
+    tree = best_tree(np.array([[0.5, 0.3], [0.2, 0.1]]), 4)
+    assert tree.name.startswith("fit-4-")
+    with pytest.raises(TreeSpecError, match="calibration's fitted tree"):
+        get_tree(tree.name)
+    assert register_tree(tree) is tree and get_tree(tree.name) == tree
+    register_tree(tree)  # the same tree again: fine
+    with pytest.raises(TreeSpecError, match="already taken"):
+        register_tree(TreeSpec([[0]], top_k=1, name=tree.name))
+    with pytest.raises(TreeSpecError, match="already taken"):
+        register_tree(TreeSpec([[1]], top_k=2, name="chain-1"))
+
+
+def test_a_head_that_accepts_known_ranks_gets_those_ranks():
+    """The base emits token 0 forever; Medusa head i ranks token 0 at RANKS[i] (tokens 1..r score above it). So
+    each step accepts exactly the path RANKS: the loop's per-node counts must say so, the rates estimated from a
+    probe run must be 1 at those ranks and 0 elsewhere, and the fitted tree must be that path and accept every
+    draft (tau = depth + 1), with the output unchanged."""
+    ranks = (0, 0, 3)  # the probe comb measures depth d under the top-1 spine, so the spine leads to the last rank
+    base, head = ranked_medusa(ranks)
+    prompt, lens = prompts()
+    probe = probe_tree((4, 4, 4))
+    n = 40
+    out, stats = spec(base, head, probe, prompt, lens, n=n)
+    same_as_greedy(base, out, prompt, lens, n, NO_EOS)
+    hist = np.asarray(stats["node_hist"])
+    steps = sum(stats["accept_hist"])
+    assert hist[0] == steps
+    assert hist[1:].sum() == sum(k * c for k, c in enumerate(stats["accept_hist"]))  # accepted drafts
+    p, parents = rank_acceptance([(probe, hist)], max_depth=3, max_rank=4)
+    np.testing.assert_array_equal(p, np.eye(4)[list(ranks)])
+    assert np.all(parents == steps)
+    fitted = best_tree(p, 8)
+    assert fitted.choices == ((0,), (0, 0), (0, 0, 3))  # probabilities 0 elsewhere: the path alone
+    out, stats = spec(base, head, fitted, prompt, lens, n=n)
+    assert stats["tau"] == 4.0, stats
+    same_as_greedy(base, out, prompt, lens, n, NO_EOS)
+    np.testing.assert_array_equal(stats["node_hist"], [steps := sum(stats["accept_hist"])] * 4)
