@@ -196,9 +196,14 @@ class LossConfig(_Section):
     # cross-entropy against the data's next tokens instead of the base's soft labels (the ReDrafter reference's
     # public training code trains so); the regression term, where a head has one, is unchanged
     hard_labels: bool = False
+    # EAGLE's training noise on the head's input features (SafeAILab/EAGLE v1 `AddUniformNoise`, std 0.2 in its
+    # recipe): uniform, amplitude feature_noise * 512 / (the row's length), on inputs only; 0 = off. Only head
+    # types that read the base's features as inputs support it (HeadType.feature_noise)
+    feature_noise: float = 0.0
 
     def _validate(self):
         self._need(0 < self.decay <= 1, "decay", "must be in (0, 1]")
+        self._need(self.feature_noise >= 0, "feature_noise", "must be >= 0 (0 = off)")
         self._need(self.v_weight >= 0, "v_weight", "must be >= 0")
         self._need(self.p_weight >= 0, "p_weight", "must be >= 0")
         self._need(self.v_weight + self.p_weight > 0, "p_weight", "v_weight and p_weight cannot both be 0")
@@ -378,6 +383,12 @@ class ExperimentConfig:
         if self.loss.draft_vocab and not (self.train.draft_vocab_size or self.train.draft_vocab_from):
             raise ConfigError("loss.draft_vocab: the cross-entropy over the draft vocabulary needs "
                               "train.draft_vocab_size > 0 (how many tokens it holds) or train.draft_vocab_from")
+        if self.loss.feature_noise:
+            from clover_jax.heads.registry import get as head_type
+
+            if not head_type(self.head.type).feature_noise:
+                raise ConfigError(f"loss.feature_noise: a {self.head.type} head does not take noise on its input "
+                                  "features (EAGLE heads do); set it to 0")
         if self.data.batch_size % self.optim.grad_accum:
             raise ConfigError(f"optim.grad_accum: data.batch_size={self.data.batch_size} is not divisible "
                               f"by grad_accum={self.optim.grad_accum}")

@@ -110,18 +110,23 @@ class EagleHead(nnx.Module):
         return base.project(o, self.cfg.dtype)
 
     # ------------------------------------------------------------------ training (teacher forcing)
-    def train_outputs(self, base: Llama, f: jax.Array, tokens: jax.Array, valid: jax.Array) -> jax.Array:
+    def train_outputs(self, base: Llama, f: jax.Array, tokens: jax.Array, valid: jax.Array,
+                      noise: jax.Array | None = None) -> jax.Array:
         """Predicted features over whole sequences `[1, B, T, D]`: `out[0, :, t] = f^_{t+1}` (predicts x_{t+2}).
 
         Args:
           f: `[B, T, D]` base pre-final-norm last-layer hidden states; tokens: `[B, T]` the sequence x
-            (the draft at t reads E x_{t+1}; x_T = 0); valid: `[B, T]` right-padding mask.
+            (the draft at t reads E x_{t+1}; x_T = 0); valid: `[B, T]` right-padding mask; noise: `[B, T, D]`
+            added to the input features h (EAGLE's training noise), or None.
         """
         check_compatible(self, base.config)
         b, t = tokens.shape
         valid = valid.astype(bool)
         y = jnp.concatenate([tokens[:, 1:], jnp.zeros((b, 1), tokens.dtype)], axis=1)  # y_t = x_{t+1}
-        h = jnp.where(valid[..., None], self.features(base, f), 0)  # padding never reaches a valid row
+        h = self.features(base, f)
+        if noise is not None:
+            h = h + noise.astype(h.dtype)
+        h = jnp.where(valid[..., None], h, 0)  # padding never reaches a valid row
         z = self.fc(self.embed(base, y), h)  # [B, T, D]
         positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
         out, _, _ = self.layer(z, positions, causal_mask(valid))
@@ -338,12 +343,17 @@ def from_experiment(cfg) -> EagleConfig:
                        param_dtype=jnp.float32, remat=cfg.train.remat)
 
 
-def loss_from_features(head, base, f, tokens, loss_mask, valid, loss_cfg, *, index=None, vocab_ids=None):
-    """The Clover-2 loss with EAGLE's single output (`loss.v_weight` / `loss.p_weight` set EAGLE's 1.0 / 0.1)."""
-    from clover_jax.training.loss import clover2_loss_from_features
+def loss_from_features(head, base, f, tokens, loss_mask, valid, loss_cfg, *, index=None, vocab_ids=None, rng=None):
+    """The Clover-2 loss with EAGLE's single output (`loss.v_weight` / `loss.p_weight` set EAGLE's 1.0 / 0.1).
+    With `rng` and `loss_cfg.feature_noise > 0`, the input features get EAGLE's uniform training noise
+    (`uniform_feature_noise`); the regression targets and the teacher's distribution stay clean."""
+    from clover_jax.training.loss import clover2_loss_from_features, uniform_feature_noise
 
+    noise = None
+    if rng is not None and loss_cfg.feature_noise:
+        noise = uniform_feature_noise(rng, valid.astype(bool), f.shape[-1], loss_cfg.feature_noise)
     return clover2_loss_from_features(head, base, f, tokens, loss_mask, valid, loss_cfg, index=index,
-                                      vocab_ids=vocab_ids)
+                                      vocab_ids=vocab_ids, noise=noise)
 
 
 EAGLE = registry.register(registry.HeadType(
@@ -354,4 +364,4 @@ EAGLE = registry.register(registry.HeadType(
     sharding_rules={"fc_w": ("fsdp", "tp"), "fc_b": (None,)},  # [2D, D], [D]; the layer: the base's rules
     description="EAGLE-1: one decoder layer autoregressive over the base's features (Li et al. 2024, "
                 "arXiv 2401.15077)",
-    default_tree="clover2-26"))
+    default_tree="clover2-26", feature_noise=True))

@@ -65,6 +65,8 @@ class HeadType:
     description: str = ""
     weights_file: str = "model.safetensors"  # the safetensors file name of an exported folder
     default_tree: str = "clover2-26"  # the tree (or tree policy) used when none is asked for
+    # loss_from_features takes `rng` and applies `LossConfig.feature_noise` to the head's input features
+    feature_noise: bool = False
 
     def config_to_meta(self, config) -> dict[str, Any]:
         """The JSON-able architecture fields of `config` plus its dtypes (checkpoint metadata)."""

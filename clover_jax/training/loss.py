@@ -42,6 +42,7 @@ class LossConfig:
     # cross-entropy against the data's own next tokens (one-hot) instead of the base's distribution: the
     # ReDrafter reference's public training code; the heads take their `labels` from `next_token_labels`
     hard_labels: bool = False
+    feature_noise: float = 0.0  # EAGLE's uniform noise on input features (see `uniform_feature_noise`)
 
     def __post_init__(self):
         if self.vocab_chunk is not None and self.vocab_chunk < 1:
@@ -363,20 +364,29 @@ def output_projection(base: Llama, vocab_ids: jax.Array | None = None) -> jax.Ar
 def clover2_loss_from_features(head, base: Llama, f: jax.Array, tokens: jax.Array, loss_mask: jax.Array,
                                valid: jax.Array, cfg: LossConfig = LossConfig(),
                                teacher_hidden: jax.Array | None = None, index: jax.Array | None = None,
-                               vocab_ids: jax.Array | None = None):
+                               vocab_ids: jax.Array | None = None, **outputs_kw):
     """The loss from precomputed base features (the reference's stored `hidden_state_onnorm` f and,
     optionally, `hidden_state` h; h defaults to RMSNorm_final(f)). With `index` (see `pack_positions`)
     the vocabulary terms are packed (`kd_loss_packed`); with `vocab_ids` they run over that draft
-    vocabulary only (`output_projection`)."""
+    vocabulary only (`output_projection`). `outputs_kw` go to the head's `train_outputs`."""
     f = jax.lax.stop_gradient(f)
     if teacher_hidden is None:
         teacher_hidden = rms_norm(f, jax.lax.stop_gradient(base.final_norm[...]), base.config.rms_norm_eps)
-    outputs = head.train_outputs(base, f, tokens, valid)
+    outputs = head.train_outputs(base, f, tokens, valid, **outputs_kw)
     lm_head = output_projection(base, vocab_ids)
     labels = next_token_labels(tokens, valid, vocab_ids) if cfg.hard_labels else None
     if index is not None:
         return kd_loss_packed(outputs, teacher_hidden, loss_mask, valid, lm_head, index, cfg, labels=labels)
     return kd_loss(outputs, teacher_hidden, tokens, loss_mask, valid, lm_head, cfg, labels=labels)
+
+
+def uniform_feature_noise(rng: jax.Array, valid: jax.Array, dim: int, std: float) -> jax.Array:
+    """`[B, T, D]` EAGLE's training noise on input features (SafeAILab/EAGLE v1 `AddUniformNoise`): uniform in
+    `(-a/2, a/2)` with `a = std * 512 / length`, `length` each row's number of valid positions (the reference
+    scales by the example's sequence length); 0 on padding."""
+    length = jnp.maximum(valid.sum(axis=1), 1).astype(jnp.float32)  # [B]
+    u = jax.random.uniform(rng, valid.shape + (dim,), jnp.float32) - 0.5  # [B, T, D]
+    return jnp.where(valid[..., None], u * (std * 512.0 / length)[:, None, None], 0.0)
 
 
 def base_features(base: Llama, tokens: jax.Array, valid: jax.Array) -> jax.Array:

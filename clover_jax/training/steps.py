@@ -44,7 +44,8 @@ def loss_config(loss_cfg, vocab_size: int) -> LossConfig:
     return LossConfig(decay=loss_cfg.decay, v_weight=loss_cfg.v_weight, p_weight=loss_cfg.p_weight,
                       vocab_chunk=loss_cfg.vocab_chunk or None, label_mask=label,
                       label_top_k=loss_cfg.label_mask_topk or vocab_size,
-                      label_top_p=loss_cfg.label_mask_topp or 1.0, hard_labels=loss_cfg.hard_labels)
+                      label_top_p=loss_cfg.label_mask_topp or 1.0, hard_labels=loss_cfg.hard_labels,
+                      feature_noise=loss_cfg.feature_noise)
 
 
 def head_config(cfg):
@@ -137,34 +138,36 @@ def _split_micro(batch: dict[str, jax.Array], accum: int, mesh=None) -> dict[str
 
 # ------------------------------------------------------------------------------------------------- steps
 def make_loss_fn(head_graphdef, base_graphdef, loss_cfg: LossConfig, vocab_ids=None) -> Callable:
-    """(params, base_state, batch) -> (loss, kd_loss metrics): the head type's loss (`HeadType.loss_from_features`),
-    with the base run online or, when the batch carries `features` (the base's cached pre-norm hidden states),
-    from those. `vocab_ids` (a draft vocabulary, or None for the full one) restricts the cross-entropy."""
+    """(params, base_state, batch, rng=None) -> (loss, kd_loss metrics): the head type's loss
+    (`HeadType.loss_from_features`), with the base run online or, when the batch carries `features` (the base's
+    cached pre-norm hidden states), from those. `vocab_ids` (a draft vocabulary, or None for the full one)
+    restricts the cross-entropy; `rng` draws `loss_cfg.feature_noise` (training steps only)."""
     from clover_jax.heads import registry
 
-    def forward(params, base_state, batch):
+    def forward(params, base_state, batch, rng=None):
         head = nnx.merge(head_graphdef, params)
         base = nnx.merge(base_graphdef, base_state)
         if "features" in batch:
             f = batch["features"].astype(base.dtype)  # stored in bfloat16; the online path's dtype
         else:
             f = base_features(base, batch["tokens"], batch["valid"])
+        noise = {"rng": rng} if rng is not None and loss_cfg.feature_noise else {}  # training only
         return registry.of_head(head).loss_from_features(
             head, base, f, batch["tokens"], batch["loss_mask"], batch["valid"], loss_cfg,
-            index=batch.get("loss_index"), vocab_ids=vocab_ids)
+            index=batch.get("loss_index"), vocab_ids=vocab_ids, **noise)
     return forward
 
 
 def make_grad_fn(head_graphdef, base_graphdef, loss_cfg: LossConfig, num_heads: int,
                  grad_accum: int = 1, mesh=None, vocab_ids=None) -> Callable:
-    """(params, base_state, batch) -> (grads, sums): gradients of the big-batch loss w.r.t. the head params,
-    accumulated over `grad_accum` micro-batches (see the module docstring), and per-head sums."""
+    """(params, base_state, batch, rng=None) -> (grads, sums): gradients of the big-batch loss w.r.t. the head
+    params, accumulated over `grad_accum` micro-batches (see the module docstring), and per-head sums."""
     accum = int(grad_accum)
     exact = not loss_cfg.label_mask
     forward = make_loss_fn(head_graphdef, base_graphdef, loss_cfg, vocab_ids)
 
-    def micro_objective(params, base_state, mb, totals):
-        loss, m = forward(params, base_state, mb)
+    def micro_objective(params, base_state, mb, totals, rng):
+        loss, m = forward(params, base_state, mb, rng)
         s = _sums(m)
         if exact:  # this micro-batch's share of the big-batch loss
             w = head_weights(loss_cfg, num_heads)
@@ -175,21 +178,23 @@ def make_grad_fn(head_graphdef, base_graphdef, loss_cfg: LossConfig, num_heads: 
             loss = loss / accum
         return loss, s
 
-    def grad_fn(params, base_state, batch):
+    def grad_fn(params, base_state, batch, rng=None):
         if accum == 1:
-            (_, m), grads = jax.value_and_grad(forward, has_aux=True)(params, base_state, batch)
+            (_, m), grads = jax.value_and_grad(forward, has_aux=True)(params, base_state, batch, rng)
             return grads, _sums(m)
         totals = head_counts(batch, num_heads)
         vg = jax.value_and_grad(micro_objective, has_aux=True)
 
-        def body(carry, mb):
+        def body(carry, xs):
+            mb, i = xs
             g_acc, s_acc = carry
-            (_, s), g = vg(params, base_state, mb, totals)
+            (_, s), g = vg(params, base_state, mb, totals, None if rng is None else jax.random.fold_in(rng, i))
             return (jax.tree.map(jnp.add, g_acc, g), jax.tree.map(jnp.add, s_acc, s)), None
 
         zeros_g = jax.tree.map(jnp.zeros_like, params)
         zeros_s = {k: jnp.zeros((num_heads,), jnp.float32) for k in SUM_KEYS}
-        (grads, sums), _ = jax.lax.scan(body, (zeros_g, zeros_s), _split_micro(batch, accum, mesh))
+        xs = (_split_micro(batch, accum, mesh), jnp.arange(accum))
+        (grads, sums), _ = jax.lax.scan(body, (zeros_g, zeros_s), xs)
         return grads, sums
 
     return grad_fn
@@ -198,7 +203,8 @@ def make_grad_fn(head_graphdef, base_graphdef, loss_cfg: LossConfig, num_heads: 
 def build_steps(head_graphdef, base_graphdef, tx: optax.GradientTransformation, loss_cfg: LossConfig,
                 num_heads: int, *, grad_accum: int = 1, schedule: optax.Schedule | None = None,
                 mesh=None, param_shardings=None, opt_shardings=None, base_shardings=None,
-                donate: bool = True, return_grads: bool = False, vocab_ids=None) -> tuple[Callable, Callable]:
+                donate: bool = True, return_grads: bool = False, vocab_ids=None,
+                noise_seed: int = 0) -> tuple[Callable, Callable]:
     """(train_step, eval_step), jitted with explicit shardings when `mesh` is given.
 
     train_step(params, opt_state, base_state, batch, step) -> (params', opt_state', metrics)
@@ -210,7 +216,9 @@ def build_steps(head_graphdef, base_graphdef, tx: optax.GradientTransformation, 
     grad_fn = make_grad_fn(head_graphdef, base_graphdef, loss_cfg, num_heads, grad_accum, mesh, vocab_ids)
 
     def train_step(params, opt_state, base_state, batch, step):
-        grads, sums = grad_fn(params, base_state, batch)
+        # the feature noise of step `step`: the same on a resumed run as on an uninterrupted one
+        rng = jax.random.fold_in(jax.random.key(noise_seed), step) if loss_cfg.feature_noise else None
+        grads, sums = grad_fn(params, base_state, batch, rng)
         updates, opt_state = tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
         metrics = metrics_from_sums(sums, loss_cfg)

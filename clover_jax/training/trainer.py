@@ -233,7 +233,8 @@ class Trainer:
             self.head_graphdef, self.base_graphdef, self.tx, self.loss_cfg, cfg.head.num_heads,
             grad_accum=cfg.optim.grad_accum, schedule=self.schedule, mesh=self.mesh,
             param_shardings=self.param_shardings, opt_shardings=self.opt_shardings,
-            base_shardings=self.base_shardings, donate=donate, vocab_ids=self.vocab_ids, **kw)
+            base_shardings=self.base_shardings, donate=donate, vocab_ids=self.vocab_ids, noise_seed=cfg.train.seed,
+            **kw)
         self._train_step, self._eval_step = self._build()
         self._train_step_grads = None
 

@@ -241,3 +241,50 @@ def test_eagle_training_run_export_and_import(tmp_path):
     back = import_head(out, base)
     for a, b in zip(jax.tree.leaves(nnx.state(back)), jax.tree.leaves(nnx.state(from_run))):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_feature_noise_is_eagles_uniform_noise_on_inputs_only():
+    """`loss.feature_noise`: uniform in +-std*256/length on valid positions, 0 on padding; it changes the training
+    loss (inputs only: with zero noise the loss is the clean one), a step's noise is fixed by the step number (a
+    resumed run redraws the same), and head types that take no input features refuse it by name."""
+    from clover_jax.config import ConfigError
+    from clover_jax.training.loss import LossConfig, uniform_feature_noise
+    from clover_jax.training.steps import build_steps
+    from training_helpers import make_cfg
+
+    valid = jnp.asarray(np.arange(16)[None] < np.array([[16], [4]]))
+    z = np.asarray(uniform_feature_noise(jax.random.key(0), valid, 64, 0.2))  # [2, 16, 64]
+    for row, length in ((0, 16), (1, 4)):
+        a = 0.2 * 512 / length / 2
+        v = z[row, :length]
+        assert np.abs(v).max() <= a and np.abs(v).max() > 0.9 * a and abs(v.mean()) < 0.1 * a
+    assert np.all(z[1, 4:] == 0)
+
+    base = init_llama(CFG, seed=0)
+    head = init_from_base(base, EagleConfig(), seed=1)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(3, 64, (2, 16)), jnp.int32)
+    f = base_features(base, tokens, valid)
+    ht = registry.get("eagle")
+    noisy = LossConfig(decay=1.0, v_weight=1.0, p_weight=0.1, feature_noise=0.2)
+    clean, _ = ht.loss_from_features(head, base, f, tokens, valid, valid, noisy)  # no rng: eval, no noise
+    loss_a, _ = ht.loss_from_features(head, base, f, tokens, valid, valid, noisy, rng=jax.random.key(1))
+    loss_b, _ = ht.loss_from_features(head, base, f, tokens, valid, valid, noisy, rng=jax.random.key(2))
+    zero = LossConfig(decay=1.0, v_weight=1.0, p_weight=0.1, feature_noise=1e-30)
+    loss_0, _ = ht.loss_from_features(head, base, f, tokens, valid, valid, zero, rng=jax.random.key(1))
+    assert float(loss_a) != float(clean) and float(loss_a) != float(loss_b)
+    np.testing.assert_allclose(float(loss_0), float(clean), rtol=1e-6)  # the targets carry no noise
+
+    import optax
+
+    params = nnx.to_pure_dict(nnx.state(head))
+    graph = nnx.graphdef(head)
+    step, _ = build_steps(graph, nnx.graphdef(base), optax.sgd(1.0), noisy, 1, donate=False, noise_seed=3)
+    batch = {"tokens": tokens, "loss_mask": valid, "valid": valid}
+    opt = optax.sgd(1.0).init(params)
+    base_state = nnx.state(base)
+    m = [float(step(params, opt, base_state, batch, jnp.asarray(s))[2]["loss"]) for s in (5, 5, 6)]
+    assert m[0] == m[1] and m[0] != m[2]
+
+    make_cfg("head.type=eagle", "loss.feature_noise=0.2")  # accepted
+    with pytest.raises(ConfigError, match="feature_noise: a clover2 head"):
+        make_cfg("loss.feature_noise=0.2")
