@@ -223,7 +223,7 @@ def _fit(table: dict, runs: dict, names: dict, probe) -> tuple[list, dict]:
     """The fitted trees to measure (best predicted first) and what the fit found (per-rank acceptance, step
     cost points), from the first round's static runs."""
     from clover_jax.decoding.tree import TreeSpec, get_tree
-    from clover_jax.decoding.tree_fit import fit_step_cost, fitted_candidates, rank_acceptance
+    from clover_jax.decoding.tree_fit import fit_step_cost, fitted_candidates, rank_acceptance, smooth_acceptance
 
     static = {t: get_tree(t) for t in table if isinstance(get_tree(t), TreeSpec) and runs[names[t]].get("node_hist")}
     p, parents = rank_acceptance([(static[t], runs[names[t]]["node_hist"]) for t in static], probe.max_depth,
@@ -234,7 +234,8 @@ def _fit(table: dict, runs: dict, names: dict, probe) -> tuple[list, dict]:
     max_nodes = max(spec.num_nodes for spec in static.values())
     measured = {spec.choices for spec in static.values()}
     picks = [(spec, tau, speed) for spec, tau, speed in
-             fitted_candidates(p, cost, max_nodes, probe.max_depth, count=FITTED_TO_MEASURE + len(measured))
+             fitted_candidates(smooth_acceptance(p, parents), cost, max_nodes, probe.max_depth,
+                               count=FITTED_TO_MEASURE + len(measured))
              if spec.choices not in measured][:FITTED_TO_MEASURE]
     info = {"rank_acceptance": [[round(float(x), 4) for x in row] for row in p],
             "rank_parents": parents.astype(int).tolist(),

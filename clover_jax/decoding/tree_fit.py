@@ -19,7 +19,11 @@ Estimating `p` (`rank_acceptance`): the speculative loop counts how often each t
 path (`node_hist`); for a static tree a node is a path of child ranks, so `p[d, r]` is the number of
 accepted depth-(d+1) rank-r nodes over the number of accepted parents that had a rank-r child, pooled over
 every static tree measured. `probe_tree` is a comb that measures each depth's first ranks along the top-1
-spine in one run.
+spine in one run. Cells seen under few parents are noisy (a rank-4 child at depth 2 measured 5/49 against
+rank 3's 1/49 in one calibration), and a best-first expansion happily builds on such noise, so `smooth_acceptance`
+shrinks each cell toward its rank's rate pooled over depths (a Beta prior, empirical Bayes) and then makes each
+depth non-increasing in rank (weighted pool-adjacent-violators): the head's ranks are ordered by its own
+probability, so a lower rank is not expected to be accepted more often than a higher one.
 
 Axis alphabet: Dmax depths of `p`, R child ranks of `p`, U tree nodes.
 """
@@ -66,6 +70,37 @@ def rank_acceptance(runs: Iterable[tuple[TreeSpec, Sequence[int]]], max_depth: i
             seen[d, r] += node_hist[index[path[:-1]]]
     p = np.divide(hits, seen, out=np.zeros_like(hits), where=seen > 0)
     return p, seen
+
+
+def smooth_acceptance(p: np.ndarray, parents: np.ndarray, prior_parents: float = 10.0) -> np.ndarray:
+    """`p [Dmax, R]` (from `rank_acceptance`) with each measured cell shrunk toward its rank's acceptance pooled
+    over depths, as if `prior_parents` more parents had been seen at that rate, then made non-increasing in rank
+    within each depth (weighted by parents seen); unmeasured cells (0 parents) stay 0."""
+    p = np.asarray(p, np.float64)
+    w = np.asarray(parents, np.float64)  # [Dmax, R]
+    if p.shape != w.shape:
+        raise ValueError(f"p {p.shape} and parents {w.shape} differ in shape")
+    hits = p * w
+    seen = w.sum(0)  # [R]
+    pooled = np.divide(hits.sum(0), seen, out=np.zeros_like(seen), where=seen > 0)  # [R]
+    q = np.where(w > 0, (hits + prior_parents * pooled) / np.maximum(w + prior_parents, 1e-12), 0.0)
+    for d in range(q.shape[0]):
+        cols = np.flatnonzero(w[d] > 0)
+        if len(cols) > 1:
+            q[d, cols] = _non_increasing(q[d, cols], w[d, cols] + prior_parents)
+    return q
+
+
+def _non_increasing(y: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """The weighted least-squares non-increasing fit to `y` (pool adjacent violators)."""
+    blocks: list[list[float]] = []  # [mean, weight, length]
+    for yi, wi in zip(y, w):
+        blocks.append([float(yi), float(wi), 1])
+        while len(blocks) > 1 and blocks[-2][0] < blocks[-1][0]:
+            m2, w2, n2 = blocks.pop()
+            m1, w1, n1 = blocks.pop()
+            blocks.append([(m1 * w1 + m2 * w2) / (w1 + w2), w1 + w2, n1 + n2])
+    return np.concatenate([np.full(int(n), m) for m, _, n in blocks])
 
 
 def path_scores(spec: TreeSpec, p: np.ndarray) -> np.ndarray:

@@ -51,7 +51,7 @@ from flax import nnx
 
 from clover_jax.heads import registry
 from clover_jax.heads.clover2 import (EMBED_SOURCES, REFERENCE_ROPE_THETA, aug_block_config, attention_decoder)
-from clover_jax.models.cache import KVCache, causal_mask, check_room, prefix_mask
+from clover_jax.models.cache import KVCache, attended_cache, causal_mask, check_room, prefix_mask
 from clover_jax.models.config import LlamaConfig
 from clover_jax.models.llama import DecoderStack, Llama, rms_norm
 from clover_jax.validation import InputError
@@ -153,17 +153,17 @@ class Clover1Head(nnx.Module):
                             dtype or self.cfg.dtype)
 
     def commit(self, base: Llama, cache: KVCache, f_new: jax.Array, y_new: jax.Array,
-               num_valid: jax.Array) -> tuple[jax.Array, KVCache]:
+               num_valid: jax.Array, fresh: bool = False) -> tuple[jax.Array, KVCache]:
         """Feeds new accepted positions `f_new [B, A, D]` through the Augmenting Block (cache appended by
         `num_valid [B]`) and returns s^0 `[B, D]` = AD_0(E[root], a_last), the root being the token after the
-        last valid position (`y_new [B, A]`)."""
+        last valid position (`y_new [B, A]`); `fresh`: the cache is known to be empty (see Clover2Head.commit)."""
         b, a = y_new.shape
         num_valid = num_valid.astype(jnp.int32)
         check_room(cache.lengths + num_valid, 0, cache.size, what="Clover-1 head commit")
         valid = jnp.arange(a)[None, :] < num_valid[:, None]  # [B, A]
         f = jnp.where(valid[..., None], f_new, 0).astype(self.cfg.dtype)
         positions = cache.lengths[:, None] + jnp.arange(a, dtype=jnp.int32)[None, :]
-        s, new_k, new_v = self._aug(f, positions, causal_mask(valid), cache, prefix_mask(cache.lengths, a, cache.size))
+        s, new_k, new_v = self._aug(f, positions, causal_mask(valid), *attended_cache(cache, a, fresh))
         last = jnp.maximum(num_valid - 1, 0)
         a_last = jnp.take_along_axis(s, last[:, None, None], axis=1)[:, 0]  # [B, D]
         root = jnp.take_along_axis(jnp.where(valid, y_new, 0), last[:, None], axis=1)[:, 0]  # [B]

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from clover_jax.models.cache import KVCache, causal_mask, check_room, prefix_mask
+from clover_jax.models.cache import KVCache, attended_cache, causal_mask, check_room, prefix_mask
 from clover_jax.models.config import LlamaConfig, RopeScaling
 from clover_jax.models.llama import DecoderStack, Llama, rms_norm
 from clover_jax.validation import InputError
@@ -267,7 +267,7 @@ class Clover2Head(nnx.Module):
                             dtype or self.cfg.dtype)
 
     def commit(self, base: Llama, cache: KVCache, f_new: jax.Array, y_new: jax.Array,
-               num_valid: jax.Array) -> tuple[jax.Array, KVCache]:
+               num_valid: jax.Array, fresh: bool = False) -> tuple[jax.Array, KVCache]:
         """Feeds newly accepted positions through AD1 + the Augmenting Block; returns s^0.
 
         Args:
@@ -276,6 +276,7 @@ class Clover2Head(nnx.Module):
           y_new: `[B, A]` the token that follows each new position (x_{t+1}: the next accepted token,
             or the bonus/root token for the last one).
           num_valid: `[B]` how many of the A positions are real in each row (0 allowed: row untouched).
+          fresh: the cache is known to be empty (the prompt's commit): its slots are not attended to at all.
 
         Returns:
           `(state [B, D], cache')`: the Augmenting-Block output (after aug_norm) at the last valid new
@@ -294,8 +295,8 @@ class Clover2Head(nnx.Module):
         g = self._ad("ad1", jnp.where(valid[..., None], f_new, 0).astype(self.cfg.dtype), e)
         positions = cache.lengths[:, None] + jnp.arange(a, dtype=jnp.int32)[None, :]  # [B, A]
         self_mask = causal_mask(valid)  # [B, A, A]
-        cache_mask = prefix_mask(cache.lengths, a, cache.size)  # [B, A, S]
-        s, new_k, new_v = self._aug_block(g, positions, self_mask, cache, cache_mask)
+        old, cache_mask = attended_cache(cache, a, fresh)  # cache_mask [B, A, S] or None
+        s, new_k, new_v = self._aug_block(g, positions, self_mask, old, cache_mask)
         last = jnp.maximum(num_valid - 1, 0)
         state = jnp.take_along_axis(s, last[:, None, None], axis=1)[:, 0]  # [B, D]
         return state, cache.append(new_k, new_v, num_valid)

@@ -77,7 +77,7 @@ class Clover2Drafter(TreeDrafterBase):
                             vocab_ids=arrays["vocab_ids"], buffers=arrays["buffers"])
 
     def start(self, head, base, state: Clover2State, f_prompt, y_prompt, lengths) -> Clover2State:
-        s0, cache = head.commit(base, state.cache, f_prompt, y_prompt, lengths)
+        s0, cache = head.commit(base, state.cache, f_prompt, y_prompt, lengths, fresh=True)  # init_state's empty cache
         return state.replace(cache=cache, s0=s0)
 
     def commit(self, head, base, state: Clover2State, f_new, y_new, num_new) -> Clover2State:

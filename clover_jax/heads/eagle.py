@@ -47,7 +47,7 @@ from clover_jax.heads import registry
 from clover_jax.heads.clover2 import REFERENCE_ROPE_THETA, aug_block_config
 from clover_jax.heads.clover2_type import tree_drafter_factory
 from clover_jax.heads.clover2_draft import Clover2Drafter, Clover2DynamicDrafter, Clover2State
-from clover_jax.models.cache import KVCache, causal_mask, check_room, prefix_mask
+from clover_jax.models.cache import KVCache, attended_cache, causal_mask, check_room, prefix_mask
 from clover_jax.models.config import LlamaConfig
 from clover_jax.models.llama import DecoderStack, Llama, rms_norm
 from clover_jax.validation import InputError
@@ -139,7 +139,7 @@ class EagleHead(nnx.Module):
         return KVCache.init(NUM_LAYERS, batch, size, c.num_key_value_heads, c.head_dim, dtype or self.cfg.dtype)
 
     def commit(self, base: Llama, cache: KVCache, f_new: jax.Array, y_new: jax.Array,
-               num_valid: jax.Array) -> tuple[jax.Array, KVCache]:
+               num_valid: jax.Array, fresh: bool = False) -> tuple[jax.Array, KVCache]:
         """Feeds newly accepted positions (pairs `(h_t, x_{t+1})`) through the draft layer.
 
         Args:
@@ -147,6 +147,7 @@ class EagleHead(nnx.Module):
           f_new: `[B, A, D]` base pre-norm hidden states of the new positions (right padded).
           y_new: `[B, A]` the token following each (the last one: the root).
           num_valid: `[B]` real positions per row (0: the row is untouched).
+          fresh: the cache is known to be empty (the prompt's commit): its slots are not attended to.
 
         Returns:
           `(f^ [B, D], cache')`: the layer output at each row's last valid position (f^ after the root: the
@@ -160,8 +161,9 @@ class EagleHead(nnx.Module):
         h = jnp.where(valid[..., None], self.features(base, f_new), 0)  # a NaN in padding would leak
         z = self.fc(self.embed(base, jnp.where(valid, y_new, 0)), h)  # [B, A, D]
         positions = cache.lengths[:, None] + jnp.arange(a, dtype=jnp.int32)[None, :]  # [B, A]
-        out, new_k, new_v = self.layer(z, positions, causal_mask(valid), cache.k, cache.v,
-                                       prefix_mask(cache.lengths, a, cache.size))
+        old, cache_mask = attended_cache(cache, a, fresh)  # cache_mask [B, A, S] or None
+        ck, cv = (None, None) if old is None else (old.k, old.v)
+        out, new_k, new_v = self.layer(z, positions, causal_mask(valid), ck, cv, cache_mask)
         last = jnp.maximum(num_valid - 1, 0)
         state = jnp.take_along_axis(out, last[:, None, None], axis=1)[:, 0]  # [B, D]
         return state, cache.append(new_k, new_v, num_valid)

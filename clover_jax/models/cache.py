@@ -107,3 +107,14 @@ def prefix_mask(lengths: jax.Array, num_queries: int, cache_size: int) -> jax.Ar
     """Mask `[B, T, S]` that lets every query see the first `lengths[b]` cache slots of its row."""
     visible = jnp.arange(cache_size)[None, :] < lengths[:, None]  # [B, S]
     return jnp.broadcast_to(visible[:, None, :], (lengths.shape[0], num_queries, cache_size))
+
+
+def attended_cache(cache: KVCache, num_queries: int, fresh: bool) -> tuple[KVCache | None, jax.Array | None]:
+    """`(cache, mask [B, T, S])` for `num_queries` new positions that see each row's filled slots, or
+    `(None, None)` when the cache is known to be empty (`fresh`, a static bool: the prompt's first commit).
+
+    Skipping an empty cache saves a `[T, S]` block of scores per head, and keeps XLA from constant-folding the
+    all-masked block of a freshly initialised cache (seconds of compile time for a 256-token prompt)."""
+    if fresh:
+        return None, None
+    return cache, prefix_mask(cache.lengths, num_queries, cache.size)

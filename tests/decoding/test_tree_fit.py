@@ -11,7 +11,7 @@ import pytest
 
 from clover_jax.decoding.tree import TreeSpec, TreeSpecError, get_tree, register_tree
 from clover_jax.decoding.tree_fit import (best_tree, expected_tau, fit_step_cost, fitted_candidates, path_scores,
-                                          probe_tree, rank_acceptance)
+                                          probe_tree, rank_acceptance, smooth_acceptance)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "heads"))  # spec_helpers
 from spec_helpers import NO_EOS, prompts, ranked_medusa, same_as_greedy, spec  # noqa: E402
@@ -69,6 +69,26 @@ def test_rank_acceptance_recovers_the_rates_it_was_made_from():
     assert parents[3].sum() == 0 and parents[0, 3] == 0 and est[0, 3] == 0  # never measured: 0, not a guess
     with pytest.raises(ValueError, match="nodes"):
         rank_acceptance([(trees[0], [1, 2])], 3, 3)
+
+
+def test_smoothing_keeps_well_measured_rates_and_orders_noisy_ranks():
+    # the measured pattern of one calibration: rank 4 at depth 2 seen 5/49 times, rank 3 1/49
+    p = np.array([[0.19, 0.08, 0.05, 0.04, 0.03, 0.01], [0.27, 0.08, 0.06, 1 / 49, 5 / 49, 4 / 49]])
+    parents = np.array([[2306, 894, 894, 582, 289, 289], [433, 197, 101, 49, 49, 49]])
+    q = smooth_acceptance(p, parents)
+    assert (np.diff(q, axis=1) <= 1e-12).all()  # non-increasing in rank at every depth
+    np.testing.assert_allclose(q[0], p[0], atol=2e-3)  # thousands of parents: the prior barely moves them
+    assert q[1, 3] == pytest.approx(q[1, 4]) == pytest.approx(q[1, 5])  # the violators pooled
+    assert q[1, 3] == pytest.approx((parents[1, 3:] * p[1, 3:]).sum() / parents[1, 3:].sum(), abs=0.02)
+    raw, smoothed = best_tree(p, 9, 2), best_tree(q, 9, 2)
+    assert (0, 4) in raw.choices  # the raw estimate builds on the noise ...
+    assert (0, 4) not in smoothed.choices or (0, 3) in smoothed.choices  # ... the smoothed one keeps rank order
+    # unmeasured cells stay 0; a rate pooled over depths is the prior of a thinly measured depth
+    q = smooth_acceptance(np.array([[0.5, 0.0], [0.0, 0.0]]), np.array([[1000, 0], [2, 0]]), prior_parents=10)
+    assert q[0, 1] == q[1, 1] == 0
+    assert q[1, 0] == pytest.approx((0 + 10 * 0.5 * 1000 / 1002) / 12)
+    with pytest.raises(ValueError, match="shape"):
+        smooth_acceptance(p, parents[:1])
 
 
 def test_step_cost_model_and_candidates():

@@ -56,6 +56,7 @@ def head(head_init):
 
 _train = jax.jit(lambda h, b, f, tok, valid: h.train_outputs(b, f, tok, valid))
 _commit = jax.jit(lambda h, b, c, f, y, n: h.commit(b, c, f, y, n))
+_commit_fresh = jax.jit(lambda h, b, c, f, y, n: h.commit(b, c, f, y, n, fresh=True))
 _step = jax.jit(lambda h, b, s, tok: h.step(b, s, tok))
 _head0 = jax.jit(lambda h, s: h.head0(s))
 _logits = jax.jit(lambda h, b, o: h.logits(b, o))
@@ -158,6 +159,10 @@ def test_commit_in_chunks_equals_one_call_and_padding_is_isolated(base, head):
     fc, yc = padded(lengths, np.zeros(b, int), 8, 10)
     state_full, cache_full = _commit(head, base, head.init_cache(b, size), fc, yc, jnp.asarray(lengths))
     assert np.isfinite(np.asarray(state_full)).all()
+    # the prompt's commit skips the (empty) cache: same state and cache as attending to its masked slots
+    state_fresh, cache_fresh = _commit_fresh(head, base, head.init_cache(b, size), fc, yc, jnp.asarray(lengths))
+    np.testing.assert_array_equal(np.asarray(state_fresh), np.asarray(state_full))
+    np.testing.assert_array_equal(np.asarray(cache_fresh.k), np.asarray(cache_full.k))
 
     cache, starts = head.init_cache(b, size), np.zeros(b, int)
     for j, counts in enumerate(schedule.T):

@@ -50,15 +50,30 @@ def test_registry_and_drafters():
         EagleConfig(init="random")
 
 
+_PAD = 16  # prompt (<= 8) + path (<= 5) positions, padded so one compile serves every path
+
+
+@jax.jit
+def _recompute(head, base, h, y, length):
+    """The layer's output at position `length - 1` of one causal pass of FC + the layer over `h [_PAD, D]`,
+    `y [_PAD]` (positions past `length` are padding that no earlier position sees). `[D]`."""
+    z = head.fc(head.embed(base, y), h)[None]  # [1, _PAD, D]
+    valid = (jnp.arange(_PAD) < length)[None]
+    out, _, _ = head.layer(z, jnp.arange(_PAD, dtype=jnp.int32)[None], causal_mask(valid))
+    return out[0, length - 1]
+
+
+_order = jax.jit(lambda head, base, out: jnp.argsort(-head.logits(base, out), stable=True))
+
+
 def _reference_output(head, base, h_prefix, y_prefix, path_tokens, path_feats):
-    """The draft's output after a path, recomputed from scratch: one causal pass of FC + the layer over the
-    committed pairs (h_t, x_{t+1}) then the path's pairs (f^ of the parent, the node's token). `[D]`."""
-    e = head.embed(base, jnp.concatenate([y_prefix, jnp.asarray(path_tokens, jnp.int32)]))
+    """The draft's output after a path, recomputed from scratch without any cache: one causal pass of FC + the
+    layer over the committed pairs (h_t, x_{t+1}) then the path's pairs (f^ of the parent, the node's token)."""
+    y = jnp.concatenate([y_prefix, jnp.asarray(path_tokens, jnp.int32)])
     h = jnp.concatenate([h_prefix] + [f[None] for f in path_feats], axis=0) if path_feats else h_prefix
-    z = head.fc(e, h)[None]  # [1, T, D]
-    t = z.shape[1]
-    out, _, _ = head.layer(z, jnp.arange(t, dtype=jnp.int32)[None], causal_mask(jnp.ones((1, t), bool)))
-    return out[0, -1]
+    n = y.shape[0]
+    assert n <= _PAD
+    return _recompute(head, base, jnp.pad(h, ((0, _PAD - n), (0, 0))), jnp.pad(y, (0, _PAD - n)), n)
 
 
 @pytest.mark.parametrize("tree", ["clover2-26", "dynamic-10-d4-k3"])
@@ -75,8 +90,13 @@ def test_every_drafted_node_equals_a_full_recompute_of_its_path(tree):
     valid = jnp.arange(t)[None] < lens[:, None]
     f = base_features(base, prompt, valid)
     y = jnp.concatenate([prompt[:, 1:], jnp.zeros((b, 1), jnp.int32)], axis=1).at[jnp.arange(b), lens - 1].set(root)
-    state = drafter.start(head, base, drafter.init_state(head, base, b, 64), f, y, lens)
-    prop = drafter.propose(head, base, state, root, jax.random.key(0))
+
+    @jax.jit  # one compile instead of the eager dispatch of every op of a tree's drafting
+    def draft(head, base, f, y, lens, root):
+        state = drafter.start(head, base, drafter.init_state(head, base, b, 64), f, y, lens)
+        return drafter.propose(head, base, state, root, jax.random.key(0))
+
+    prop = draft(head, base, f, y, lens, root)
     tokens = np.asarray(prop.tokens)
     parent, rank, depth = (np.broadcast_to(np.asarray(x), tokens.shape) for x in
                            (prop.buffers.parent, prop.buffers.rank, prop.buffers.depth))
@@ -91,7 +111,7 @@ def test_every_drafted_node_equals_a_full_recompute_of_its_path(tree):
             if p < 0:
                 continue  # an unused slot
             path, feats, out = done[p]
-            order = np.argsort(-np.asarray(head.logits(base, out)), kind="stable")
+            order = np.asarray(_order(head, base, out))
             tok = int(tokens[r, node])
             if static:
                 assert tok == order[int(rank[r, node])], (r, node)
