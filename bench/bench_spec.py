@@ -125,6 +125,9 @@ def _main(argv=None):
         mesh = parse_mesh(args.mesh)
     loaded = load_model(args.model, mesh=mesh)
     head = load_head(args.head, loaded.model)
+    from clover_jax.calibrate import register_saved_trees
+
+    register_saved_trees(args.head)  # --trees fit-N-<hash>: a tree fitted by the head's calibration
     prompts, cats = load_questions(args.questions, args.limit or None, args.category)
     t0 = time.time()
     from clover_jax.evaluation import DV

@@ -25,7 +25,8 @@ A calibration is keyed by the hardware (backend and device kind; on a CPU the pr
 count), the compute dtype and the batch size; it is saved beside the head (`calibration.json` in the head's
 folder) when that folder is writable, else in `~/.cache/clover_jax/calibration/` (`CLOVER_JAX_CACHE`
 overrides), and reused by later runs. `auto` without a saved calibration for this hardware runs one and says
-so (a few minutes on a CPU).
+so (measured for the shipped SmolLM2 head on 2 CPU cores: 7 minutes for the presets alone, 15 with the probe
+and the fitted trees while another job shared the machine; `--candidates` and `--no-fit` shorten it).
 """
 
 from __future__ import annotations
@@ -219,6 +220,17 @@ def register_trees(entry: dict) -> None:
         register_tree(TreeSpec([tuple(c) for c in t["choices"]], top_k=int(t["top_k"]), name=name))
 
 
+def register_saved_trees(head_source) -> list[str]:
+    """Makes the probe and fitted trees of every saved calibration of this head known by name (so
+    `tree="fit-3-c5bf00"` works wherever the head is given by name or folder); returns their names."""
+    names = []
+    for path in calibration_files(head_source):
+        for entry in _read(path).get("entries", {}).values():
+            register_trees(entry)
+            names += list(entry.get("trees") or {})
+    return names
+
+
 def _fit(table: dict, runs: dict, names: dict, probe) -> tuple[list, dict]:
     """The fitted trees to measure (best predicted first) and what the fit found (per-rank acceptance, step
     cost points), from the first round's static runs."""
@@ -380,7 +392,8 @@ def _main(argv=None) -> int:
         print(f"| {tree} | {get_tree(tree).num_nodes} | {r['tau']:.3f} | {r['speedup']:.3f} | "
               f"{r['tokens_per_second']:.1f} | {fitted} |")
     if entry.get("rank_acceptance"):
-        print("\nacceptance per depth (rows) and child rank (columns), pooled over the static trees:")
+        print("\nacceptance per depth (rows) and child rank (columns), pooled over the static trees (the fit uses "
+              "them smoothed: tree_fit.smooth_acceptance):")
         for d, row in enumerate(entry["rank_acceptance"]):
             print(f"  depth {d + 1}: " + " ".join(f"{x:.3f}" for x in row))
         for name, t in entry.get("trees", {}).items():

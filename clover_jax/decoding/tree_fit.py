@@ -21,9 +21,10 @@ accepted depth-(d+1) rank-r nodes over the number of accepted parents that had a
 every static tree measured. `probe_tree` is a comb that measures each depth's first ranks along the top-1
 spine in one run. Cells seen under few parents are noisy (a rank-4 child at depth 2 measured 5/49 against
 rank 3's 1/49 in one calibration), and a best-first expansion happily builds on such noise, so `smooth_acceptance`
-shrinks each cell toward its rank's rate pooled over depths (a Beta prior, empirical Bayes) and then makes each
-depth non-increasing in rank (weighted pool-adjacent-violators): the head's ranks are ordered by its own
-probability, so a lower rank is not expected to be accepted more often than a higher one.
+shrinks each cell toward its rank's rate pooled over depths (a Beta prior, empirical Bayes) and then pools
+adjacent ranks of a depth whose order is inverted (pool-adjacent-violators, weighted by parents seen) unless the
+inversion is significant (a two-proportion z-test): the head ranks its candidates by its own probability, so a
+later rank accepted more often is taken for noise unless the counts say otherwise.
 
 Axis alphabet: Dmax depths of `p`, R child ranks of `p`, U tree nodes.
 """
@@ -72,10 +73,12 @@ def rank_acceptance(runs: Iterable[tuple[TreeSpec, Sequence[int]]], max_depth: i
     return p, seen
 
 
-def smooth_acceptance(p: np.ndarray, parents: np.ndarray, prior_parents: float = 10.0) -> np.ndarray:
+def smooth_acceptance(p: np.ndarray, parents: np.ndarray, prior_parents: float = 10.0, z_max: float = 3.0
+                      ) -> np.ndarray:
     """`p [Dmax, R]` (from `rank_acceptance`) with each measured cell shrunk toward its rank's acceptance pooled
-    over depths, as if `prior_parents` more parents had been seen at that rate, then made non-increasing in rank
-    within each depth (weighted by parents seen); unmeasured cells (0 parents) stay 0."""
+    over depths, as if `prior_parents` more parents had been seen at that rate; then, within each depth, adjacent
+    ranks whose acceptance rises with rank are pooled (weighted by parents seen) unless the raw counts make the
+    rise significant (z > `z_max`). Unmeasured cells (0 parents) stay 0."""
     p = np.asarray(p, np.float64)
     w = np.asarray(parents, np.float64)  # [Dmax, R]
     if p.shape != w.shape:
@@ -87,20 +90,24 @@ def smooth_acceptance(p: np.ndarray, parents: np.ndarray, prior_parents: float =
     for d in range(q.shape[0]):
         cols = np.flatnonzero(w[d] > 0)
         if len(cols) > 1:
-            q[d, cols] = _non_increasing(q[d, cols], w[d, cols] + prior_parents)
+            q[d, cols] = _pool_inversions(q[d, cols], p[d, cols], w[d, cols], z_max)
     return q
 
 
-def _non_increasing(y: np.ndarray, w: np.ndarray) -> np.ndarray:
-    """The weighted least-squares non-increasing fit to `y` (pool adjacent violators)."""
-    blocks: list[list[float]] = []  # [mean, weight, length]
-    for yi, wi in zip(y, w):
-        blocks.append([float(yi), float(wi), 1])
+def _pool_inversions(y: np.ndarray, raw: np.ndarray, n: np.ndarray, z_max: float) -> np.ndarray:
+    """Pool-adjacent-violators towards a non-increasing `y`, weighted by `n` trials, leaving alone an increase
+    that a two-proportion z-test on the raw rates `raw` (the evidence, before any prior) finds significant."""
+    blocks: list[list[float]] = []  # [rate, raw rate, trials, length]
+    for yi, ri, ni in zip(y, raw, n):
+        blocks.append([float(yi), float(ri), float(ni), 1])
         while len(blocks) > 1 and blocks[-2][0] < blocks[-1][0]:
-            m2, w2, n2 = blocks.pop()
-            m1, w1, n1 = blocks.pop()
-            blocks.append([(m1 * w1 + m2 * w2) / (w1 + w2), w1 + w2, n1 + n2])
-    return np.concatenate([np.full(int(n), m) for m, _, n in blocks])
+            (m1, r1, n1, l1), (m2, r2, n2, l2) = blocks[-2], blocks[-1]
+            r = (r1 * n1 + r2 * n2) / (n1 + n2)
+            se = np.sqrt(max(r * (1 - r), 1e-12) * (1 / n1 + 1 / n2))
+            if (r2 - r1) / se > z_max:
+                break  # an inversion the counts make certain: keep it
+            blocks[-2:] = [[(m1 * n1 + m2 * n2) / (n1 + n2), r, n1 + n2, l1 + l2]]
+    return np.concatenate([np.full(int(k), m) for m, _, _, k in blocks])
 
 
 def path_scores(spec: TreeSpec, p: np.ndarray) -> np.ndarray:

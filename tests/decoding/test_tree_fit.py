@@ -83,6 +83,9 @@ def test_smoothing_keeps_well_measured_rates_and_orders_noisy_ranks():
     raw, smoothed = best_tree(p, 9, 2), best_tree(q, 9, 2)
     assert (0, 4) in raw.choices  # the raw estimate builds on the noise ...
     assert (0, 4) not in smoothed.choices or (0, 3) in smoothed.choices  # ... the smoothed one keeps rank order
+    # an inversion the counts make certain is kept (a head whose rank 3 is always right, ranks 0-2 never)
+    q = smooth_acceptance(np.array([[1.0, 0, 0, 0], [0, 0, 0, 1.0]]), np.array([[300, 0, 0, 0], [300, 300, 300, 300]]))
+    assert q[1, 3] > 0.9 and q[1, :3].max() < 0.1
     # unmeasured cells stay 0; a rate pooled over depths is the prior of a thinly measured depth
     q = smooth_acceptance(np.array([[0.5, 0.0], [0.0, 0.0]]), np.array([[1000, 0], [2, 0]]), prior_parents=10)
     assert q[0, 1] == q[1, 1] == 0
