@@ -3,7 +3,7 @@
   python bench/bench_compile.py                       # SmolLM2-135M shapes (random weights), batch 8, clover2-26
   python bench/bench_compile.py --draft-vocab 8192 --batch-size 8 --tree clover2-26 --repeat 2
 
-Builds a random Llama with the given shapes and a random Clover-2 head, lowers the loop `spec_generate` runs and
+Builds a random Llama with the given shapes and a random head (`--head-type`), lowers the loop `spec_generate` runs and
 compiles it (fresh each repeat: the jit cache is cleared), and reports the seconds of each phase plus the
 largest constants in the lowered program (any array baked in as a constant is folded and copied by XLA at
 compile time). One JSON line per repeat.
@@ -29,6 +29,7 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt-len", type=int, default=128, help="padded prompt length (a bucket)")
     ap.add_argument("--cache-size", type=int, default=512)
     ap.add_argument("--tree", default="clover2-26")
+    ap.add_argument("--head-type", default="clover2", help="a registered head type (clover2, clover1, eagle, medusa, redrafter)")
     ap.add_argument("--draft-vocab", type=int, default=8192, help="draft vocabulary size (0: the full vocabulary)")
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--repeat", type=int, default=1)
@@ -41,7 +42,7 @@ def main(argv=None) -> int:
 
     from clover_jax.decoding import speculative
     from clover_jax.decoding.sampling import SamplingParams
-    from clover_jax.heads.clover2 import Clover2Config, Clover2Head
+    from clover_jax.heads import registry
     from clover_jax.models.config import LlamaConfig
     from clover_jax.models.llama import init_llama
 
@@ -50,7 +51,8 @@ def main(argv=None) -> int:
                          num_key_value_heads=args.kv_heads, head_dim=args.hidden // args.heads,
                          tie_word_embeddings=True, max_position_embeddings=8192)
     base = init_llama(config, seed=0)
-    head = Clover2Head(config, Clover2Config(), rngs=nnx.Rngs(1))
+    ht = registry.get(args.head_type)
+    head = ht.module_cls(config, ht.config_cls(), rngs=nnx.Rngs(1))
     rng = np.random.default_rng(0)
     vocab = (np.sort(rng.choice(args.vocab, args.draft_vocab, replace=False)).astype(np.int32)
              if args.draft_vocab else None)
@@ -81,7 +83,8 @@ def main(argv=None) -> int:
         sizes = []
         for m in re.finditer(r"stablehlo\.constant dense<[^>]*> : tensor<([0-9x]+)x[a-z0-9]+>", text):
             sizes.append(int(np.prod([int(d) for d in m.group(1).split("x")])))
-        print(json.dumps({"repeat": r, "backend": jax.default_backend(), "batch": b, "tree": args.tree,
+        print(json.dumps({"repeat": r, "backend": jax.default_backend(), "head_type": args.head_type, "batch": b,
+                          "prompt_len": t, "cache_size": args.cache_size, "tree": args.tree,
                           "draft_vocab": args.draft_vocab, "lower_s": round(t1 - t0, 2),
                           "compile_s": round(t2 - t1, 2), "constants_over_256_elements": sum(s > 256 for s in sizes),
                           "largest_constants": sorted(sizes, reverse=True)[:5]}), flush=True)
