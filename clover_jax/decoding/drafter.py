@@ -86,3 +86,20 @@ class TreeDrafterBase:
             if self.spec.top_k > len(self.draft_vocab):
                 raise InputError(f"tree top_k={self.spec.top_k} exceeds the draft vocabulary "
                                  f"({len(self.draft_vocab)} ids)")
+
+
+def cached_arrays(drafter, build) -> dict:
+    """`build()`'s arrays for `drafter`, built once per drafter (drafters are cached per tree and vocabulary) and
+    always as concrete arrays: asked for first inside a jit trace, they would otherwise be traced values, cached on
+    a drafter that later calls share (a leaked tracer)."""
+    cached = drafter.__dict__.get("_arrays")
+    if cached is None:
+        with jax.ensure_compile_time_eval():
+            cached = build()
+        object.__setattr__(drafter, "_arrays", cached)
+    return cached
+
+
+def vocab_ids(draft_vocab) -> jax.Array | None:
+    """The draft vocabulary's token ids `[Vd]` as an int32 array (None: the full vocabulary)."""
+    return None if draft_vocab is None else jax.numpy.asarray(draft_vocab, jax.numpy.int32)

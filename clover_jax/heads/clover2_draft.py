@@ -23,7 +23,7 @@ from clover_jax.decoding.sampling import top_k_ids  # noqa: F401  (re-exported f
 from clover_jax.decoding.topology import topology_from_parents
 from clover_jax.decoding.tree import DynamicTree, TreeBuffers, TreeSpec, build_buffers
 from clover_jax.heads.clover2 import Clover2Head
-from clover_jax.decoding.drafter import Proposal, TreeDrafterBase
+from clover_jax.decoding.drafter import Proposal, TreeDrafterBase, cached_arrays, vocab_ids
 from clover_jax.models.cache import KVCache
 from clover_jax.validation import InputError
 
@@ -58,12 +58,8 @@ class Clover2Drafter(TreeDrafterBase):
         """The drafter's arrays (tree buffers, draft-vocabulary ids), to pass into a jitted loop as an argument
         and on to `init_state`: arrays closed over in a jitted function become constants of its program, which
         XLA folds and copies at every compile."""
-        cached = self.__dict__.get("_arrays")
-        if cached is None:  # built once per drafter (drafters are cached per tree and vocabulary), not per call
-            ids = None if self.draft_vocab is None else jnp.asarray(self.draft_vocab, jnp.int32)
-            cached = {"buffers": jax.tree.map(jnp.asarray, self.buffers), "vocab_ids": ids}
-            object.__setattr__(self, "_arrays", cached)
-        return cached
+        return cached_arrays(self, lambda: {"buffers": jax.tree.map(jnp.asarray, self.buffers),
+                                            "vocab_ids": vocab_ids(self.draft_vocab)})
 
     def init_state(self, head: Clover2Head, base, batch: int, cache_size: int, arrays: dict | None = None
                    ) -> Clover2State:
@@ -148,12 +144,7 @@ class Clover2DynamicDrafter(Clover2Drafter):
         object.__setattr__(self, "buffers", None)
 
     def arrays(self) -> dict:
-        cached = self.__dict__.get("_arrays")
-        if cached is None:
-            ids = None if self.draft_vocab is None else jnp.asarray(self.draft_vocab, jnp.int32)
-            cached = {"buffers": None, "vocab_ids": ids}
-            object.__setattr__(self, "_arrays", cached)
-        return cached
+        return cached_arrays(self, lambda: {"buffers": None, "vocab_ids": vocab_ids(self.draft_vocab)})
 
     def _scored(self, head: Clover2Head, base, state: Clover2State, o: jax.Array) -> tuple[jax.Array, jax.Array]:
         """Top-k token ids and their log-probabilities `[..., k]` under the head output `o [..., D]`."""

@@ -37,7 +37,7 @@ from clover_jax.decoding.sampling import top_k_ids
 from clover_jax.decoding.topology import TreeTopology
 from clover_jax.decoding.tree import TreeBuffers, TreeSpec, build_buffers
 from clover_jax.heads import registry
-from clover_jax.decoding.drafter import Proposal, TreeDrafterBase
+from clover_jax.decoding.drafter import Proposal, TreeDrafterBase, cached_arrays, vocab_ids
 from clover_jax.models.config import LlamaConfig
 from clover_jax.models.llama import Llama, rms_norm
 from clover_jax.validation import InputError
@@ -176,13 +176,9 @@ class MedusaDrafter(TreeDrafterBase):
 
     def arrays(self) -> dict:
         """The drafter's arrays, passed into the jitted loop as an argument (not baked in as constants)."""
-        cached = self.__dict__.get("_arrays")
-        if cached is None:
-            ids = None if self.draft_vocab is None else jnp.asarray(self.draft_vocab, jnp.int32)
-            cached = {"buffers": jax.tree.map(jnp.asarray, self.buffers.topology()), "vocab_ids": ids,
-                      "node_index": jnp.asarray(node_index(self.buffers, self.spec.top_k))}
-            object.__setattr__(self, "_arrays", cached)
-        return cached
+        return cached_arrays(self, lambda: {"buffers": jax.tree.map(jnp.asarray, self.buffers.topology()),
+                                            "vocab_ids": vocab_ids(self.draft_vocab),
+                                            "node_index": jnp.asarray(node_index(self.buffers, self.spec.top_k))})
 
     def init_state(self, head: MedusaHead, base, batch: int, cache_size: int, arrays: dict | None = None
                    ) -> MedusaState:

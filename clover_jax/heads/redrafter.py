@@ -47,7 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
-from clover_jax.decoding.drafter import Proposal, TreeDrafterBase
+from clover_jax.decoding.drafter import Proposal, TreeDrafterBase, cached_arrays, vocab_ids
 from clover_jax.decoding.topology import topology_from_parents
 from clover_jax.decoding.tree import BeamTree
 from clover_jax.heads import registry
@@ -255,12 +255,7 @@ class BeamDrafter(TreeDrafterBase):
         self.check_tree(self.max_depth, base.config.vocab_size, what="the beam search")
 
     def arrays(self) -> dict:
-        cached = self.__dict__.get("_arrays")
-        if cached is None:
-            ids = None if self.draft_vocab is None else jnp.asarray(self.draft_vocab, jnp.int32)
-            cached = {"vocab_ids": ids}
-            object.__setattr__(self, "_arrays", cached)
-        return cached
+        return cached_arrays(self, lambda: {"vocab_ids": vocab_ids(self.draft_vocab)})
 
     def init_state(self, head: ReDrafterHead, base, batch: int, cache_size: int, arrays: dict | None = None
                    ) -> ReDrafterState:

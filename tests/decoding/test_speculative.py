@@ -115,3 +115,19 @@ def test_sampling_is_lossless(top_p, tree, temperature):
         dof = keep.sum() - 1
         pval = float(jax.scipy.special.gammaincc(dof / 2, chi2 / 2))
         assert pval > 1e-3, f"position {pos}: chi2={chi2:.1f} dof={dof} p={pval:.2e}\nar={a}\nsp={s}"
+
+
+@pytest.mark.parametrize("head_type,tree", [("clover2", "chain-3"), ("clover2", "dynamic-10"), ("medusa", "chain-3"),
+                                            ("redrafter", "beam-2x3")])
+def test_drafter_arrays_first_built_inside_a_trace_are_concrete(head_type, tree):
+    """A drafter caches its arrays on itself, and `drafter_for` shares drafters between calls: built first inside
+    a jit trace (a caller jitting `init_state` without passing `arrays()`), they must still be concrete arrays; a
+    cached tracer would leak into every later loop with that tree."""
+    from clover_jax.decoding.tree import get_tree
+    from clover_jax.heads import registry
+
+    drafter = registry.get(head_type).make_drafter(get_tree(tree), tuple(range(40)))  # fresh, not the shared one
+    traced = jax.jit(lambda x: x + jax.tree.leaves(drafter.arrays())[0].sum())(jnp.int32(1))
+    leaves = jax.tree.leaves(drafter.arrays())
+    assert leaves and not any(isinstance(x, jax.core.Tracer) for x in leaves)
+    assert int(traced) == 1 + int(np.asarray(leaves[0]).sum())

@@ -92,11 +92,12 @@ def test_every_drafted_node_equals_a_full_recompute_of_its_path(tree):
     y = jnp.concatenate([prompt[:, 1:], jnp.zeros((b, 1), jnp.int32)], axis=1).at[jnp.arange(b), lens - 1].set(root)
 
     @jax.jit  # one compile instead of the eager dispatch of every op of a tree's drafting
-    def draft(head, base, f, y, lens, root):
-        state = drafter.start(head, base, drafter.init_state(head, base, b, 64), f, y, lens)
+    def draft(head, base, arrays, f, y, lens, root):
+        state = drafter.start(head, base, drafter.init_state(head, base, b, 64, arrays), f, y, lens)
         return drafter.propose(head, base, state, root, jax.random.key(0))
 
-    prop = draft(head, base, f, y, lens, root)
+    # the drafter's arrays are built (and cached on the shared drafter) outside the trace, as the loop does
+    prop = draft(head, base, drafter.arrays(), f, y, lens, root)
     tokens = np.asarray(prop.tokens)
     parent, rank, depth = (np.broadcast_to(np.asarray(x), tokens.shape) for x in
                            (prop.buffers.parent, prop.buffers.rank, prop.buffers.depth))
