@@ -120,7 +120,7 @@ def _main(argv=None) -> int:
         else:
             from clover_jax.calibrate import register_saved_trees
 
-            register_saved_trees(args.head)  # fitted trees of the head's calibrations, by name
+            register_saved_trees(args.head, args.tree)  # a calibration's fitted tree by name
             tree_nodes = get_tree(args.tree).num_nodes
         if not pretrained.head_path(args.head).exists():
             raise InputError(f"--head: draft head {args.head!r} not found: neither a folder nor a registered head "

@@ -127,7 +127,7 @@ def _main(argv=None):
     head = load_head(args.head, loaded.model)
     from clover_jax.calibrate import register_saved_trees
 
-    register_saved_trees(args.head)  # --trees fit-N-<hash>: a tree fitted by the head's calibration
+    register_saved_trees(args.head, args.trees)  # --trees fit-N-<hash>: a tree fitted by the head's calibration
     prompts, cats = load_questions(args.questions, args.limit or None, args.category)
     t0 = time.time()
     from clover_jax.evaluation import DV

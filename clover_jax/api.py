@@ -291,7 +291,7 @@ def prepare_generate(model, prompts: Sequence[Any], *, tokenizer=None, max_new_t
         if head_source is not None:
             from clover_jax.calibrate import register_saved_trees
 
-            register_saved_trees(head_source)  # its calibrations' fitted trees become names (fit-N-<hash>)
+            register_saved_trees(head_source, tree)  # a calibration's fitted tree by name (fit-N-<hash>)
             head, tree, draft_vocab = resolve_head(head, model, tree, draft_vocab)
         if draft_vocab is not None:
             from clover_jax.heads.draft_vocab import check_draft_vocab

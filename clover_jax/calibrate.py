@@ -220,15 +220,16 @@ def register_trees(entry: dict) -> None:
         register_tree(TreeSpec([tuple(c) for c in t["choices"]], top_k=int(t["top_k"]), name=name))
 
 
-def register_saved_trees(head_source) -> list[str]:
-    """Makes the probe and fitted trees of every saved calibration of this head known by name (so
-    `tree="fit-3-c5bf00"` works wherever the head is given by name or folder); returns their names."""
-    names = []
+def register_saved_trees(head_source, trees) -> None:
+    """Makes the probe and fitted trees of this head's saved calibrations known by name when `trees` (a tree
+    name or names) asks for one (`tree="fit-3-c5bf00"` wherever the head is given by name or folder); other
+    names read nothing."""
+    names = [trees] if isinstance(trees, str) else list(trees or ())
+    if not any(isinstance(t, str) and t.startswith(("fit-", "probe-")) for t in names):
+        return
     for path in calibration_files(head_source):
         for entry in _read(path).get("entries", {}).values():
             register_trees(entry)
-            names += list(entry.get("trees") or {})
-    return names
 
 
 def _fit(table: dict, runs: dict, names: dict, probe) -> tuple[list, dict]:

@@ -51,7 +51,7 @@ from flax import nnx
 
 from clover_jax.heads import registry
 from clover_jax.heads.clover2 import (EMBED_SOURCES, REFERENCE_ROPE_THETA, aug_block_config, attention_decoder)
-from clover_jax.models.cache import KVCache, attended_cache, causal_mask, check_room, prefix_mask
+from clover_jax.models.cache import KVCache, attended_cache, causal_mask, check_room
 from clover_jax.models.config import LlamaConfig
 from clover_jax.models.llama import DecoderStack, Llama, rms_norm
 from clover_jax.validation import InputError

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from clover_jax.models.cache import KVCache, attended_cache, causal_mask, check_room, prefix_mask
+from clover_jax.models.cache import KVCache, attended_cache, causal_mask, check_room
 from clover_jax.models.config import LlamaConfig, RopeScaling
 from clover_jax.models.llama import DecoderStack, Llama, rms_norm
 from clover_jax.validation import InputError
