@@ -15,7 +15,7 @@ from pathlib import Path
 
 from clover_jax.api import encode_prompts, generate
 from clover_jax.training.distill_cache import SelfDistillCache, build_self_distill, first_turn_prompt
-from clover_jax.training.sources import Conversation, load_conversations
+from clover_jax.training.sources import Conversation, DataError, load_conversations
 
 
 def make_generate_fn(loaded, temperature: float = 0.0, seed: int = 0):
@@ -69,6 +69,30 @@ def export_chat_file(cache_path, out_path) -> int:
     return len(cache)
 
 
+def import_chat_file(chat_path, cache_path, max_new_tokens: int | None = None) -> int:
+    """Adds the replies of a chat JSONL file (`export_chat_file`'s format, `.gz` or not) to the resumable cache,
+    so a generation on a fresh machine continues after the replies kept in the repository instead of making them
+    again. Each line's last message must be the assistant's reply; returns the number of replies added."""
+    import gzip
+    import json
+
+    cache = SelfDistillCache(cache_path)
+    opener = gzip.open if str(chat_path).endswith(".gz") else open
+    items = []
+    with opener(chat_path, "rt", encoding="utf-8") as f:
+        for i, line in enumerate(f):
+            rec = json.loads(line)
+            msgs = rec["messages"]
+            if not msgs or msgs[-1]["role"] != "assistant":
+                raise DataError(f"{chat_path}, line {i + 1}: the last message is not an assistant reply")
+            prompt = tuple(msgs[:-1])
+            if prompt not in cache:
+                items.append((rec.get("id", str(i)), prompt, msgs[-1]["content"]))
+    if items:
+        cache.append(items, max_new_tokens)
+    return len(items)
+
+
 def export_prompts_file(convs, tokenizer, max_prompt_tokens: int, out_path) -> int:
     """Writes the first-turn prompts of `convs` that fit in `max_prompt_tokens` as a chat JSONL file (`.gz`:
     compressed), each with the start of its original first reply (a chat file needs an assistant turn; the
@@ -95,6 +119,9 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_config_arguments(ap)
     ap.add_argument("--export-chat", metavar="PATH", help="only write the cached replies as a chat JSONL file")
+    ap.add_argument("--import-chat", metavar="PATH",
+                    help="first add the replies of a chat JSONL file (e.g. data/self_distill/*.jsonl.gz) to the "
+                         "cache, then generate the rest")
     ap.add_argument("--export-prompts", metavar="PATH",
                     help="only write the configured conversations' short first-turn prompts as a chat JSONL file")
     args = ap.parse_args(argv)
@@ -111,6 +138,10 @@ def main(argv=None):
                                 cfg.data.self_distill_max_prompt_tokens, args.export_prompts)
         print(f"{n} prompts written to {args.export_prompts}")
         return
+    if args.import_chat:
+        n = import_chat_file(args.import_chat, Path(cfg.self_distill_dir) / "replies.jsonl",
+                             cfg.data.self_distill_max_new_tokens)
+        print(f"{n} replies imported from {args.import_chat}")
     loaded = load_model(cfg.model.name_or_path)
     convs = self_distilled_conversations(cfg, loaded)
     print(f"{len(convs)} self-distilled conversations in {cfg.self_distill_dir}")

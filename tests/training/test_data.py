@@ -446,3 +446,24 @@ def test_self_distill_generate_fn_without_max_new_tokens(tmp_path):
     with pytest.raises(D.DataError, match="returned 1 replies for 2 prompts"):
         D.build_self_distill([conv("z", ("u", "new"), ("a", "a")), conv("y", ("u", "new2"), ("a", "a"))],
                              lambda p: ["only one"], tmp_path / "c.jsonl", batch_size=2, progress=False)
+
+
+def test_self_distill_chat_file_round_trip_seeds_a_fresh_cache(tmp_path):
+    """The replies kept in the repository (an exported chat file) seed the cache of a fresh machine: only the
+    prompts they lack are generated."""
+    from clover_jax.training.self_distill import export_chat_file, import_chat_file
+
+    convs = [conv(f"c{i}", ("u", f"question {i} é"), ("a", "old")) for i in range(6)]
+    D.build_self_distill(convs[:4], FakeGenerate(), tmp_path / "old.jsonl", progress=False)
+    assert export_chat_file(tmp_path / "old.jsonl", tmp_path / "kept.jsonl.gz") == 4
+    fresh = tmp_path / "fresh" / "replies.jsonl"
+    assert import_chat_file(tmp_path / "kept.jsonl.gz", fresh, max_new_tokens=17) == 4
+    assert import_chat_file(tmp_path / "kept.jsonl.gz", fresh) == 0  # already there
+    gen = FakeGenerate()
+    result = D.build_self_distill(convs, gen, fresh, progress=False)
+    assert gen.calls == [["question 4 é", "question 5 é"]]
+    assert [c.messages[-1]["content"] for c in result] == [f"reply to question {i} é" for i in range(6)]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"id": "x", "messages": [{"role": "user", "content": "no reply"}]}) + "\n")
+    with pytest.raises(D.DataError, match="line 1: the last message is not an assistant reply"):
+        import_chat_file(bad, tmp_path / "other.jsonl")
