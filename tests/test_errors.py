@@ -41,7 +41,7 @@ def test_missing_files(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(GOOD))
     with pytest.raises(FileNotFoundError, match="no model.safetensors"):
         load_hf_dir(tmp_path)
-    with pytest.raises(FileNotFoundError, match="neither a local folder/file nor a known name"):
+    with pytest.raises(FileNotFoundError, match="neither a local folder/file, a known name"):
         load_model("no-such-model-anywhere")
 
 

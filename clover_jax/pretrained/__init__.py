@@ -43,13 +43,17 @@ def get(name: str) -> PretrainedHead | None:
 
 
 def head_path(name_or_path: str | os.PathLike) -> Path:
-    """The folder of a registered head, or `name_or_path` itself as a path.
+    """The folder of a registered head; else `name_or_path` as a path when it exists; else, for a Hugging Face hub
+    repository id (`owner/name[@revision]`, `hf://...`), the downloaded (or cached) repository; else the path.
 
     A registered name whose folder is missing (a package built without its data files) is a
     FileNotFoundError naming the folder."""
     entry = get(str(name_or_path)) if isinstance(name_or_path, str) else None
     if entry is None:
-        return Path(name_or_path).expanduser()
+        from clover_jax.io import hub
+
+        snapshot = hub.resolve(name_or_path, "head")  # `owner/name[@revision]` that is not a local path
+        return snapshot if snapshot is not None else Path(name_or_path).expanduser()
     if not (entry.path / "config.json").is_file():
         raise FileNotFoundError(f"the shipped head {entry.name!r} should be in {entry.path}, which holds no "
                                 "config.json: reinstall clover_jax with its package data")
