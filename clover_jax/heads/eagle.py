@@ -312,13 +312,13 @@ def config_dict(head: EagleHead, base_name=None, extra=None) -> dict:
 def from_reference(folder, meta: dict, base, dtype=None) -> EagleHead:
     """An EAGLE head from a folder (ours, or the reference's with its weights as safetensors)."""
     from clover_jax.io.export import ExportError, merge_checked
-    from clover_jax.io.hf import _layer_table, read_safetensors_dir
+    from clover_jax.io.hf import _layer_table, read_weights_dir
 
     if int(meta.get("num_hidden_layers", NUM_LAYERS)) != NUM_LAYERS:
         raise ExportError(f"{folder}: the EAGLE draft has {meta.get('num_hidden_layers')} layers; EAGLE-1 has one")
     rope = None if meta.get("rope_follows_base") or meta.get("rope_theta") is None else float(meta["rope_theta"])
     cfg = EagleConfig(rope_theta=rope, **({"dtype": dtype, "param_dtype": dtype} if dtype is not None else {}))
-    get, keys = read_safetensors_dir(folder)
+    get, keys = read_weights_dir(folder)
     keys = set(keys)
     head = nnx.eval_shape(lambda: EagleHead(base.config, cfg, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(head)
@@ -336,6 +336,20 @@ def from_reference(folder, meta: dict, base, dtype=None) -> EagleHead:
             pure["layer"][ours] = to_ours(need(f"layers.0.{suffix}"))[None]
 
     return merge_checked(graphdef, state, pure, folder)
+
+
+def recognizes(meta: dict, folder) -> bool:
+    """A folder as SafeAILab/EAGLE publishes its EAGLE-1 heads: a Llama config.json with one hidden layer and
+    weights (`pytorch_model.bin` or `model.safetensors`) holding `fc.weight` and the layer's `layers.0.*`."""
+    from clover_jax.io.hf import read_weights_dir
+
+    if meta.get("num_hidden_layers") != NUM_LAYERS:
+        return False
+    try:
+        _, keys = read_weights_dir(folder)
+    except (OSError, ValueError):
+        return False
+    return "fc.weight" in keys and "layers.0.self_attn.q_proj.weight" in keys
 
 
 def from_experiment(cfg) -> EagleConfig:
@@ -366,4 +380,4 @@ EAGLE = registry.register(registry.HeadType(
     sharding_rules={"fc_w": ("fsdp", "tp"), "fc_b": (None,)},  # [2D, D], [D]; the layer: the base's rules
     description="EAGLE-1: one decoder layer autoregressive over the base's features (Li et al. 2024, "
                 "arXiv 2401.15077)",
-    default_tree="clover2-26", feature_noise=True))
+    default_tree="clover2-26", feature_noise=True, recognizes=recognizes))

@@ -9,8 +9,10 @@ from pathlib import Path
 
 def load_head(path, base, step: int | None = None):
     """Loads a draft head (any registered type) for `base` from a registered name (`clover_jax.pretrained`, e.g.
-    'smollm2-135m-instruct-clover2'), an exported head folder (config.json with `head_type`) or a training run
-    directory (Orbax checkpoints; the latest step unless `step` is given)."""
+    'smollm2-135m-instruct-clover2'), an exported head folder (config.json with `head_type`), a head as its
+    reference project publishes it (Medusa's `medusa_lm_head.pt`, EAGLE-1's `pytorch_model.bin`), a Hugging Face
+    hub repository of any of these (`owner/name[@revision]`), or a training run directory (Orbax checkpoints; the
+    latest step unless `step` is given)."""
     from clover_jax import pretrained
     from clover_jax.validation import InputError, check_int
 
@@ -25,8 +27,8 @@ def load_head(path, base, step: int | None = None):
         raise FileNotFoundError(f"head: draft head not found: {path} is neither a folder nor a registered head "
                                 f"({known})")
     cfg = path / "config.json"
-    if cfg.is_file() and "head_type" in _read_json(cfg):
-        from clover_jax.io.export import import_head
+    if cfg.is_file() and ("head_type" in _read_json(cfg) or not (path / "checkpoints").is_dir()):
+        from clover_jax.io.export import import_head  # ours, or a reference project's published head
 
         return import_head(path, base)
     from clover_jax.training.checkpoint import load_head_from_run

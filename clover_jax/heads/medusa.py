@@ -24,6 +24,7 @@ n heads, L residual blocks per head, U tree nodes, A new positions per commit.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,8 @@ from clover_jax.decoding.drafter import Proposal, TreeDrafterBase, cached_arrays
 from clover_jax.models.config import LlamaConfig
 from clover_jax.models.llama import Llama, rms_norm
 from clover_jax.validation import InputError
+
+log = logging.getLogger(__name__)
 
 WEIGHTS_FILE = "medusa_lm_head.safetensors"  # the reference's file name for the heads
 
@@ -221,16 +224,32 @@ def make_drafter(spec: TreeSpec, draft_vocab=None) -> MedusaDrafter:
 
 
 # ----------------------------------------------------------------------------------- export / import
-def reference_names(num_heads: int, num_layers: int) -> dict[str, tuple[str, int, int | None]]:
-    """Reference name -> (our parameter, head, block or None): `medusa_head.{i}.{j}.linear.weight|bias` for the
-    residual blocks, `medusa_head.{i}.{num_layers}.weight` for the vocabulary projection (torch [out, in])."""
+def reference_names(num_heads: int, num_layers: int, prefix: str = "") -> dict[str, tuple[str, int, int | None]]:
+    """Reference name -> (our parameter, head, block or None): `{i}.{j}.linear.weight|bias` for the residual
+    blocks, `{i}.{num_layers}.weight` for the vocabulary projection (torch [out, in]): the keys of the reference's
+    `medusa_head` ModuleList, which its training code saves (`medusa_head.state_dict()`) and its `from_pretrained`
+    loads (`model.medusa_head.load_state_dict(...)`). `prefix` "medusa_head." gives the names inside a whole
+    `MedusaModel`, which this library's exports before 2026-11-24 used."""
     out = {}
     for i in range(num_heads):
         for j in range(num_layers):
-            out[f"medusa_head.{i}.{j}.linear.weight"] = ("res_w", i, j)
-            out[f"medusa_head.{i}.{j}.linear.bias"] = ("res_b", i, j)
-        out[f"medusa_head.{i}.{num_layers}.weight"] = ("proj", i, None)
+            out[f"{prefix}{i}.{j}.linear.weight"] = ("res_w", i, j)
+            out[f"{prefix}{i}.{j}.linear.bias"] = ("res_b", i, j)
+        out[f"{prefix}{i}.{num_layers}.weight"] = ("proj", i, None)
     return out
+
+
+def _heads_in(keys) -> tuple[int, int, str]:
+    """(heads, residual blocks per head, key prefix) of a Medusa state dict, from its key names."""
+    prefix = "medusa_head." if any(k.startswith("medusa_head.") for k in keys) else ""
+    heads, blocks = set(), set()
+    for k in keys:
+        parts = k[len(prefix):].split(".") if k.startswith(prefix) else []
+        if len(parts) >= 3 and parts[0].isdigit() and parts[1].isdigit():
+            heads.add(int(parts[0]))
+            if parts[2] == "linear":
+                blocks.add(int(parts[1]))
+    return len(heads), len(blocks), prefix
 
 
 def to_reference(head: MedusaHead, base=None, include_frozen: bool = True, include_lm_head=None) -> dict:
@@ -255,19 +274,26 @@ def config_dict(head: MedusaHead, base_name=None, extra=None) -> dict:
 
 
 def from_reference(folder, meta: dict, base, dtype=None) -> MedusaHead:
-    """A Medusa head from a folder with the reference's `medusa_lm_head.safetensors` (or `model.safetensors`)."""
-    from safetensors import safe_open
+    """A Medusa head from a folder with the reference's weights: `medusa_lm_head.safetensors` (what its training
+    code writes), `medusa_lm_head.pt` (what its published heads ship, read without torch) or `model.safetensors`.
 
+    The number of heads and blocks is read from the tensor names: the reference's published Vicuna heads hold 5
+    heads under a config.json that says `medusa_num_heads: 2` (its `from_pretrained` overrides it to 5)."""
     from clover_jax.io.export import ExportError
+    from clover_jax.io.hf import read_weights_file
 
     folder = Path(folder)
-    file = next((folder / n for n in (WEIGHTS_FILE, "model.safetensors") if (folder / n).is_file()), None)
+    names = (WEIGHTS_FILE, "medusa_lm_head.pt", "model.safetensors")
+    file = next((folder / n for n in names if (folder / n).is_file()), None)
     if file is None:
-        raise ExportError(f"{folder}: no {WEIGHTS_FILE} or model.safetensors")
-    try:
-        n, layers = int(meta["medusa_num_heads"]), int(meta.get("medusa_num_layers", 1))
-    except (KeyError, TypeError, ValueError):
-        raise ExportError(f"{folder}: config.json lacks a valid medusa_num_heads") from None
+        raise ExportError(f"{folder}: no {', '.join(names)}")
+    get, keys = read_weights_file(file)
+    n, layers, prefix = _heads_in(keys)
+    if n == 0:
+        raise ExportError(f"{file}: holds no Medusa head tensors ({{i}}.{{j}}.linear.weight, {{i}}.{{L}}.weight)")
+    said = meta.get("medusa_num_heads")
+    if said is not None and int(said) != n:
+        log.warning("%s: config.json says medusa_num_heads=%s, the weights hold %d heads: using %d", folder, said, n, n)
     cfg = MedusaConfig(num_heads=n, num_layers=layers,
                        **({"dtype": dtype, "param_dtype": dtype} if dtype is not None else {}))
     d, v = base.config.hidden_size, base.config.vocab_size
@@ -275,26 +301,31 @@ def from_reference(folder, meta: dict, base, dtype=None) -> MedusaHead:
     res_b = np.zeros((n, layers, d), np.float32)
     proj = np.zeros((n, d, v), np.float32)
     want = {"res_w": (d, d), "res_b": (d,), "proj": (v, d)}
-    with safe_open(str(file), framework="numpy") as fh:
-        keys = set(fh.keys())
-        for ref, (ours, i, j) in reference_names(n, layers).items():
-            if ref not in keys:
-                raise ExportError(f"{file}: missing tensor {ref!r}")
-            a = np.asarray(fh.get_tensor(ref), np.float32)
-            if a.shape != want[ours]:
-                raise ExportError(f"{file}: {ref} has shape {a.shape}, the base model needs {want[ours]}")
-            if ours == "res_w":
-                res_w[i, j] = a.T
-            elif ours == "res_b":
-                res_b[i, j] = a
-            else:
-                proj[i] = a.T
+    keys = set(keys)
+    for ref, (ours, i, j) in reference_names(n, layers, prefix).items():
+        if ref not in keys:
+            raise ExportError(f"{file}: missing tensor {ref!r}")
+        a = np.asarray(get(ref), np.float32)
+        if a.shape != want[ours]:
+            raise ExportError(f"{file}: {ref} has shape {a.shape}, the base model needs {want[ours]}")
+        if ours == "res_w":
+            res_w[i, j] = a.T
+        elif ours == "res_b":
+            res_b[i, j] = a
+        else:
+            proj[i] = a.T
     head = nnx.eval_shape(lambda: MedusaHead(base.config, cfg, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(head)
     pd = cfg.param_dtype
     nnx.replace_by_pure_dict(state, {"res_w": jnp.asarray(res_w, pd), "res_b": jnp.asarray(res_b, pd),
                                      "proj": jnp.asarray(proj, pd)})
     return nnx.merge(graphdef, state)
+
+
+def recognizes(meta: dict, folder) -> bool:
+    """A folder as the reference publishes its heads: config.json with `medusa_num_heads`, or its weight file."""
+    return "medusa_num_heads" in meta or any((Path(folder) / n).is_file()
+                                             for n in (WEIGHTS_FILE, "medusa_lm_head.pt"))
 
 
 def from_experiment(cfg) -> MedusaConfig:
@@ -312,4 +343,4 @@ MEDUSA = registry.register(registry.HeadType(
     sharding_rules={"res_w": ("fsdp", "tp"), "res_b": (None,), "proj": ("fsdp", "tp")},  # [D, D], [D], [D, V]
     description="Medusa-1 heads: residual blocks on the base's last hidden state (Cai et al. 2024, "
                 "arXiv 2401.10774)",
-    weights_file=WEIGHTS_FILE))
+    weights_file=WEIGHTS_FILE, recognizes=recognizes))

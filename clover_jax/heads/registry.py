@@ -45,6 +45,8 @@ class HeadType:
       from_reference(folder, meta, base, dtype) -> head   (meta: the folder's config.json)
       config_dict(head, base_name) -> the exported config.json (with `head_type`)
       check_compatible(head, base_config)  raises a clear error if the head does not fit the base
+      recognizes(meta, folder) -> bool     (optional) whether a folder published by the reference project,
+                                           whose config.json has no `head_type`, holds a head of this type
     `weights_file` is the file an export writes (the reference project's name). `fields` are the config fields that fix the architecture: saved in checkpoints, compared on resume and
     warm start. `sharding_rules` extend `clover_jax.parallel`'s rules for this head's parameter names.
     """
@@ -67,6 +69,7 @@ class HeadType:
     default_tree: str = "clover2-26"  # the tree (or tree policy) used when none is asked for
     # loss_from_features takes `rng` and applies `LossConfig.feature_noise` to the head's input features
     feature_noise: bool = False
+    recognizes: Callable[[dict, Any], bool] | None = None
 
     def config_to_meta(self, config) -> dict[str, Any]:
         """The JSON-able architecture fields of `config` plus its dtypes (checkpoint metadata)."""
@@ -117,6 +120,16 @@ def load_all() -> dict[str, HeadType]:
     for name in BUILTIN:
         get(name)
     return dict(_TYPES)
+
+
+def recognize(meta: dict, folder) -> HeadType | None:
+    """The head type of a folder whose config.json has no `head_type` (a head published by its reference
+    project), when exactly one registered type recognizes it; None when none does; an error when several do."""
+    hits = [ht for ht in load_all().values() if ht.recognizes is not None and ht.recognizes(meta, folder)]
+    if len(hits) > 1:
+        raise InputError(f"{folder}: looks like a head of each of {[h.name for h in hits]}; add "
+                         '"head_type" to its config.json')
+    return hits[0] if hits else None
 
 
 def of_head(head_or_class) -> HeadType:

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from clover_jax.io.hf import _layer_table, params_to_hf, read_safetensors_dir
+from clover_jax.io.hf import _layer_table, params_to_hf, read_weights_dir
 from clover_jax.models.config import LlamaConfig
 from clover_jax.validation import InputError
 
@@ -272,8 +272,9 @@ out = clover_jax.generate(lm, ["Hello!"], mode="speculative", head="THIS_FOLDER"
 
 
 def import_head(path, base, *, dtype=None):
-    """Loads an exported head folder (any registered `head_type`) for `base`; a folder that is not a head or does
-    not match the base is an error."""
+    """Loads an exported head folder (any registered `head_type`) for `base`, or a head as its reference project
+    publishes it (no `head_type`: Medusa's `medusa_lm_head.pt`, EAGLE's `pytorch_model.bin`, recognized by the
+    registry); a folder that is not a head or does not match the base is an error."""
     from clover_jax.heads import registry
 
     path = Path(path)
@@ -282,12 +283,18 @@ def import_head(path, base, *, dtype=None):
         raise ExportError(f"{path}: no config.json: not a draft-head folder")
     meta = json.loads(cfg_file.read_text())
     kind = meta.get("head_type")
+    if kind is None:  # a head as its reference project publishes it (e.g. Medusa's, EAGLE's)
+        found = registry.recognize(meta, path)
+        kind = found.name if found is not None else None
+        if kind is None:
+            raise ExportError(f"{path}: config.json has no head_type and the folder is not a published head of a "
+                              f"known type ({', '.join(registry.names())}); is this a base-model folder?")
     if kind not in registry.names():
         raise ExportError(f"{path}: config.json has head_type={kind!r}, expected one of {registry.names()} "
                           "(is this a base-model folder?)")
     bc = base.config
     for key in ("hidden_size", "vocab_size"):
-        if meta.get(key) != getattr(bc, key):
+        if key in meta and meta[key] != getattr(bc, key):  # published heads may not say; their shapes are checked
             raise ExportError(f"{path}: head {key}={meta.get(key)} does not match the base model's {getattr(bc, key)}")
     ht = registry.get(kind)
     head = ht.from_reference(path, meta, base, dtype)
@@ -305,7 +312,7 @@ def clover2_from_reference(path, meta, base, dtype=None):
     cfg = Clover2Config(num_heads=int(meta["num_heads"]), num_aug_layers=int(meta["num_layers"]),
                         embed_source=meta.get("embed_source", "lm_head"), rope_theta=rope_theta,
                         **({"dtype": dtype, "param_dtype": dtype} if dtype is not None else {}))
-    get, keys = read_safetensors_dir(path)
+    get, keys = read_weights_dir(path)
     keys = set(keys)
     abstract = nnx.eval_shape(lambda: Clover2Head(bc, cfg, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)

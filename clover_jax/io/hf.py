@@ -133,7 +133,7 @@ def model_params(model: Llama) -> dict:
     return nnx.to_pure_dict(nnx.state(model, nnx.Param))
 
 
-# --------------------------------------------------------------------------- safetensors directories
+# ------------------------------------------------------------------- weight folders (safetensors or torch)
 def _safetensors_files(path: Path) -> list[Path]:
     index = path / "model.safetensors.index.json"
     if index.is_file():
@@ -143,40 +143,75 @@ def _safetensors_files(path: Path) -> list[Path]:
         files = [path / "model.safetensors"]
     else:
         files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json found")
     for f in files:
         if not f.is_file():
             raise FileNotFoundError(f"{path}: index names {f.name}, which does not exist")
     return files
 
 
-def read_safetensors_dir(path: str | Path):
-    """Returns `(getter(name) -> np.ndarray, keys)` over every safetensors file of a model folder.
+def _torch_files(path: Path) -> list[Path]:
+    """A folder's `torch.save` weight files: the shards of `pytorch_model.bin.index.json`, `pytorch_model.bin`,
+    else its `pytorch_model*.bin` / `*.pt` files (Medusa's `medusa_lm_head.pt`); never `training_args.bin`."""
+    index = path / "pytorch_model.bin.index.json"
+    if index.is_file():
+        files = sorted({path / f for f in json.loads(index.read_text())["weight_map"].values()})
+        for f in files:
+            if not f.is_file():
+                raise FileNotFoundError(f"{path}: index names {f.name}, which does not exist")
+        return files
+    if (path / "pytorch_model.bin").is_file():
+        return [path / "pytorch_model.bin"]
+    return sorted([*path.glob("pytorch_model*.bin"), *path.glob("*.pt")])
 
-    A file that cannot be read (truncated, corrupt, not safetensors) raises `WeightFileError` naming it."""
-    from safetensors import safe_open
 
+def read_weights_dir(path: str | Path):
+    """Returns `(getter(name) -> np.ndarray, keys)` over the weight files of a model or head folder: its
+    safetensors files, or else its `torch.save` files (`pytorch_model.bin`, shards, `*.pt`), read without torch
+    (`clover_jax.io.torch_pickle`), as many published models and heads only ship those.
+
+    A file that cannot be read (truncated, corrupt, not what its name says) raises `WeightFileError` naming it."""
     path = Path(path)
+    files = _safetensors_files(path) or _torch_files(path)
+    if not files:
+        raise FileNotFoundError(f"{path}: no model.safetensors, model.safetensors.index.json or pytorch_model.bin "
+                                "found")
     where = {}
-    handles = {}
-    for f in _safetensors_files(path):
-        try:
-            h = safe_open(str(f), framework="numpy")
-            names = list(h.keys())
-        except Exception as e:  # noqa: BLE001 - SafetensorError, OSError, ...: the file is not what it claims
-            raise _weight_file_error(f, e) from None
-        handles[f] = h
+    getters = {}
+    for f in files:
+        getters[f], names = read_weights_file(f)
         for k in names:
             where[k] = f
 
     def get(name):
-        try:
-            return handles[where[name]].get_tensor(name)
-        except Exception as e:  # noqa: BLE001
-            raise _weight_file_error(where[name], e, name) from None
+        return getters[where[name]](name)
 
     return get, list(where)
+
+
+def read_weights_file(file: str | Path):
+    """`(getter(name) -> np.ndarray, keys)` of one weight file: safetensors, or a `torch.save` zip archive
+    (`.bin`, `.pt`, `.pth`) read without torch. An unreadable file raises `WeightFileError` naming it."""
+    from safetensors import safe_open
+
+    from clover_jax.io.torch_pickle import open_torch_file
+
+    file = Path(file)
+    try:
+        if file.suffix == ".safetensors":
+            h = safe_open(str(file), framework="numpy")
+            raw_get, names = h.get_tensor, list(h.keys())
+        else:
+            raw_get, names = open_torch_file(file)
+    except Exception as e:  # noqa: BLE001 - SafetensorError, TorchFileError, OSError: not what it claims
+        raise _weight_file_error(file, e) from None
+
+    def get(name):
+        try:
+            return raw_get(name)
+        except Exception as e:  # noqa: BLE001
+            raise _weight_file_error(file, e, name) from None
+
+    return get, names
 
 
 def _weight_file_error(file: Path, e: BaseException, tensor: str | None = None) -> WeightFileError:
@@ -187,12 +222,13 @@ def _weight_file_error(file: Path, e: BaseException, tensor: str | None = None) 
 
 
 def load_hf_dir(path: str | Path, *, param_dtype=jnp.float32, dtype=jnp.float32, shardings=None, mesh=None):
-    """Loads `config.json` + safetensors weights from a transformers model folder (no torch)."""
+    """Loads `config.json` + weights (safetensors, or `pytorch_model*.bin`) from a transformers model folder, no
+    torch needed."""
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"model folder not found: {path}")
     config = LlamaConfig.from_json_file(path / "config.json")
-    get, keys = read_safetensors_dir(path)
+    get, keys = read_weights_dir(path)
     params = hf_to_params(config, get, keys, source=str(path))
     return config, model_from_params(config, params, param_dtype=param_dtype, dtype=dtype, shardings=shardings,
                                      mesh=mesh)

@@ -22,10 +22,12 @@ HUB_PREFIX = "hf://"
 _PART = r"[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9_])?"
 _REPO_ID = re.compile(rf"^(?P<repo>{_PART}/{_PART})(?:@(?P<rev>[A-Za-z0-9][A-Za-z0-9._/-]*))?$")
 
-# The files each kind of thing needs (huggingface_hub matches them with fnmatch: `*` also crosses `/`).
+# The files each kind of thing needs (huggingface_hub matches them with fnmatch: `*` also crosses `/`). Models
+# take their torch weights (`pytorch_model*.bin`, read without torch) only when the repository has no safetensors.
 MODEL_FILES = ("*.json", "*.safetensors", "tokenizer.model", "*.jinja")
+MODEL_TORCH_FILES = ("pytorch_model*.bin",)
 MODEL_SKIP = ("original/*",)  # Meta's repositories also hold the raw PyTorch checkpoint there
-HEAD_FILES = ("*.json", "*.safetensors", "*.yaml", "README.md")
+HEAD_FILES = ("*.json", "*.safetensors", "*.yaml", "README.md", "*.pt", "pytorch_model*.bin")
 
 
 class HubError(FileNotFoundError):
@@ -65,11 +67,28 @@ def resolve(name, kind: str) -> Path | None:
     repo_id, revision = parse_repo_id(name)
     if kind == "model":
         allow, skip = MODEL_FILES, MODEL_SKIP
+        if not _has_safetensors(repo_id, revision):
+            allow = allow + MODEL_TORCH_FILES
     elif kind == "head":
         allow, skip = HEAD_FILES, ()
     else:
         raise ValueError(f"kind: expected 'model' or 'head', got {kind!r}")
     return _snapshot(repo_id, revision, allow, skip, kind, name)
+
+
+@functools.lru_cache(maxsize=32)
+def _has_safetensors(repo_id: str, revision: str | None) -> bool:
+    """Whether the repository holds safetensors weights; False also when its file list cannot be had (offline:
+    then the cache decides, and a cached copy holds only what was downloaded)."""
+    try:
+        from huggingface_hub import HfApi, constants
+
+        if constants.HF_HUB_OFFLINE:
+            return False
+        files = HfApi().list_repo_files(repo_id, revision=revision)
+    except Exception:  # noqa: BLE001 - no network, no such repository: the download reports it
+        return False
+    return any(f.endswith(".safetensors") and not f.startswith("original/") for f in files)
 
 
 @functools.lru_cache(maxsize=32)

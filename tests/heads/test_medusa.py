@@ -208,13 +208,13 @@ def test_medusa_training_run_checkpoint_export_and_reference_layout(tmp_path):
     with safe_open(str(out / "medusa_lm_head.safetensors"), framework="numpy") as fh:
         names = set(fh.keys())
         tensors = {k: fh.get_tensor(k) for k in names}
-    assert names == {f"medusa_head.{i}.{s}" for i in range(3)
-                     for s in ("0.linear.weight", "0.linear.bias", "1.weight")}
+    assert names == {f"{i}.{s}" for i in range(3) for s in ("0.linear.weight", "0.linear.bias", "1.weight")}
     back = import_head(out, base)
     for a, b in zip(jax.tree.leaves(nnx.state(back)), jax.tree.leaves(nnx.state(from_run))):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
-    # the reference module (`nn.Sequential(ResBlock, Linear)` per head) loads the file with strict key matching
+    # the reference's heads (`nn.Sequential(ResBlock, Linear)` per head in `MedusaModel.medusa_head`) load the file
+    # the way its `from_pretrained` does, `model.medusa_head.load_state_dict(...)`, here with strict key matching
     class ResBlock(torch.nn.Module):
         def __init__(self, d):
             super().__init__()
@@ -231,7 +231,7 @@ def test_medusa_training_run_checkpoint_export_and_reference_layout(tmp_path):
                 [torch.nn.Sequential(ResBlock(d), torch.nn.Linear(d, v, bias=False)) for _ in range(n)])
 
     ref = Heads(CFG.hidden_size, CFG.vocab_size, 3)
-    ref.load_state_dict({k: torch.from_numpy(np.array(v)) for k, v in tensors.items()}, strict=True)
+    ref.medusa_head.load_state_dict({k: torch.from_numpy(np.array(v)) for k, v in tensors.items()}, strict=True)
     h = np.random.default_rng(1).normal(size=(4, CFG.hidden_size)).astype(np.float32)
     with torch.no_grad():
         want = np.stack([m(torch.from_numpy(h)).numpy() for m in ref.medusa_head])  # [n, 4, V]

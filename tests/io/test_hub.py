@@ -60,8 +60,10 @@ def offline_hub(tmp_path, monkeypatch):
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     hub._snapshot.cache_clear()
+    hub._has_safetensors.cache_clear()
     yield cache
     hub._snapshot.cache_clear()
+    hub._has_safetensors.cache_clear()
 
 
 def _params(module):
@@ -119,3 +121,38 @@ def test_missing_repository_is_one_clear_error(tmp_path, offline_hub):
         load_head("me/no-head", init_llama(CFG, seed=0))
     with pytest.raises(FileNotFoundError, match="neither a local folder/file, a known name"):
         load_model("no-such-model-anywhere")  # not shaped like a repository id: no hub lookup
+
+
+def test_only_the_needed_files_are_downloaded(tmp_path, monkeypatch):
+    """Online: a model's torch weights are fetched only when its repository has no safetensors (both kinds in
+    one repository would double the download), Meta's `original/` folder never; a head takes either format."""
+    import huggingface_hub
+    from huggingface_hub import constants
+
+    listing = {"org/st": ["config.json", "model-00001-of-00002.safetensors", "pytorch_model-00001-of-00002.bin",
+                          "original/consolidated.00.pth"],
+               "org/bin-only": ["config.json", "pytorch_model.bin", "tokenizer.json"]}
+    asked = {}
+
+    def fake_download(repo_id, revision=None, allow_patterns=None, ignore_patterns=None, **kw):
+        asked[repo_id] = (allow_patterns, ignore_patterns)
+        return str(tmp_path)
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(huggingface_hub.HfApi, "list_repo_files", lambda self, repo_id, revision=None: listing[repo_id])
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_download)
+    hub._snapshot.cache_clear()
+    hub._has_safetensors.cache_clear()
+    try:
+        assert hub.resolve("org/st", "model") == tmp_path
+        assert hub.resolve("org/bin-only", "model") == tmp_path
+        assert hub.resolve("org/a-head", "head") == tmp_path
+    finally:
+        hub._snapshot.cache_clear()
+        hub._has_safetensors.cache_clear()
+    allow, skip = asked["org/st"]
+    assert "*.safetensors" in allow and not any(p.endswith(".bin") for p in allow) and skip == ["original/*"]
+    allow, _ = asked["org/bin-only"]
+    assert "pytorch_model*.bin" in allow
+    allow, _ = asked["org/a-head"]
+    assert {"*.safetensors", "*.pt", "pytorch_model*.bin", "*.json"} <= set(allow)
