@@ -225,6 +225,10 @@ class DataConfig(_Section):
     heldout_fraction: float = 0.05  # share of conversations held out for evaluation
     seed: int = 0  # shuffle / split / batch order
     shuffle: bool = True
+    # how conversations are held out: "shuffle" (a seeded shuffle's tail: the held-out set changes whenever the
+    # data grows) or "id_hash" (by a hash of each conversation's id and the seed: a conversation stays on its side
+    # as the data grows, so warm-started runs on a larger file never evaluate on what an earlier run trained on)
+    heldout_split: Literal["shuffle", "id_hash"] = "shuffle"
     bucket_boundaries: Union[tuple[int, ...], Literal["auto"]] = "auto"  # auto: 64, 128, ... up to max_length
     batch_size: int = 16  # sequences per optimizer step, all hosts together
     self_distill: bool = False  # replace assistant replies with the base model's own (first turn)
@@ -241,6 +245,7 @@ class DataConfig(_Section):
         self._need(self.max_length >= 2, "max_length", "must be >= 2")
         self._need(self.num_conversations >= 0, "num_conversations", "must be >= 0 (0 = all)")
         self._need(0 <= self.heldout_fraction < 1, "heldout_fraction", "must be in [0, 1)")
+        self._need(self.heldout_split in ("shuffle", "id_hash"), "heldout_split", "must be 'shuffle' or 'id_hash'")
         self._need(self.batch_size >= 1, "batch_size", "must be >= 1")
         self._need(self.self_distill_max_new_tokens >= 1, "self_distill_max_new_tokens", "must be >= 1")
         self._need(self.self_distill_max_prompt_tokens >= 1, "self_distill_max_prompt_tokens", "must be >= 1")

@@ -97,10 +97,20 @@ class TokenizedDataset:
 
 
 def split_conversations(conversations: Sequence[Conversation], heldout_fraction: float, seed: int = 0,
-                        shuffle: bool = True) -> tuple[list[Conversation], list[Conversation]]:
-    """(train, held-out), split by conversation after a seeded shuffle; the held-out part is the tail."""
+                        shuffle: bool = True, by: str = "shuffle") -> tuple[list[Conversation], list[Conversation]]:
+    """(train, held-out), split by conversation.
+
+    by="shuffle": after a seeded shuffle (or none), the held-out part is the tail. by="id_hash": a conversation
+    is held out when a hash of (seed, its id) falls below `heldout_fraction`, so it stays on the same side as the
+    data grows (the training order is then the shuffle of the rest, or the file order)."""
     n = len(conversations)
     order = np.random.default_rng(seed).permutation(n) if shuffle else np.arange(n)
+    if by == "id_hash":
+        held_ids = {i for i, c in enumerate(conversations) if _unit_hash(f"{seed}:{c.id}") < heldout_fraction}
+        return ([conversations[i] for i in order if i not in held_ids],
+                [conversations[i] for i in range(n) if i in held_ids])
+    if by != "shuffle":
+        raise ValueError(f"by: expected 'shuffle' or 'id_hash', got {by!r}")
     n_held = int(round(heldout_fraction * n))
     if heldout_fraction > 0 and n >= 2:
         n_held = min(max(n_held, 1), n - 1)
@@ -109,11 +119,17 @@ def split_conversations(conversations: Sequence[Conversation], heldout_fraction:
     return train, held
 
 
+def _unit_hash(text: str) -> float:
+    """A number in [0, 1) fixed by `text` (the first 52 bits of its SHA-1)."""
+    return int(hashlib.sha1(text.encode()).hexdigest()[:13], 16) / 16 ** 13
+
+
 def build_datasets(cfg: DataConfig, tokenizer, conversations: Sequence[Conversation] | None = None,
                    progress: bool = False) -> tuple[TokenizedDataset, TokenizedDataset]:
     """(train, held-out) datasets from `conversations` (default: `load_conversations(cfg)`)."""
     conversations = load_conversations(cfg) if conversations is None else list(conversations)
-    train_c, held_c = split_conversations(conversations, cfg.heldout_fraction, cfg.seed, cfg.shuffle)
+    train_c, held_c = split_conversations(conversations, cfg.heldout_fraction, cfg.seed, cfg.shuffle,
+                                          by=cfg.heldout_split)
     train = TokenizedDataset.from_conversations(train_c, tokenizer, cfg.max_length, cfg.min_assistant_tokens,
                                                 progress)
     held = TokenizedDataset.from_conversations(held_c, tokenizer, cfg.max_length, cfg.min_assistant_tokens,

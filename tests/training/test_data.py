@@ -276,6 +276,21 @@ def test_split_deterministic_and_disjoint(sharegpt):
     assert D.split_conversations(sharegpt, 0.0)[1] == []
 
 
+def test_split_by_id_hash_keeps_each_conversation_on_its_side_as_the_data_grows(sharegpt):
+    small_train, small_held = D.split_conversations(sharegpt[:150], 0.1, seed=0, by="id_hash")
+    big_train, big_held = D.split_conversations(sharegpt, 0.1, seed=0, by="id_hash")
+    assert {c.id for c in small_held} <= {c.id for c in big_held}
+    assert {c.id for c in small_train} <= {c.id for c in big_train}
+    assert sorted(map(id, big_train + big_held)) == sorted(map(id, sharegpt))
+    assert 15 <= len(big_held) <= 45  # ~10% of 300 (40 measured; binomial sd 5)
+    other = D.split_conversations(sharegpt, 0.1, seed=1, by="id_hash")[1]
+    assert {c.id for c in other} != {c.id for c in big_held}
+    shuffled = D.split_conversations(sharegpt, 0.1, seed=0, by="shuffle")[1]
+    assert {c.id for c in shuffled} != {c.id for c in big_held}
+    with pytest.raises(ValueError, match="expected 'shuffle' or 'id_hash'"):
+        D.split_conversations(sharegpt, 0.1, by="random")
+
+
 def test_tokenized_dataset(dataset, tok, sharegpt):
     train, held = dataset
     assert train.stats["conversations"] == 108 and held.stats["conversations"] == 12
