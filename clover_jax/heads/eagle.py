@@ -316,7 +316,10 @@ def from_reference(folder, meta: dict, base, dtype=None) -> EagleHead:
 
     if int(meta.get("num_hidden_layers", NUM_LAYERS)) != NUM_LAYERS:
         raise ExportError(f"{folder}: the EAGLE draft has {meta.get('num_hidden_layers')} layers; EAGLE-1 has one")
-    rope = None if meta.get("rope_follows_base") or meta.get("rope_theta") is None else float(meta["rope_theta"])
+    if "head_type" not in meta and meta.get("rope_theta") is None:
+        rope = REFERENCE_ROPE_THETA      # a published head without rope_theta: the reference's (and HF Llama's) 10000
+    else:
+        rope = None if meta.get("rope_follows_base") or meta.get("rope_theta") is None else float(meta["rope_theta"])
     cfg = EagleConfig(rope_theta=rope, **({"dtype": dtype, "param_dtype": dtype} if dtype is not None else {}))
     get, keys = read_weights_dir(folder)
     keys = set(keys)

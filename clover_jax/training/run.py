@@ -49,7 +49,7 @@ def load_base(cfg: ExperimentConfig, mesh) -> Any:
     return load_model(cfg.model.name_or_path, dtype=dtype, param_dtype=pdtype, shardings=shardings)
 
 
-def build_data(cfg: ExperimentConfig, loaded) -> tuple[Any, list[dict[str, Any]]]:
+def build_data(cfg: ExperimentConfig, loaded, mesh=None) -> tuple[Any, list[dict[str, Any]]]:
     """(train batcher, held-out batches for evaluation) from `cfg.data` (see `clover_jax.training.data`)."""
     from clover_jax.training import data as data_lib
     from clover_jax.training.features import attach_features
@@ -57,7 +57,7 @@ def build_data(cfg: ExperimentConfig, loaded) -> tuple[Any, list[dict[str, Any]]
     if cfg.data.self_distill:  # the base model's own first-turn replies, generated once and cached on disk
         from clover_jax.training.self_distill import self_distilled_conversations
 
-        convs = self_distilled_conversations(cfg, loaded, progress=jax.process_index() == 0)
+        convs = self_distilled_conversations(cfg, loaded, progress=jax.process_index() == 0, mesh=mesh)
     else:
         convs = data_lib.load_conversations(cfg.data)
     train, held = data_lib.build_datasets(cfg.data, loaded.tokenizer, convs, progress=jax.process_index() == 0)
@@ -240,7 +240,7 @@ def run_experiment(cfg: ExperimentConfig, *, resume: bool = False, progress: boo
                 bad = next((s for s in existing if str(ckpt.step_dir(s)) in str(e)), None)
                 raise _resume_hint(e, existing, bad) from None
         if batcher is None:
-            batcher, eval_batches = build_data(cfg, loaded)
+            batcher, eval_batches = build_data(cfg, loaded, mesh)
         vocab_ids = None
         run_vocab = None
         if cfg.loss.draft_vocab or cfg.train.draft_vocab_size or cfg.train.draft_vocab_from:

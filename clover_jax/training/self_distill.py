@@ -5,7 +5,12 @@ this); regenerating the replies with the base model matches the training data to
 have to predict at inference time. Replies are generated with our batched greedy loop and cached on
 disk (JSONL, resumable), so a killed run continues where it stopped.
 
+The base model is loaded and decodes on the config's mesh (`mesh.data/fsdp/tp`, as training uses it): a model
+that does not fit one chip (Llama-3-8B in bf16 on TPU v5e) generates tensor-parallel over `tp`, its rows split
+over the batch axes. One process only: multi-host generation is not supported (each host would decode alone).
+
   python -m clover_jax.training.self_distill --config configs/smollm2-135m-clover2.yaml
+  python -m clover_jax.training.self_distill --config configs/llama3-8b-instruct-clover2.yaml --set mesh.tp=8
 """
 
 from __future__ import annotations
@@ -18,12 +23,13 @@ from clover_jax.training.distill_cache import SelfDistillCache, build_self_disti
 from clover_jax.training.sources import Conversation, DataError, load_conversations
 
 
-def make_generate_fn(loaded, temperature: float = 0.0, seed: int = 0):
-    """`generate_fn(list of message lists, max_new_tokens) -> list of reply strings` for build_self_distill."""
+def make_generate_fn(loaded, temperature: float = 0.0, seed: int = 0, mesh=None):
+    """`generate_fn(list of message lists, max_new_tokens) -> list of reply strings` for build_self_distill,
+    decoding on `mesh` (a `jax.sharding.Mesh`, a string like "tp=8", or None for one device)."""
 
     def generate_fn(message_lists, max_new_tokens: int = 256):
         res = generate(loaded, [list(m) for m in message_lists], max_new_tokens=max_new_tokens,
-                       temperature=temperature, seed=seed)
+                       temperature=temperature, seed=seed, mesh=mesh)
         return res.texts
 
     return generate_fn
@@ -39,14 +45,22 @@ def short_prompts(conversations, tokenizer, max_prompt_tokens: int) -> list[Conv
     return keep
 
 
-def self_distilled_conversations(cfg, loaded, convs=None, progress: bool = True) -> list[Conversation]:
-    """The configured conversations (or `convs`) with the base model's replies, generated once and cached
-    in `<self_distill_dir>/replies.jsonl`; prompts longer than `data.self_distill_max_prompt_tokens` are skipped."""
+def self_distilled_conversations(cfg, loaded, convs=None, progress: bool = True, mesh=None) -> list[Conversation]:
+    """The configured conversations (or `convs`) with the base model's replies, generated once (on `mesh`, see
+    `make_generate_fn`) and cached in `<self_distill_dir>/replies.jsonl`; prompts longer than
+    `data.self_distill_max_prompt_tokens` are skipped."""
+    import jax
+
+    if jax.process_count() > 1:
+        raise DataError(f"self-distillation runs in one process, not {jax.process_count()}: generate the replies "
+                        "on one host (python -m clover_jax.training.self_distill --config ... --export-chat "
+                        "replies.jsonl.gz) and train with data.self_distill: false, data.source: that file")
     convs = load_conversations(cfg.data) if convs is None else convs
     convs = short_prompts(convs, loaded.tokenizer, cfg.data.self_distill_max_prompt_tokens)
     out = Path(cfg.self_distill_dir) / "replies.jsonl"
     out.parent.mkdir(parents=True, exist_ok=True)
-    return build_self_distill(convs, make_generate_fn(loaded), out, batch_size=cfg.data.self_distill_batch_size,
+    return build_self_distill(convs, make_generate_fn(loaded, mesh=mesh), out,
+                              batch_size=cfg.data.self_distill_batch_size,
                               max_new_tokens=cfg.data.self_distill_max_new_tokens, progress=progress)
 
 
@@ -113,8 +127,9 @@ def export_prompts_file(convs, tokenizer, max_prompt_tokens: int, out_path) -> i
 
 
 def main(argv=None):
+    from clover_jax import parallel
     from clover_jax.config import add_config_arguments, config_from_args
-    from clover_jax.io.loader import load_model
+    from clover_jax.training.run import load_base
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_config_arguments(ap)
@@ -142,8 +157,9 @@ def main(argv=None):
         n = import_chat_file(args.import_chat, Path(cfg.self_distill_dir) / "replies.jsonl",
                              cfg.data.self_distill_max_new_tokens)
         print(f"{n} replies imported from {args.import_chat}")
-    loaded = load_model(cfg.model.name_or_path)
-    convs = self_distilled_conversations(cfg, loaded)
+    mesh = parallel.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tp)
+    loaded = load_base(cfg, mesh)  # the config's dtypes, the weights placed on the mesh as they are read
+    convs = self_distilled_conversations(cfg, loaded, mesh=mesh)
     print(f"{len(convs)} self-distilled conversations in {cfg.self_distill_dir}")
 
 

@@ -234,6 +234,37 @@ def test_load_model_onto_mesh_places_weights(tmp_path):
             == api.generate(base, prompts, max_new_tokens=8).token_ids)
 
 
+class _ChatWords:
+    """Words -> ids 3..63 (as tests/word_tokenizer.py), with a chat template that joins the messages."""
+
+    def encode(self, text, add_special_tokens=True):
+        return [3 + (sum(map(ord, w)) % 61) for w in text.split()]
+
+    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=True):
+        return self.encode(" ".join(m["content"] for m in messages))
+
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(map(str, ids))
+
+
+def test_self_distillation_generates_on_a_mesh_what_one_device_generates():
+    """The replies a Llama-3-8B user generates tensor-parallel (`self_distill --set mesh.tp=8`) are the
+    single-device replies: same message lists in, same texts out, whatever the padding to the batch shards."""
+    _need_devices()
+    from clover_jax.io.loader import LoadedModel
+    from clover_jax.training.self_distill import make_generate_fn
+
+    base = init_llama(LLAMA3ISH, seed=1)
+    loaded = LoadedModel(LLAMA3ISH, base, _ChatWords(), "tiny")
+    rng = np.random.default_rng(5)
+    msgs = [[{"role": "user", "content": " ".join(rng.choice(list("abcdefghijklmnop"), int(n)))}]
+            for n in rng.integers(2, 12, 5)]  # 5 rows: padded to the data=4 mesh's 8
+    one = make_generate_fn(loaded)(msgs, 12)
+    assert max(len(t.split()) for t in one) >= 6  # replies, not empty strings that would trivially agree
+    for mesh in MESHES:
+        assert make_generate_fn(loaded, mesh=parallel.parse_mesh(mesh))(msgs, 12) == one, mesh
+
+
 # ------------------------------------------------------------------------------------------------ bf16
 def test_bf16_speculative_agrees_with_bf16_autoregressive(smollm):
     """SmolLM2 in bf16 (weights, activations and caches; float32 logits and accumulation), 8 MT-Bench prompts,

@@ -159,6 +159,10 @@ def test_a_published_eagle_head_loads(tmp_path):
     assert type(back).__name__ == "EagleHead"
     for a, b in zip(_leaves(head), _leaves(back)):
         np.testing.assert_array_equal(a, b)
+    # Vicuna's config.json names no rope_theta: the reference's layer then uses 10000, not the base's own base
+    del published["rope_theta"]
+    (folder / "config.json").write_text(json.dumps({**published, "architectures": ["LlamaForCausalLM"]}))
+    assert CFG.rope_theta != 10000.0 and load_head(folder, base).cfg.rope_theta == 10000.0
 
 
 def test_a_folder_of_no_known_head_is_a_clear_error(tmp_path):

@@ -482,3 +482,14 @@ def test_self_distill_chat_file_round_trip_seeds_a_fresh_cache(tmp_path):
     bad.write_text(json.dumps({"id": "x", "messages": [{"role": "user", "content": "no reply"}]}) + "\n")
     with pytest.raises(D.DataError, match="line 1: the last message is not an assistant reply"):
         import_chat_file(bad, tmp_path / "other.jsonl")
+
+
+def test_self_distillation_on_several_hosts_is_a_clear_error(monkeypatch):
+    """Every host would decode every prompt alone and write the same cache: refused with what to do instead."""
+    import jax
+
+    from clover_jax.training.self_distill import self_distilled_conversations
+
+    monkeypatch.setattr(jax, "process_count", lambda: 4)
+    with pytest.raises(D.DataError, match="runs in one process, not 4: generate the replies on one host"):
+        self_distilled_conversations(None, None)
