@@ -83,6 +83,22 @@ class SelfDistillCache:
             os.fsync(f.fileno())
 
 
+def generation_order(todo: Sequence[tuple[str, Sequence[dict[str, str]]]], batch_size: int,
+                     window: int = 8) -> list[tuple[str, Sequence[dict[str, str]]]]:
+    """The order `(id, prompt)` items are generated in: shuffled by a hash of each prompt (fixed, and new prompts
+    interleave with old ones as the set grows), then sorted by length within windows of `window` batches, so a
+    batch pads little while any prefix of the order is an even sample of the prompts' lengths and topics.
+
+    (Sorting the whole set by length pads least, but a run stopped early then holds only the shortest prompts,
+    greetings and one-liners, and a head trained on their replies drafts worse for real questions.)"""
+    items = sorted(todo, key=lambda item: prompt_key(item[1]))
+    span = max(1, batch_size * window)
+    out = []
+    for s in range(0, len(items), span):
+        out += sorted(items[s: s + span], key=lambda item: sum(len(m["content"]) for m in item[1]))
+    return out
+
+
 def build_self_distill(conversations: Sequence[Conversation], generate_fn: Callable[..., list[str]],
                        out_path: str | Path, batch_size: int = 8, max_new_tokens: int = 512, resume: bool = True,
                        progress: bool = True) -> list[Conversation]:
@@ -91,7 +107,8 @@ def build_self_distill(conversations: Sequence[Conversation], generate_fn: Calla
     `generate_fn(list_of_message_lists) -> list[str]` generates the replies (it also gets
     `max_new_tokens=` when its signature takes it). Replies are cached in `out_path` (JSONL); with `resume`,
     prompts already there are not generated again, so a killed run continues where it stopped.
-    Prompts are generated in order of length (less padding), each distinct prompt once.
+    Each distinct prompt is generated once, in `generation_order`: a run stopped early (the generation is the
+    slow part) leaves a sample of the whole set, not its shortest prompts.
     """
     from tqdm import tqdm
 
@@ -106,7 +123,7 @@ def build_self_distill(conversations: Sequence[Conversation], generate_fn: Calla
         if key not in cache.records and key not in seen:
             seen.add(key)
             todo.append((c.id, p))
-    todo.sort(key=lambda item: sum(len(m["content"]) for m in item[1]))
+    todo = generation_order(todo, batch_size)
     params = inspect.signature(generate_fn).parameters
     takes_max = "max_new_tokens" in params or any(p.kind == p.VAR_KEYWORD for p in params.values())
     kwargs = {"max_new_tokens": max_new_tokens} if takes_max else {}

@@ -448,6 +448,28 @@ def test_self_distill_resume(tmp_path):
     assert len(third.calls) == 1 and len(D.SelfDistillCache(out)) == 2
 
 
+def test_self_distill_stopped_early_leaves_a_sample_of_all_lengths_not_the_shortest(tmp_path):
+    """A generation stopped after a fifth of the prompts (the usual case: it is slow) holds prompts of every
+    length, each batch sorted by length (little padding), and a resumed run finishes the rest once each."""
+    import random
+
+    words = [f"w{i:03d}" for i in range(200)]  # one width: characters grow with words
+    rng = random.Random(0)
+    convs = [conv(f"c{i}", ("u", " ".join(rng.choices(words, k=n))), ("a", "old")) for i, n in enumerate(range(1, 161))]
+    length = {c.messages[0]["content"]: i + 1 for i, c in enumerate(convs)}  # words per prompt: 1..160
+    gen = FakeGenerate(fail_after=8)
+    with pytest.raises(KeyboardInterrupt):
+        D.build_self_distill(convs, gen, tmp_path / "c.jsonl", batch_size=4, progress=False)
+    done = [length[p] for batch in gen.calls for p in batch]  # 32 of 160 prompts
+    assert len(done) == 32 and min(done) <= 20 and max(done) >= 140  # shortest-first would stop at 32 words
+    assert sum(n > 80 for n in done) >= 8  # the long half is represented, not a handful of strays
+    for batch in gen.calls:
+        assert [length[p] for p in batch] == sorted(length[p] for p in batch)
+    rest = FakeGenerate()
+    D.build_self_distill(convs, rest, tmp_path / "c.jsonl", batch_size=4, progress=False)
+    assert sorted(done + [length[p] for batch in rest.calls for p in batch]) == list(range(1, 161))
+
+
 def test_self_distill_generate_fn_without_max_new_tokens(tmp_path):
     seen = []
 
