@@ -24,7 +24,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m-instruct", help="HF folder, .gguf file or known name")
     p.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
-    p.add_argument("--prompts-file", help="mt_bench | spec_bench (shipped), or a JSONL file of questions ('turns') or {'prompt': ...} lines")
+    p.add_argument("--prompts-file", help="mt_bench | spec_bench | sharegpt_heldout (shipped), or a JSONL file of questions ('turns') or {'prompt': ...} lines")
     p.add_argument("--category", help="only questions of this category (with --prompts-file)")
     p.add_argument("--limit", type=int, default=0, help="at most this many prompts from the file")
     p.add_argument("--batch-size", type=int, default=1)

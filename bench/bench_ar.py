@@ -72,7 +72,7 @@ def bench_transformers(model, tokenizer_pad, prompt_ids, batch, max_new, eos):
 def _main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m-instruct")
-    ap.add_argument("--questions", default="mt_bench", help="mt_bench | spec_bench | a question.jsonl file")
+    ap.add_argument("--questions", default="mt_bench", help="mt_bench | spec_bench | sharegpt_heldout | a question.jsonl file")
     ap.add_argument("--limit", type=int, default=16)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])

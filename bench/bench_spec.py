@@ -95,7 +95,7 @@ def _main(argv=None):
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--head", default="smollm2-135m-instruct-clover2",
                     help="registered head name (default: the shipped SmolLM2 head), training run dir or exported folder")
-    ap.add_argument("--questions", default="mt_bench", help="mt_bench | spec_bench | path to question.jsonl")
+    ap.add_argument("--questions", default="mt_bench", help="mt_bench | spec_bench | sharegpt_heldout | path to question.jsonl")
     ap.add_argument("--category")
     ap.add_argument("--limit", type=int, default=0)
     ap.add_argument("--trees", nargs="+", default=["clover2-26"],  # "auto": the calibrated tree (clover_jax.calibrate)

@@ -1,7 +1,7 @@
 """Evaluation prompts from JSONL files: MT-Bench / Spec-Bench questions or plain {"prompt": ...} lines.
 
-The two question sets ship with the package (`clover_jax/data/`, see its SOURCES.md) and can be named:
-`read_prompts("mt_bench")`, `read_prompts("spec_bench", category="math_reasoning")`.
+Three question sets ship with the package (`clover_jax/data/`, see its SOURCES.md) and can be named:
+`read_prompts("mt_bench")`, `read_prompts("spec_bench", category="math_reasoning")`, `read_prompts("sharegpt_heldout")`.
 """
 
 from __future__ import annotations
@@ -12,11 +12,12 @@ from pathlib import Path
 from clover_jax.validation import InputError
 
 DATA_DIR = Path(__file__).resolve().parents[1] / "data"
-QUESTION_SETS = {"mt_bench": DATA_DIR / "mt_bench.jsonl", "spec_bench": DATA_DIR / "spec_bench.jsonl"}
+QUESTION_SETS = {"mt_bench": DATA_DIR / "mt_bench.jsonl", "spec_bench": DATA_DIR / "spec_bench.jsonl",
+                 "sharegpt_heldout": DATA_DIR / "sharegpt_heldout.jsonl"}
 
 
 def questions_path(name_or_path: str | Path) -> Path:
-    """The file of a shipped question set ('mt_bench', 'spec_bench') or `name_or_path` itself."""
+    """The file of a shipped question set ('mt_bench', 'spec_bench', 'sharegpt_heldout') or `name_or_path` itself."""
     key = str(name_or_path)
     return QUESTION_SETS.get(key.lower(), Path(key).expanduser())
 

@@ -148,6 +148,23 @@ def test_read_questions(tmp_path):
     assert len(D.read_questions(questions_path("spec_bench"))) == 480
 
 
+def test_sharegpt_heldout_questions_were_never_trained_or_self_distilled_on():
+    """The shipped ShareGPT question set is what it claims: 80 first turns of conversations outside the first
+    16,000 usable ones (all any config or self-distillation run reads) and outside the kept self-distilled replies."""
+    import gzip
+
+    from clover_jax.io.prompts import questions_path, read_prompts
+
+    qs = D.read_questions(questions_path("sharegpt_heldout"))
+    assert len(qs) == 80 and len(read_prompts("sharegpt_heldout")) == 80
+    ids = {q["question_id"] for q in qs}
+    assert len(ids) == 80
+    assert not ids & {c.id for c in D.read_sharegpt(limit=16000)}
+    kept = Path(D.__file__).resolve().parents[2] / "data" / "self_distill" / "smollm2-135m-instruct-sharegpt.jsonl.gz"
+    with gzip.open(kept, "rt") as f:
+        assert not ids & {json.loads(line)["id"] for line in f}
+
+
 def test_missing_and_unknown_files(tmp_path):
     missing = tmp_path / "nope.json"
     with pytest.raises(FileNotFoundError, match=str(missing)):
