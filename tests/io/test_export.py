@@ -85,7 +85,7 @@ def test_head_import_errors(tmp_path, base_and_head):
     with pytest.raises(ExportError, match="no config.json"):
         import_head(tmp_path, base)
     export_base(base, tmp_path / "base")
-    with pytest.raises(ExportError, match="head_type=None"):
+    with pytest.raises(ExportError, match="no head_type and the folder is not a published head of a known type"):
         import_head(tmp_path / "base", base)
     export_head(head, tmp_path / "h", base=base)
     other = init_llama(LlamaConfig(**{**CFG.__dict__, "hidden_size": 48, "head_dim": 12}), seed=0)

@@ -3,6 +3,7 @@ in that format: Medusa's `medusa_lm_head.pt`, EAGLE-1's `pytorch_model.bin`, tra
 
 torch writes every file here (it is only the reference, never imported by the library)."""
 
+import dataclasses
 import json
 import pickle
 
@@ -162,7 +163,8 @@ def test_a_published_eagle_head_loads(tmp_path):
     # Vicuna's config.json names no rope_theta: the reference's layer then uses 10000, not the base's own base
     del published["rope_theta"]
     (folder / "config.json").write_text(json.dumps({**published, "architectures": ["LlamaForCausalLM"]}))
-    assert CFG.rope_theta != 10000.0 and load_head(folder, base).cfg.rope_theta == 10000.0
+    base_1e5 = init_llama(dataclasses.replace(CFG, rope_theta=100000.0), seed=2)
+    assert load_head(folder, base_1e5).cfg.rope_theta == 10000.0
 
 
 def test_a_folder_of_no_known_head_is_a_clear_error(tmp_path):
