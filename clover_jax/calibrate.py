@@ -113,6 +113,31 @@ def _fingerprint(folder: Path) -> str:
     return hashlib.sha1("|".join(parts).encode()).hexdigest()[:16]
 
 
+_WEIGHT_SUFFIXES = (".safetensors", ".msgpack", ".bin", ".pt")
+_DIGESTS: dict[tuple, str] = {}
+
+
+def weights_digest(head_source) -> str | None:
+    """A digest of the contents of a head folder's weight files (not their dates, so a fresh clone of a repository
+    agrees with the copy that was calibrated); None for a head given as a module. A calibration saved with one
+    digest is not reused for other weights (a head replaced in place, a run directory trained further)."""
+    folder = _head_folder(head_source)
+    if folder is None:
+        return None
+    files = sorted(p for p in folder.rglob("*") if p.is_file() and (p.suffix in _WEIGHT_SUFFIXES or
+                                                                      "checkpoints" in p.relative_to(folder).parts))
+    stamp = tuple((str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in files)
+    if stamp not in _DIGESTS:
+        h = hashlib.sha1()
+        for p in files:
+            h.update(str(p.relative_to(folder)).encode())
+            with p.open("rb") as f:
+                for block in iter(lambda: f.read(1 << 20), b""):
+                    h.update(block)
+        _DIGESTS[stamp] = h.hexdigest()[:16]
+    return _DIGESTS[stamp]
+
+
 def calibration_files(head_source) -> list[Path]:
     """Where calibrations of this head are read from, in order: the head's folder, then the user cache."""
     folder = _head_folder(head_source)
@@ -130,11 +155,14 @@ def _read(path: Path) -> dict:
 
 def load_entry(head_source, key: str) -> dict | None:
     """The saved calibration entry for `key`; else one of the same hardware and dtype at the nearest batch
-    size (a step's cost changes slowly with the batch); else None."""
+    size (a step's cost changes slowly with the batch); else None. Entries measured on other weights (their
+    `weights` digest differs from the head's, `weights_digest`) are skipped."""
     hardware, dtype, batch = key.split(" | ")
     nearest = None
+    digest = weights_digest(head_source)
     for path in calibration_files(head_source):
-        entries = _read(path).get("entries", {})
+        entries = {k: e for k, e in _read(path).get("entries", {}).items()
+                   if not (digest and e.get("weights") and e["weights"] != digest)}
         if entries.get(key):
             return entries[key]
         for k, entry in entries.items():
@@ -148,7 +176,11 @@ def load_entry(head_source, key: str) -> dict | None:
 
 def save_entry(head_source, key: str, entry: dict) -> Path | None:
     """Adds `entry` under `key` to the head folder's calibration file, or the user cache's when the folder is
-    not writable; returns the file (None for a head given as a module)."""
+    not writable, stamped with the digest of the head's weights; returns the file (None for a head given as a
+    module)."""
+    digest = weights_digest(head_source)
+    if digest:
+        entry = {**entry, "weights": digest}
     for path in calibration_files(head_source):
         try:
             data = _read(path)

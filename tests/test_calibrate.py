@@ -76,6 +76,11 @@ def test_saved_beside_the_head_and_reused(tmp_path, monkeypatch):
     assert calibrate.load_entry(str(folder), calibrate.entry_key("cpu: test x2", "bfloat16", 1)) is None
     data = json.loads((folder / "calibration.json").read_text())
     assert list(data["entries"]) == [key]
+    # new weights in the same folder (a head replaced in place): the old measurement is not theirs
+    (folder / "model.safetensors").write_bytes(b"1")
+    assert calibrate.load_entry(str(folder), key) is None
+    (folder / "model.safetensors").write_bytes(b"0")  # the same contents again (dates differ, as after a clone)
+    assert calibrate.load_entry(str(folder), key)["best"] == "chain-3"
 
 
 def test_generate_auto_uses_the_saved_choice(tiny, tmp_path, monkeypatch):
