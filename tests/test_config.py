@@ -119,6 +119,12 @@ def test_wrong_type(override, match):
         load_config(None, [override])
 
 
+def test_data_source_takes_one_path_or_a_list():
+    assert load_config(None, ["data.source=a.jsonl"]).data.sources == ("a.jsonl",)
+    cfg = load_config(None, ["data.source=[a.jsonl, data/b.jsonl.gz]"])
+    assert cfg.data.source == ("a.jsonl", "data/b.jsonl.gz") == cfg.data.sources
+
+
 @pytest.mark.parametrize("override, match", [
     ("optim.lr=-1e-3", r"optim.lr: must be > 0, got -0.001"),
     ("data.heldout_fraction=1.0", r"data.heldout_fraction: must be in \[0, 1\)"),

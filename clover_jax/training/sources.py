@@ -238,13 +238,29 @@ READERS: dict[str, Callable[..., list[Conversation]]] = {
 
 
 def load_conversations(cfg: DataConfig) -> list[Conversation]:
-    """Reads `cfg.source` (the first `cfg.num_conversations` usable ones; 0 = all), adds `cfg.system_prompt`."""
-    kind = source_kind(cfg.source)
+    """Reads `cfg.source` (one source or a list read in order; the first `cfg.num_conversations` usable ones of
+    them all, 0 = all), adds `cfg.system_prompt`. DataError when a source yields nothing, or when two sources hold
+    the same conversation id (the id decides the held-out split, so a duplicate could sit on both sides)."""
     limit = cfg.num_conversations or None
-    dropped: collections.Counter = collections.Counter()
-    convs = READERS[kind](cfg.source, limit=limit, dropped=dropped)
-    if not convs:
-        raise DataError(f"data.source={cfg.source!r}: no conversations left after filtering (dropped: "
-                        f"{dict(dropped) or 'none'}; a conversation needs a user turn followed by an assistant turn)")
-    log.info("read %d conversations from %s (dropped %s)", len(convs), cfg.source, dict(dropped))
+    convs: list[Conversation] = []
+    seen: dict[str, str] = {}
+    for source in cfg.sources:
+        if limit is not None and len(convs) >= limit:
+            log.info("data.source %r not read: the first %d conversations came from earlier sources", source, limit)
+            continue
+        dropped: collections.Counter = collections.Counter()
+        part = READERS[source_kind(source)](source, limit=None if limit is None else limit - len(convs),
+                                             dropped=dropped)
+        if not part:
+            raise DataError(f"data.source={source!r}: no conversations left after filtering (dropped: "
+                            f"{dict(dropped) or 'none'}; a conversation needs a user turn followed by an assistant "
+                            "turn)")
+        if len(cfg.sources) > 1:
+            for c in part:
+                if c.id in seen:
+                    raise DataError(f"data.source: conversation id {c.id!r} is in both {seen[c.id]!r} and "
+                                    f"{source!r}; list each conversation once")
+                seen[c.id] = source
+        log.info("read %d conversations from %s (dropped %s)", len(part), source, dict(dropped))
+        convs.extend(part)
     return with_system_prompt(convs, cfg.system_prompt)

@@ -122,6 +122,35 @@ def test_openai_jsonl_and_hf_dataset(tmp_path):
     assert D.load_conversations(cfg)[0].messages[0]["content"] == "s"  # has a system turn already
 
 
+def test_a_list_of_sources_is_read_in_order_and_capped_in_total(tmp_path):
+    def write(name, ids):
+        path = tmp_path / name
+        path.write_text("".join(json.dumps({"id": i, "messages": [{"role": "user", "content": f"q {i}"},
+                                                                  {"role": "assistant", "content": f"r {i}"}]}) + "\n"
+                                for i in ids))
+        return str(path)
+
+    a, b = write("a.jsonl", ["a0", "a1", "a2"]), write("b.jsonl", ["b0", "b1"])
+    assert [c.id for c in D.load_conversations(DataConfig(source=[a, b]))] == ["a0", "a1", "a2", "b0", "b1"]
+    assert [c.id for c in D.load_conversations(DataConfig(source=[b, a], num_conversations=3))] == ["b0", "b1", "a0"]
+    # the cap reached inside the first source: the second is not read (it may be missing or still being written)
+    assert [c.id for c in D.load_conversations(DataConfig(source=[a, str(tmp_path / "later.jsonl")],
+                                                          num_conversations=2))] == ["a0", "a1"]
+    # the same conversation twice could land on both sides of the id-hash split: refused, naming both files
+    with pytest.raises(D.DataError, match=r"'a1' is in both .*a\.jsonl.* and .*dup\.jsonl"):
+        D.load_conversations(DataConfig(source=[a, write("dup.jsonl", ["x", "a1"])]))
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text(json.dumps({"id": "e", "messages": [{"role": "user", "content": "q"}]}) + "\n")
+    with pytest.raises(D.DataError, match=r"data.source=.*empty\.jsonl.*no conversations left"):
+        D.load_conversations(DataConfig(source=[a, str(empty)]))
+    from clover_jax.config import ConfigError
+
+    for bad, why in (([], "must not be an empty list"), ([a, a], "lists a source twice"),
+                     ([a, "x.csv"], "unknown source kind 'x.csv'"), ([a, " "], "must not be empty")):
+        with pytest.raises(ConfigError, match=why):
+            DataConfig(source=bad)
+
+
 def test_load_conversations_sharegpt_and_system_prompt(sharegpt):
     convs = D.load_conversations(DataConfig(num_conversations=50, system_prompt="Be brief."))
     assert len(convs) == 50 and [c.id for c in convs] == [c.id for c in sharegpt[:50]]
