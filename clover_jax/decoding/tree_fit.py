@@ -78,7 +78,10 @@ def smooth_acceptance(p: np.ndarray, parents: np.ndarray, prior_parents: float =
     """`p [Dmax, R]` (from `rank_acceptance`) with each measured cell shrunk toward its rank's acceptance pooled
     over depths, as if `prior_parents` more parents had been seen at that rate; then, within each depth, adjacent
     ranks whose acceptance rises with rank are pooled (weighted by parents seen) unless the raw counts make the
-    rise significant (z > `z_max`). Unmeasured cells (0 parents) stay 0."""
+    rise significant (z > `z_max`). Unmeasured cells (0 parents) stay 0. Last, a depth whose rates sum past 1 is
+    scaled to sum 1: at most one child of a node is accepted, so its ranks' rates are shares of one probability
+    (the prior can pull a rank up at a depth where another rank took every acceptance, and a tree holding both
+    would otherwise be predicted more tokens than it is deep)."""
     p = np.asarray(p, np.float64)
     w = np.asarray(parents, np.float64)  # [Dmax, R]
     if p.shape != w.shape:
@@ -91,7 +94,8 @@ def smooth_acceptance(p: np.ndarray, parents: np.ndarray, prior_parents: float =
         cols = np.flatnonzero(w[d] > 0)
         if len(cols) > 1:
             q[d, cols] = _pool_inversions(q[d, cols], p[d, cols], w[d, cols], z_max)
-    return q
+    total = q.sum(1, keepdims=True)  # [Dmax, 1]
+    return np.where(total > 1.0, q / np.maximum(total, 1e-12), q)
 
 
 def _pool_inversions(y: np.ndarray, raw: np.ndarray, n: np.ndarray, z_max: float) -> np.ndarray:

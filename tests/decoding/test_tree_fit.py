@@ -92,6 +92,15 @@ def test_smoothing_keeps_well_measured_rates_and_orders_noisy_ranks():
     assert q[1, 0] == pytest.approx((0 + 10 * 0.5 * 1000 / 1002) / 12)
     with pytest.raises(ValueError, match="shape"):
         smooth_acceptance(p, parents[:1])
+    # at most one child of a node is accepted: a depth's smoothed rates never sum past 1, so no tree is predicted
+    # more tokens than it is deep (rank 0 took every acceptance at depths 1-2, rank 3 at depth 3: the prior pulls
+    # rank 0 up at depth 3 while rank 3's certain inversion is kept)
+    p3 = np.array([[1.0, 0, 0, 0], [1.0, 0, 0, 0], [0, 0, 0, 1.0]])
+    n3 = np.array([[100, 100, 100, 1], [100, 100, 100, 1], [12, 12, 12, 12]])  # rank 3 seen mostly at depth 3
+    q = smooth_acceptance(p3, n3)
+    assert (q.sum(1) <= 1 + 1e-9).all() and q[2, 3] > q[2, 0] > 0
+    full = best_tree(q, 16, 3)
+    assert expected_tau(full, q) <= 4 + 1e-9
 
 
 def test_step_cost_model_and_candidates():
