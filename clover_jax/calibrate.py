@@ -106,13 +106,6 @@ def _head_folder(head_source) -> Path | None:
     return path if path.is_dir() else None
 
 
-def _fingerprint(folder: Path) -> str:
-    """Identifies a head's weights (name, size and modification time of its weight files)."""
-    parts = sorted(f"{p.name}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in folder.rglob("*")
-                   if p.is_file() and p.suffix in (".safetensors", ".msgpack", ".json") and p.name != FILE_NAME)
-    return hashlib.sha1("|".join(parts).encode()).hexdigest()[:16]
-
-
 _WEIGHT_SUFFIXES = (".safetensors", ".msgpack", ".bin", ".pt")
 _DIGESTS: dict[tuple, str] = {}
 
@@ -143,7 +136,7 @@ def calibration_files(head_source) -> list[Path]:
     folder = _head_folder(head_source)
     if folder is None:
         return []
-    return [folder / FILE_NAME, cache_dir() / f"{_fingerprint(folder)}.json"]
+    return [folder / FILE_NAME, cache_dir() / f"{weights_digest(head_source)}.json"]  # the cache: by contents
 
 
 def _read(path: Path) -> dict:
