@@ -326,9 +326,9 @@ class TrainConfig(_Section):
     # hidden states in host memory (bfloat16, T x hidden_size per example); steps then skip the base forward.
     # For small models on one host: every host holds the features of the whole data set.
     cache_features: bool = False
-    # With cache_features: also keep them on disk in this folder (one file per data set, named by a hash of the
-    # base model's weights and the examples' tokens), so runs on the same model and data (other head types,
-    # restarts) skip the base forward. None: in memory only.
+    # With cache_features: also keep them on disk in this folder, per example (a subfolder per base model's
+    # weights; an example is found by a hash of its tokens), so runs on the same model (other head types, restarts,
+    # a data set grown by new examples) run the base only over examples it has not seen. None: in memory only.
     feature_cache_dir: Optional[str] = None
 
     def _validate(self):

@@ -11,15 +11,19 @@ step (P = softmax(W_lm RMSNorm(f))), so nothing V-sized is stored.
 Memory: T x D values per example (bfloat16 by default): 0.4 GB for 1,000 SmolLM2 examples of 384 tokens,
 but 16 GB for 1,000 Llama-3-8B examples of 2,048; meant for small models on one host.
 
-With a `cache_dir` (`train.feature_cache_dir`) the features also go to disk, one `.npy` per data set named by a
-hash of the base model's weights, the storage dtype and the examples' tokens: a later run on the same model and
-data (another head type, a restart) loads them instead of running the base. A file that does not match the
-data set's lengths is an error naming it, never silently reused.
+With a `cache_dir` (`train.feature_cache_dir`) the features also go to disk, cached **per example**: a folder
+per base model and storage dtype (`features-<digest of every base parameter and the dtype>/`) holds shards, each a
+`.npy` of stacked features and a `.json` index of its examples (a digest of each example's tokens, its length).
+A run loads every example some shard holds and runs the base only over the rest, written as a new shard, so a
+data set that grows (more self-distilled replies, another source appended) costs only its new examples, and runs
+on other heads, restarts and held-out splits share the work. A shard whose size does not match its index is an
+error naming it, never silently reused.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 from pathlib import Path
@@ -33,8 +37,9 @@ from clover_jax.training.loss import base_features
 
 
 def compute_features(base, dataset, boundaries, batch_size: int = 8, dtype=jnp.bfloat16,
-                     progress: bool = True) -> list[np.ndarray]:
-    """`[len_i, D]` base features of every example of `dataset` (a `TokenizedDataset`), in its order.
+                     progress: bool = True, indices=None) -> list[np.ndarray]:
+    """`[len_i, D]` base features of every example of `dataset` (a `TokenizedDataset`), in its order, or of the
+    examples at `indices` only, in that order.
 
     Examples go through the base in batches of `batch_size`, shortest first, each batch right-padded to
     the smallest of `boundaries` that holds it (one compile per boundary used)."""
@@ -47,7 +52,8 @@ def compute_features(base, dataset, boundaries, batch_size: int = 8, dtype=jnp.b
         return base_features(nnx.merge(graphdef, state), tokens, valid).astype(dtype)
 
     bounds = np.asarray(sorted(boundaries))
-    lengths = np.asarray(dataset.lengths)
+    indices = np.arange(len(dataset)) if indices is None else np.asarray(indices, np.int64)  # [N]
+    lengths = np.asarray(dataset.lengths)[indices]  # [N]
     if len(lengths) and lengths.max() > bounds[-1]:
         raise ValueError(f"an example of {int(lengths.max())} tokens is longer than the largest bucket "
                          f"boundary {int(bounds[-1])}")
@@ -61,7 +67,7 @@ def compute_features(base, dataset, boundaries, batch_size: int = 8, dtype=jnp.b
             valid = np.zeros((batch_size, t), bool)
             for r, i in enumerate(rows):
                 n = int(lengths[i])
-                tokens[r, :n], valid[r, :n] = dataset[int(i)].tokens, True
+                tokens[r, :n], valid[r, :n] = dataset[int(indices[i])].tokens, True
             f = np.asarray(forward(state, tokens, valid))
             for r, i in enumerate(rows):
                 out[int(i)] = f[r, : int(lengths[i])]
@@ -72,50 +78,101 @@ def compute_features(base, dataset, boundaries, batch_size: int = 8, dtype=jnp.b
 log = logging.getLogger(__name__)
 
 
-def cache_key(base, dataset, dtype) -> str:
-    """A hex digest of everything the features depend on: every base parameter, the storage dtype, the tokens."""
+def model_key(base, dtype) -> str:
+    """A hex digest of what every example's features depend on besides its tokens: each base parameter, the dtype."""
     h = hashlib.sha256(jnp.dtype(dtype).name.encode())
     for leaf in jax.tree.leaves(nnx.state(base, nnx.Param)):
         h.update(np.ascontiguousarray(np.asarray(leaf)).tobytes())
-    for i in range(len(dataset)):
-        h.update(np.asarray(dataset[i].tokens, np.int32).tobytes())
-        h.update(b"|")
     return h.hexdigest()[:24]
 
 
-def _flat_to_list(flat: np.ndarray, lengths) -> list[np.ndarray]:
-    ends = np.cumsum(lengths)
-    return [flat[e - n:e] for e, n in zip(ends, lengths)]
+def example_key(tokens) -> str:
+    """A hex digest of one example's token ids (its features depend on nothing else for a given base)."""
+    return hashlib.sha256(np.asarray(tokens, np.int32).tobytes()).hexdigest()[:32]
+
+
+class FeatureStore:
+    """The per-example feature cache of one base model and storage dtype: a folder of shards (see the module
+    docstring). `get(keys)` -> the features it holds for those keys; `put(keys, features)` adds a shard."""
+
+    def __init__(self, folder: str | os.PathLike, hidden_size: int, dtype):
+        self.folder, self.hidden_size = Path(folder), int(hidden_size)
+        self.stored = np.dtype(jnp.dtype(dtype))
+        self.index: dict[str, tuple[Path, int, int]] = {}  # example key -> (shard .npy, first row, length)
+        for meta in sorted(self.folder.glob("shard-*.json")):
+            entry = json.loads(meta.read_text())
+            data = meta.with_suffix(".npy")
+            rows = int(np.sum(entry["lengths"]))
+            shape = np.load(data, mmap_mode="r").shape if data.is_file() else None
+            if shape != (rows, self.hidden_size):
+                raise ValueError(f"{data}: holds {shape} features, its index {meta.name} says "
+                                 f"({rows}, {self.hidden_size}); delete both files to recompute them")
+            start = 0
+            for key, n in zip(entry["keys"], entry["lengths"]):
+                self.index[key] = (data, start, int(n))
+                start += int(n)
+
+    def get(self, keys: list[str]) -> dict[str, np.ndarray]:
+        """{key: [len, D] features} for the keys some shard holds (copied out of the memory-mapped shards)."""
+        maps: dict[Path, np.ndarray] = {}
+        out = {}
+        for key in keys:
+            if key in self.index and key not in out:
+                data, start, n = self.index[key]
+                if data not in maps:
+                    maps[data] = np.load(data, mmap_mode="r")
+                # bfloat16 has no numpy file format: stored as its raw 16-bit words, viewed back here
+                out[key] = np.array(maps[data][start:start + n]).view(self.stored)
+        return out
+
+    def put(self, keys: list[str], feats: list[np.ndarray]) -> Path:
+        """Writes one shard of these examples' features; returns its `.npy` path."""
+        self.folder.mkdir(parents=True, exist_ok=True)
+        name = "shard-" + hashlib.sha256("|".join(keys).encode()).hexdigest()[:16]
+        data, meta = self.folder / f"{name}.npy", self.folder / f"{name}.json"
+        flat = np.concatenate(feats) if feats else np.zeros((0, self.hidden_size), self.stored)
+        tmp = data.with_suffix(f".tmp{os.getpid()}.npy")
+        np.save(tmp, flat.view(np.uint16) if flat.dtype.itemsize == 2 else flat)
+        os.replace(tmp, data)  # atomic, and before the index: a listed shard is always a whole file
+        tmp = meta.with_suffix(f".tmp{os.getpid()}.json")
+        tmp.write_text(json.dumps({"keys": keys, "lengths": [int(len(f)) for f in feats]}))
+        os.replace(tmp, meta)
+        start = 0
+        for key, f in zip(keys, feats):
+            self.index[key] = (data, start, len(f))
+            start += len(f)
+        return data
 
 
 def attach_features(batcher, base, batch_size: int = 8, dtype=jnp.bfloat16, progress: bool = True,
                     cache_dir: str | os.PathLike | None = None):
-    """Computes the base features of `batcher.dataset` (or loads them from `cache_dir`, see the module docstring)
+    """Computes the base features of `batcher.dataset` (those `cache_dir` does not hold, see the module docstring)
     and makes the batcher's batches carry them."""
     dataset = batcher.dataset
-    lengths = [int(n) for n in dataset.lengths]
-    file = None
-    if cache_dir is not None:
-        file = Path(cache_dir) / f"features-{cache_key(base, dataset, dtype)}.npy"
-        if file.is_file():
-            stored = np.dtype(jnp.dtype(dtype))
-            flat = np.load(file, mmap_mode="r")
-            if flat.shape[0] != sum(lengths) or flat.shape[1] != base.config.hidden_size:
-                raise ValueError(f"{file}: holds {flat.shape} features, the data set needs "
-                                 f"({sum(lengths)}, {base.config.hidden_size}); delete the file to recompute it")
-            log.info("base features of %d examples loaded from %s", len(lengths), file)
-            batcher.features = _flat_to_list(np.asarray(flat).view(stored), lengths)
-            return batcher
-    batcher.features = compute_features(base, dataset, batcher.boundaries, batch_size, dtype, progress)
-    if file is not None:
-        file.parent.mkdir(parents=True, exist_ok=True)
-        flat = np.concatenate(batcher.features) if lengths else np.zeros((0, base.config.hidden_size), dtype)
-        tmp = file.with_suffix(f".tmp{os.getpid()}.npy")
-        # bfloat16 has no numpy file format: stored as its raw 16-bit words, viewed back on load
-        np.save(tmp, flat.view(np.uint16) if flat.dtype.itemsize == 2 else flat)
-        os.replace(tmp, file)  # atomic: a reader never sees half a file
-        log.info("base features written to %s (%.0f MB)", file, file.stat().st_size / 1e6)
+    if cache_dir is None:
+        batcher.features = compute_features(base, dataset, batcher.boundaries, batch_size, dtype, progress)
+        return batcher
+    store = FeatureStore(Path(cache_dir) / f"features-{model_key(base, dtype)}", base.config.hidden_size, dtype)
+    keys = [example_key(dataset[i].tokens) for i in range(len(dataset))]
+    found = store.get(keys)
+    missing, seen = [], set()
+    for i, key in enumerate(keys):
+        if key not in found and key not in seen:
+            missing.append(i)
+            seen.add(key)
+    if missing:
+        computed = compute_features(base, dataset, batcher.boundaries, batch_size, dtype, progress, indices=missing)
+        data = store.put([keys[i] for i in missing], computed)
+        found.update({keys[i]: f for i, f in zip(missing, computed)})
+        log.info("base features of %d examples computed and written to %s (%.0f MB)", len(missing), data,
+                 data.stat().st_size / 1e6)
+    log.info("base features: %d of %d examples loaded from %s", len(keys) - len(missing), len(keys), store.folder)
+    batcher.features = [found[key] for key in keys]
+    for i, f in enumerate(batcher.features):
+        if len(f) != dataset.lengths[i]:  # a digest collision or a hand-edited index
+            raise ValueError(f"{store.folder}: the cached features of example {i} hold {len(f)} positions, the "
+                             f"example has {int(dataset.lengths[i])}; delete the folder to recompute it")
     return batcher
 
 
-__all__ = ["attach_features", "compute_features"]
+__all__ = ["FeatureStore", "attach_features", "compute_features"]

@@ -160,10 +160,10 @@ def test_warm_start_from_an_exported_head(tmp_path):
         Trainer(make_cfg(*CFG, f"train.init_head_from={tmp_path / 'nothing'}"), base, mesh=mesh)
 
 
-def _tiny_dataset(lengths=(5, 16, 9, 12, 3, 16, 7, 11, 14, 6, 15, 10)):
+def _tiny_dataset(lengths=(5, 16, 9, 12, 3, 16, 7, 11, 14, 6, 15, 10), seed=0):
     from clover_jax.training.data import Example, TokenizedDataset
 
-    rng = np.random.default_rng(0)
+    rng = np.random.default_rng(seed)
     examples = [Example(str(i), rng.integers(0, 64, n).astype(np.int32), (np.arange(n) >= 2).astype(np.int32))
                 for i, n in enumerate(lengths)]
     return TokenizedDataset(examples, pad_id=0, max_length=16)
@@ -199,35 +199,50 @@ def test_cached_base_features_give_the_online_step():
     assert default.features[0].dtype == jnp.bfloat16  # the memory-saving default
 
 
-def test_features_on_disk_are_reused_only_for_the_same_model_and_data(tmp_path, monkeypatch):
-    """The second run on the same base and data loads the file (the base never runs), bit-equal in bfloat16; another
-    base or other tokens get their own file; a file whose size does not fit the data set is an error naming it."""
+def test_features_on_disk_are_cached_per_example_for_the_same_model(tmp_path, monkeypatch):
+    """The second run on the same base and data loads every example (the base never runs), bit-equal in bfloat16; a
+    grown data set runs the base over its new examples only; another base gets its own folder; a shard whose size
+    does not fit its index is an error naming it."""
     from clover_jax.training import features
     from clover_jax.training.data import BucketedBatcher
 
     base, ds = tiny_base(), _tiny_dataset()
     first = features.attach_features(BucketedBatcher(ds, 8, [8, 16], seed=0), base, progress=False, cache_dir=tmp_path)
-    files = sorted(tmp_path.glob("features-*.npy"))
-    assert len(files) == 1
+    folders = sorted(tmp_path.glob("features-*"))
+    assert len(folders) == 1 and len(list(folders[0].glob("shard-*.npy"))) == 1
 
-    def no_base(*a, **k):
-        raise AssertionError("the base ran although its features were on disk")
+    ran = []
+    real = features.compute_features
 
-    monkeypatch.setattr(features, "compute_features", no_base)
+    def counting(base, dataset, *a, indices=None, **k):
+        ran.append(len(dataset) if indices is None else len(indices))
+        return real(base, dataset, *a, indices=indices, **k)
+
+    monkeypatch.setattr(features, "compute_features", counting)
     again = features.attach_features(BucketedBatcher(ds, 8, [8, 16], seed=0), base, progress=False, cache_dir=tmp_path)
+    assert ran == []  # every example came from disk
     for a, b in zip(first.features, again.features):
         assert b.dtype == jnp.bfloat16 and np.array_equal(np.asarray(a).view(np.uint16), np.asarray(b).view(np.uint16))
+
+    extra = _tiny_dataset((5, 9, 3), seed=1)  # three new examples after the first data set's
+    grown = type(ds)(ds.examples + extra.examples, pad_id=ds.pad_id, max_length=ds.max_length)
+    g = features.attach_features(BucketedBatcher(grown, 8, [8, 16], seed=0), base, progress=False, cache_dir=tmp_path)
+    assert ran == [len(extra)]  # the base ran over the new examples only
+    alone = features.attach_features(BucketedBatcher(extra, 8, [8, 16], seed=0), base, progress=False)
+    for i in range(len(grown)):
+        want = first.features[i] if i < len(ds) else alone.features[i - len(ds)]
+        np.testing.assert_allclose(np.asarray(g.features[i], np.float32), np.asarray(want, np.float32), atol=2e-2)
+    assert len(list(folders[0].glob("shard-*.npy"))) == 2
     monkeypatch.undo()
 
     other = tiny_base()
     other.final_norm[...] = other.final_norm[...] * 2
     features.attach_features(BucketedBatcher(ds, 8, [8, 16], seed=0), other, progress=False, cache_dir=tmp_path)
-    features.attach_features(BucketedBatcher(_tiny_dataset((5, 9, 3)), 8, [8, 16], seed=0), base, progress=False,
-                             cache_dir=tmp_path)
-    assert len(list(tmp_path.glob("features-*.npy"))) == 3
+    assert len(list(tmp_path.glob("features-*"))) == 2
 
-    np.save(files[0], np.zeros((7, TINY.hidden_size), np.uint16))  # a damaged file under the right name
-    with pytest.raises(ValueError, match="delete the file"):
+    shard = sorted(folders[0].glob("shard-*.npy"))[0]
+    np.save(shard, np.zeros((7, TINY.hidden_size), np.uint16))  # a damaged shard under the right name
+    with pytest.raises(ValueError, match=f"{shard.name}.*delete both files"):
         features.attach_features(BucketedBatcher(ds, 8, [8, 16], seed=0), base, progress=False, cache_dir=tmp_path)
 
 
