@@ -5,6 +5,7 @@ import json
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from clover_jax import api, calibrate
@@ -139,8 +140,15 @@ def test_calibration_fits_the_tree_the_head_accepts(tmp_path, monkeypatch):
     path = [t for t in fitted if all(c in entry["trees"][t]["choices"] for c in target)]  # holds the path
     assert path, entry["trees"]
     # measured: every step accepts the path; predicted from the smoothed estimate (its prior pulls the few
-    # observations of each rank toward the other depths' rates), a little less
-    assert fitted[path[0]]["tau"] == 4.0 and 3.0 < fitted[path[0]]["predicted_tau"] <= 4.0
+    # observations of each rank toward the other depths' rates), a little less. Which trees the fit picks
+    # depends on this machine's measured step costs, so the bound below is the prediction for the smallest tree
+    # holding the path (a tree with more nodes can only be predicted more): about 2.98 from these few steps.
+    from clover_jax.decoding.tree_fit import expected_tau, smooth_acceptance
+
+    smoothed = smooth_acceptance(np.array(entry["rank_acceptance"]), np.array(entry["rank_parents"]))
+    minimal = expected_tau(tree_mod.TreeSpec(tuple(map(tuple, target)), top_k=4, name="path"), smoothed)
+    assert 2.5 < minimal < 4.0
+    assert fitted[path[0]]["tau"] == 4.0 and minimal - 1e-3 <= fitted[path[0]]["predicted_tau"] <= 4.0
     assert "probe-8-6-4" in entry["candidates"]  # the probe as deep as the head's three heads
 
     folder = tmp_path / "head"
