@@ -315,7 +315,8 @@ class TrainConfig(_Section):
     seed: int = 0  # head initialisation
     compute_dtype: DTYPES = "float32"  # head compute dtype (head parameters and optimizer state stay fp32)
     output_dir: str = "runs/default"
-    init_head_from: Optional[str] = None  # warm start: an exported head folder or a run dir (its latest step)
+    # warm start: an exported head folder or a run dir (its latest step); evaluated once before step 1 (step 0)
+    init_head_from: Optional[str] = None
     # Write <output_dir>/draft_vocab.json: the N most frequent trained tokens, for drafting from a reduced
     # vocabulary at inference (infer.py --draft-vocab; clover_jax.heads.draft_vocab). 0 = do not write it.
     draft_vocab_size: int = 0

@@ -344,12 +344,27 @@ class Trainer:
         t_start = time.perf_counter()
         t_window = t_start
         t_steady = None  # wall clock after the first step (compile excluded from the steady rate)
+        eval_before_steady = 0.0
         paused = 0.0  # seconds spent in evaluation in this log window (excluded from tokens/s)
         eval_total = 0.0
         tokens_first = 0.0
         stopped = False
         bar = tqdm(total=total, initial=start, disable=not (progress and main), desc="train", unit="step",
                    dynamic_ncols=True)
+
+        def run_eval(step: int) -> None:
+            nonlocal paused, eval_total
+            t0 = time.perf_counter()
+            ev = {"step": step, "split": "eval", **self.evaluate(eval_batches)}
+            paused += time.perf_counter() - t0
+            eval_total += time.perf_counter() - t0
+            evals.append(ev)
+            if logger:
+                logger.log(ev)
+            bar.write(f"step {step}: eval loss {ev['loss']:.4f} acc " + " ".join(f"{a:.3f}" for a in ev["acc"]))
+
+        if eval_batches and tc.eval_every and start == 0 and tc.init_head_from:
+            run_eval(0)  # a warm start's baseline: the head it starts from, on this run's held-out set
         with stop_on_signals(self.cfg.checkpoint.save_on_preemption) as stop_event:
             while self.state.step < total:
                 metrics = self.train_step(next(batcher))
@@ -358,6 +373,7 @@ class Trainer:
                 if t_steady is None:
                     jax.block_until_ready(metrics)
                     t_steady = time.perf_counter()
+                    eval_before_steady = eval_total  # the warm-start baseline's evaluation, if any
                     tokens_first = float(metrics["tokens"])
                 if step % tc.log_every == 0 or step == total:
                     host = jax.device_get(window)
@@ -378,15 +394,7 @@ class Trainer:
                     bar.set_postfix(post, refresh=False)
                 bar.update(1)
                 if eval_batches and tc.eval_every and (step % tc.eval_every == 0 or step == total):
-                    t0 = time.perf_counter()
-                    ev = {"step": step, "split": "eval", **self.evaluate(eval_batches)}
-                    paused += time.perf_counter() - t0
-                    eval_total += time.perf_counter() - t0
-                    evals.append(ev)
-                    if logger:
-                        logger.log(ev)
-                    bar.write(f"step {step}: eval loss {ev['loss']:.4f} acc "
-                              + " ".join(f"{a:.3f}" for a in ev["acc"]))
+                    run_eval(step)
                 if on_step is not None:
                     on_step(step, self)
                 preempted = stop_event.is_set() or bool(checkpointer and checkpointer.reached_preemption(step))
@@ -404,7 +412,7 @@ class Trainer:
         if window:  # metrics of steps after the last log (stopped early)
             tokens_total += float(np.sum([float(m["tokens"]) for m in jax.device_get(window)]))
         train_time = t_end - t_start - eval_total
-        steady_time = (t_end - t_steady - eval_total) if t_steady is not None else 0.0
+        steady_time = (t_end - t_steady - (eval_total - eval_before_steady)) if t_steady is not None else 0.0
         tokens_steady = tokens_total - tokens_first
         summary = {
             "start_step": start, "final_step": self.state.step, "steps_run": self.state.step - start,

@@ -149,10 +149,20 @@ def test_warm_start_from_an_exported_head(tmp_path):
     first = Trainer(make_cfg(*CFG), base, mesh=mesh, donate=False)
     first.train_step(SyntheticBatcher(seed=1).batch(0))
     export_head(first.head(), tmp_path / "head", base=base, base_name="tiny")
-    warm = Trainer(make_cfg(*CFG, f"train.init_head_from={tmp_path / 'head'}"), base, mesh=mesh, donate=False)
+    warm = Trainer(make_cfg(*CFG, f"train.init_head_from={tmp_path / 'head'}", "train.eval_every=2"), base,
+                   mesh=mesh, donate=False)
     for a, b in zip(jax.tree.leaves(warm.state.params), jax.tree.leaves(first.state.params)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert warm.state.step == 0  # new optimizer state and schedule, the old weights
+    # a warm start evaluates the head it starts from before its first step (its baseline), then as configured
+    held = [SyntheticBatcher(seed=9).batch(i) for i in range(2)]
+    baseline = warm.evaluate(held)
+    summary = warm.fit(SyntheticBatcher(seed=2), eval_batches=held, steps=2, progress=False)
+    assert [e["step"] for e in summary["evals"]] == [0, 2]
+    assert summary["evals"][0]["acc"] == baseline["acc"] and summary["evals"][0]["loss"] == baseline["loss"]
+    cold = Trainer(make_cfg(*CFG, "train.eval_every=2"), base, mesh=mesh, donate=False)  # a fresh head: no baseline evaluation
+    assert [e["step"] for e in cold.fit(SyntheticBatcher(seed=2), eval_batches=held, steps=2,
+                                        progress=False)["evals"]] == [2]
     with pytest.raises(ConfigError, match="head.num_heads"):
         Trainer(make_cfg(*CFG[:-1], "head.num_heads=3", f"train.init_head_from={tmp_path / 'head'}"), base,
                 mesh=mesh)
