@@ -356,8 +356,9 @@ class Trainer:
             nonlocal paused, eval_total
             t0 = time.perf_counter()
             ev = {"step": step, "split": "eval", **self.evaluate(eval_batches)}
-            paused += time.perf_counter() - t0
-            eval_total += time.perf_counter() - t0
+            dt = time.perf_counter() - t0
+            paused += dt
+            eval_total += dt
             evals.append(ev)
             if logger:
                 logger.log(ev)

@@ -160,7 +160,8 @@ def test_warm_start_from_an_exported_head(tmp_path):
     summary = warm.fit(SyntheticBatcher(seed=2), eval_batches=held, steps=2, progress=False)
     assert [e["step"] for e in summary["evals"]] == [0, 2]
     assert summary["evals"][0]["acc"] == baseline["acc"] and summary["evals"][0]["loss"] == baseline["loss"]
-    cold = Trainer(make_cfg(*CFG, "train.eval_every=2"), base, mesh=mesh, donate=False)  # a fresh head: no baseline evaluation
+    # a fresh head: no baseline evaluation
+    cold = Trainer(make_cfg(*CFG, "train.eval_every=2"), base, mesh=mesh, donate=False)
     assert [e["step"] for e in cold.fit(SyntheticBatcher(seed=2), eval_batches=held, steps=2,
                                         progress=False)["evals"]] == [2]
     with pytest.raises(ConfigError, match="head.num_heads"):
