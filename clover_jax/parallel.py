@@ -66,8 +66,8 @@ _RULES: dict[str, tuple] = {
 # the batch axes, KV heads over tp (dropped, like the weights' rules, where tp does not divide K). Leaves
 # without a rule (tree buffers, draft vocabularies, RNG keys) are left to XLA's propagation.
 _STATE_RULES: dict[str, tuple] = {
-    "k": (None, BATCH_AXES, None, "tp", None),  # KVCache.k [L, B, S, K, H] (base and draft-head caches)
-    "v": (None, BATCH_AXES, None, "tp", None),  # KVCache.v [L, B, S, K, H]
+    "k": (None, BATCH_AXES, "tp", None, None),  # KVCache.k [L, B, K, S, H] (base and draft-head caches)
+    "v": (None, BATCH_AXES, "tp", None, None),  # KVCache.v [L, B, K, S, H]
     "lengths": (BATCH_AXES,),  # [B] valid cache slots / tokens per row
     "tokens": (BATCH_AXES, None),  # [B, S] prompt + generated
     "done": (BATCH_AXES,),  # [B]

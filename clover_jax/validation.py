@@ -150,7 +150,7 @@ def estimate_generate_memory(config, *, batch: int, cache_size: int, prompt_len:
                              tree_nodes: int = 0, head_layers: int = 0, draft_rows: int = 0) -> dict[str, int]:
     """Bytes one `generate` call allocates beyond the weights, by part (an estimate, on the low side).
 
-    KV caches `[L, B, S, K, H]` (keys and values, base and the draft head's Augmenting Block) are held
+    KV caches `[L, B, K, S, H]` (keys and values, base and the draft head's Augmenting Block) are held
     twice while the jitted loop starts (the initial value and the loop carry); the prefill's attention
     scores `[B, N, T, T]` and probabilities are float32; the MLP's `[B, T, I]` gate and up activations; the
     verification's logits `[B, U, V]` float32 (three copies when sampling warps them).

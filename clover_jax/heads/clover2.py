@@ -261,7 +261,7 @@ class Clover2Head(nnx.Module):
 
     # ------------------------------------------------------------------ inference
     def init_cache(self, batch: int, size: int, dtype=None) -> KVCache:
-        """Empty Augmenting-Block KV cache `[num_aug_layers, B, S, K, H]`."""
+        """Empty Augmenting-Block KV cache `[num_aug_layers, B, K, S, H]`."""
         c = self.base_config
         return KVCache.init(self.cfg.num_aug_layers, batch, size, c.num_key_value_heads, c.head_dim,
                             dtype or self.cfg.dtype)

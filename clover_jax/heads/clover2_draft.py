@@ -30,7 +30,7 @@ from clover_jax.validation import InputError
 
 @struct.dataclass
 class Clover2State:
-    cache: KVCache  # Augmenting-Block cache [A_layers, B, S, K, H]
+    cache: KVCache  # Augmenting-Block cache [A_layers, B, K, S, H]
     s0: jax.Array  # [B, D]
     vocab_rows: jax.Array | None = None  # [N, D] W_lm^T rows of the draft vocabulary (None: all V)
     vocab_ids: jax.Array | None = None  # [N] int32 the draft vocabulary's token ids (None: all V)

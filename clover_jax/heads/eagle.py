@@ -134,7 +134,7 @@ class EagleHead(nnx.Module):
 
     # ------------------------------------------------------------------ inference
     def init_cache(self, batch: int, size: int, dtype=None) -> KVCache:
-        """Empty draft-layer KV cache `[1, B, S, K, H]`."""
+        """Empty draft-layer KV cache `[1, B, K, S, H]`."""
         c = self.base_config
         return KVCache.init(NUM_LAYERS, batch, size, c.num_key_value_heads, c.head_dim, dtype or self.cfg.dtype)
 

@@ -1,7 +1,10 @@
 """Explicit KV cache pytree with per-row lengths, and the masks built from it.
 
-The cache holds every layer stacked: `k, v: [L, B, S, K, H]`, plus `lengths: [B]`, the number of
-valid positions of each row. The model never mutates it: a forward returns the new tokens'
+The cache holds every layer stacked: `k, v: [L, B, K, S, H]`, plus `lengths: [B]`, the number of
+valid positions of each row. Positions sit next to the head dim, so a layer's `[B, K, S, H]` slice enters
+the attention products as it is (batch dims B, K leading): with `[B, S, K, H]` XLA transposed every layer's
+slice at every decode step, a cost that grew with the cache size, not with the tokens held
+(docs/benchmarks.md). The model never mutates it: a forward returns the new tokens'
 keys/values `[L, B, T, K, H]` and `write` places them at explicit per-row slots. Slots at or past
 `S` are dropped rather than clamped, and `check_room` raises before anything runs when a concrete
 write would not fit (JAX's `dynamic_update_slice` would otherwise silently move the write).
@@ -23,20 +26,20 @@ class CacheOverflowError(InputError):
 
 @struct.dataclass
 class KVCache:
-    k: jax.Array  # [L, B, S, K, H]
-    v: jax.Array  # [L, B, S, K, H]
+    k: jax.Array  # [L, B, K, S, H]
+    v: jax.Array  # [L, B, K, S, H]
     lengths: jax.Array  # [B] int32: valid positions per row
 
     @classmethod
     def init(cls, num_layers: int, batch: int, size: int, num_kv_heads: int, head_dim: int,
              dtype=jnp.float32) -> "KVCache":
-        shape = (num_layers, batch, size, num_kv_heads, head_dim)
+        shape = (num_layers, batch, num_kv_heads, size, head_dim)
         return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
                    lengths=jnp.zeros((batch,), jnp.int32))
 
     @property
     def size(self) -> int:
-        return self.k.shape[2]
+        return self.k.shape[3]
 
     @property
     def batch(self) -> int:
@@ -49,8 +52,11 @@ class KVCache:
         """
         num_layers, batch, t = new_k.shape[:3]
         b_idx = jnp.broadcast_to(jnp.arange(batch)[:, None], (batch, t))  # [B, T]
-        k = self.k.at[:, b_idx, slots].set(new_k.astype(self.k.dtype), mode="drop")
-        v = self.v.at[:, b_idx, slots].set(new_v.astype(self.v.dtype), mode="drop")
+        # indices split by a slice: the indexed block is [B, T, L, K, H]
+        k = self.k.at[:, b_idx, :, slots].set(jnp.transpose(new_k, (1, 2, 0, 3, 4)).astype(self.k.dtype),
+                                              mode="drop")
+        v = self.v.at[:, b_idx, :, slots].set(jnp.transpose(new_v, (1, 2, 0, 3, 4)).astype(self.v.dtype),
+                                              mode="drop")
         return self.replace(k=k, v=v)
 
     def append(self, new_k: jax.Array, new_v: jax.Array, num_valid: jax.Array | None = None) -> "KVCache":
@@ -70,11 +76,11 @@ class KVCache:
         batch, a = src_slots.shape
         b_idx = jnp.broadcast_to(jnp.arange(batch)[:, None], (batch, a))
         src = jnp.clip(src_slots, 0, self.size - 1)
-        k_sel = self.k[:, b_idx, src]  # [L, B, A, K, H]
-        v_sel = self.v[:, b_idx, src]
+        k_sel = self.k[:, b_idx, :, src]  # [B, A, L, K, H]
+        v_sel = self.v[:, b_idx, :, src]
         dst = self.lengths[:, None] + jnp.arange(a, dtype=jnp.int32)[None, :]
-        k = self.k.at[:, b_idx, dst].set(k_sel, mode="drop")
-        v = self.v.at[:, b_idx, dst].set(v_sel, mode="drop")
+        k = self.k.at[:, b_idx, :, dst].set(k_sel, mode="drop")
+        v = self.v.at[:, b_idx, :, dst].set(v_sel, mode="drop")
         return self.replace(k=k, v=v, lengths=self.lengths + num.astype(jnp.int32))
 
 

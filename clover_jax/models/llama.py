@@ -101,23 +101,25 @@ class DecoderStack(nnx.Module):
     def __call__(self, x: jax.Array, positions: jax.Array, self_mask: jax.Array,
                  cache_k: jax.Array | None = None, cache_v: jax.Array | None = None,
                  cache_mask: jax.Array | None = None, path_k: jax.Array | None = None,
-                 path_v: jax.Array | None = None):
+                 path_v: jax.Array | None = None, cache_extent: jax.Array | None = None):
         """Runs the stack.
 
         Args:
           x: `[B, T, D]` inputs.
           positions: `[B, T]` RoPE positions.
           self_mask: `[B, T, T]` which new tokens each new token attends to.
-          cache_k, cache_v: optional `[L, B, S, K, H]` cached keys/values (read only).
+          cache_k, cache_v: optional `[L, B, K, S, H]` cached keys/values (read only).
           cache_mask: `[B, T, S]` which cache slots each new token attends to.
           path_k, path_v: optional `[L, B, T, P, K, H]` keys/values that only new token t attends to, all of
             them (a draft-tree node's ancestors: P = its depth - 1), besides the cache and the new tokens.
+          cache_extent: optional `[]` int: no query sees a cache slot at or past it. Attention then reads the cache
+            in blocks of `CACHE_BLOCK` slots up to it (`_blocked_cache_attention`) instead of all S slots.
 
         Returns:
           `(y [B, T, D], new_k [L, B, T, K, H], new_v [L, B, T, K, H])`.
         """
         c = self.config
-        rope_len = cache_k.shape[2] + x.shape[1] if cache_k is not None else x.shape[1]
+        rope_len = cache_k.shape[3] + x.shape[1] if cache_k is not None else x.shape[1]
         inv_freq = jnp.asarray(rope_inv_freq(c, rope_len), jnp.float32)  # [H/2]
         eps = c.rms_norm_eps
         dtype = self.dtype
@@ -134,7 +136,7 @@ class DecoderStack(nnx.Module):
                 q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
             q = apply_rope(q, positions, inv_freq)
             k = apply_rope(k, positions, inv_freq)
-            attn = _attention(q, k, v, self_mask, ck, cv, cache_mask, c.num_key_value_heads, pk, pv)
+            attn = _attention(q, k, v, self_mask, ck, cv, cache_mask, c.num_key_value_heads, pk, pv, cache_extent)
             o = _dot("BTNH,NHD->BTD", attn, lp["wo"])
             h = h + (o + lp["bo"] if c.attention_out_bias else o)
             m = rms_norm(h, lp["mlp_norm"], eps)
@@ -161,13 +163,14 @@ def _dot(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
     return jnp.einsum(spec, x, w, preferred_element_type=jnp.float32).astype(x.dtype)
 
 
-def _attention(q, k, v, self_mask, ck, cv, cache_mask, num_kv_heads, pk=None, pv=None):
+def _attention(q, k, v, self_mask, ck, cv, cache_mask, num_kv_heads, pk=None, pv=None, cache_extent=None):
     """GQA attention of new queries over (cache ++ per-query path ++ new keys); scores, softmax and the weighted
     sum of values in float32 (values and probabilities enter the products in the compute dtype), one rounding at
     the end.
 
-    q: [B, T, N, H]; k, v: [B, T, K, H]; ck, cv: [B, S, K, H] or None; pk, pv: [B, T, P, K, H] or None (keys
-    only query t sees, every one of them).
+    q: [B, T, N, H]; k, v: [B, T, K, H]; ck, cv: [B, K, S, H] or None; pk, pv: [B, T, P, K, H] or None (keys
+    only query t sees, every one of them); cache_extent: [] int or None (no cache slot at or past it is visible:
+    the cache is read block by block up to it, `_blocked_cache_attention`).
     """
     b, t, n, h = q.shape
     g = n // num_kv_heads
@@ -175,13 +178,15 @@ def _attention(q, k, v, self_mask, ck, cv, cache_mask, num_kv_heads, pk=None, pv
     qg = q.reshape(b, t, num_kv_heads, g, h) * (h ** -0.5)  # [B, T, K, G, H]
     s_new = jnp.einsum("BTKGH,BSKH->BKGTS", qg, k, preferred_element_type=f32)
     s_new = jnp.where(self_mask[:, None, None], s_new, NEG_INF)
+    if ck is not None and cache_extent is not None and pk is None and ck.shape[2] % CACHE_BLOCK == 0:
+        return _blocked_cache_attention(qg, s_new, v, ck, cv, cache_mask, cache_extent).reshape(b, t, n, h)
     if ck is None and pk is None:
         p = jax.nn.softmax(s_new, axis=-1).astype(v.dtype)
         out = jnp.einsum("BKGTS,BSKH->BTKGH", p, v, preferred_element_type=f32)
         return out.astype(v.dtype).reshape(b, t, n, h)
     scores = []  # [B, K, G, T, *] blocks, softmaxed together
     if ck is not None:
-        s_old = jnp.einsum("BTKGH,BSKH->BKGTS", qg, ck.astype(q.dtype), preferred_element_type=f32)
+        s_old = jnp.einsum("BTKGH,BKSH->BKGTS", qg, ck.astype(q.dtype), preferred_element_type=f32)
         scores.append(jnp.where(cache_mask[:, None, None], s_old, NEG_INF))
     if pk is not None:
         scores.append(jnp.einsum("BTKGH,BTPKH->BKGTP", qg, pk.astype(q.dtype), preferred_element_type=f32))
@@ -191,8 +196,8 @@ def _attention(q, k, v, self_mask, ck, cv, cache_mask, num_kv_heads, pk=None, pv
     out = jnp.zeros((b, t, num_kv_heads, g, h), f32)
     start = 0
     if ck is not None:
-        s = ck.shape[1]
-        out += jnp.einsum("BKGTS,BSKH->BTKGH", p[..., :s], cv.astype(v.dtype), preferred_element_type=f32)
+        s = ck.shape[2]
+        out += jnp.einsum("BKGTS,BKSH->BTKGH", p[..., :s], cv.astype(v.dtype), preferred_element_type=f32)
         start = s
     if pk is not None:
         n_path = pk.shape[2]
@@ -201,6 +206,50 @@ def _attention(q, k, v, self_mask, ck, cv, cache_mask, num_kv_heads, pk=None, pv
         start += n_path
     out += jnp.einsum("BKGTS,BSKH->BTKGH", p[..., start:], v, preferred_element_type=f32)
     return out.astype(v.dtype).reshape(b, t, n, h)
+
+
+CACHE_BLOCK = 256  # cache slots per block of `_blocked_cache_attention`
+
+
+def _blocked_cache_attention(qg, s_new, v, ck, cv, cache_mask, cache_extent):
+    """Attention over (cache ++ new keys) reading only the cache blocks below `cache_extent`.
+
+    The cache's `[S]` axis is visited in blocks of `CACHE_BLOCK` slots by a `lax.fori_loop` with a traced trip
+    count, `ceil(cache_extent / CACHE_BLOCK)`, keeping a running maximum, normaliser and weighted sum per query
+    (the online softmax of Milakov & Gimelshein 2018, as in FlashAttention), then folding in the new keys' block.
+    A prefill block of a long prompt thereby costs what the slots filled so far cost, not the whole cache. The
+    terms are those of `_attention`'s one softmax, summed in another order.
+
+    qg: [B, T, K, G, H] scaled queries; s_new: [B, K, G, T, T'] masked scores of the new keys; v: [B, T', K, H];
+    ck, cv: [B, K, S, H] with S a multiple of CACHE_BLOCK; cache_mask: [B, T, S]; cache_extent: [] int.
+    Returns [B, T, K, G, H] in v's dtype.
+    """
+    b, t, kh, g, h = qg.shape
+    f32 = jnp.float32
+    num_blocks = jnp.clip((cache_extent + CACHE_BLOCK - 1) // CACHE_BLOCK, 0, ck.shape[2] // CACHE_BLOCK)
+
+    def fold(carry, scores, values, spec):
+        """Adds one block of scores [B, K, G, T, S'] and its values (layout `spec`) to the running softmax."""
+        m, l, acc = carry  # [B, K, G, T], [B, K, G, T], [B, T, K, G, H]
+        m_new = jnp.maximum(m, scores.max(axis=-1))
+        alpha = jnp.exp(m - m_new)  # [B, K, G, T]
+        p = jnp.exp(scores - m_new[..., None])  # [B, K, G, T, S']
+        l = l * alpha + p.sum(axis=-1)
+        acc = acc * jnp.moveaxis(alpha, 3, 1)[..., None] + jnp.einsum(
+            f"BKGTS,{spec}->BTKGH", p.astype(values.dtype), values, preferred_element_type=f32)
+        return m_new, l, acc
+
+    def body(j, carry):
+        start = j * CACHE_BLOCK
+        kb = jax.lax.dynamic_slice_in_dim(ck, start, CACHE_BLOCK, axis=2).astype(qg.dtype)  # [B, K, S', H]
+        vb = jax.lax.dynamic_slice_in_dim(cv, start, CACHE_BLOCK, axis=2).astype(v.dtype)  # [B, K, S', H]
+        mb = jax.lax.dynamic_slice_in_dim(cache_mask, start, CACHE_BLOCK, axis=2)  # [B, T, S']
+        scores = jnp.einsum("BTKGH,BKSH->BKGTS", qg, kb, preferred_element_type=f32)
+        return fold(carry, jnp.where(mb[:, None, None], scores, NEG_INF), vb, "BKSH")
+
+    init = (jnp.full((b, kh, g, t), NEG_INF, f32), jnp.zeros((b, kh, g, t), f32), jnp.zeros((b, t, kh, g, h), f32))
+    m, l, acc = fold(jax.lax.fori_loop(0, num_blocks, body, init), s_new, v, "BSKH")
+    return (acc / jnp.moveaxis(l, 3, 1)[..., None]).astype(v.dtype)
 
 
 class Llama(nnx.Module):
@@ -226,15 +275,16 @@ class Llama(nnx.Module):
     def embed_tokens(self, tokens: jax.Array) -> jax.Array:
         return jnp.take(self.embed[...], tokens, axis=0).astype(self.dtype)
 
-    def forward_hidden(self, tokens, positions, self_mask, cache=None, cache_mask=None):
-        """Pre-final-norm hidden states `[B, T, D]` and new K/V `[L, B, T, K, H]`."""
+    def forward_hidden(self, tokens, positions, self_mask, cache=None, cache_mask=None, cache_extent=None):
+        """Pre-final-norm hidden states `[B, T, D]` and new K/V `[L, B, T, K, H]`. `cache_extent` (`[]` int):
+        no query sees a cache slot at or past it, so attention reads only the cache blocks below it."""
         x = self.embed_tokens(tokens)
         ck = cv = None
         if cache is not None:
             ck, cv = cache.k, cache.v
             if cache_mask is None:
                 raise ValueError("cache_mask [B, T, S] is required when a cache is given")
-        return self.layers(x, positions, self_mask, ck, cv, cache_mask)
+        return self.layers(x, positions, self_mask, ck, cv, cache_mask, cache_extent=cache_extent)
 
     def logits(self, hidden_prenorm: jax.Array) -> jax.Array:
         """float32 logits `[..., V]` from pre-norm hidden states `[..., D]`."""

@@ -85,7 +85,7 @@ def test_state_rules_split_caches_and_rows():
     def is_(x, spec):
         return x.sharding.is_equivalent_to(NamedSharding(mesh, spec), x.ndim)
 
-    assert is_(out["cache"].k, P(None, batch, None, "tp"))
+    assert is_(out["cache"].k, P(None, batch, "tp"))  # [L, B, K, S, H]: KV heads over tp
     assert not is_(out["cache"].k, P(None, batch))
     assert is_(out["odd"].v, P(None, batch))  # 3 KV heads: tp cannot split them
     assert is_(out["cache"].lengths, P(batch))

@@ -127,7 +127,7 @@ def test_shapes(base, head):
     for i in range(1, HCFG.num_heads):  # zero padded past T - i
         np.testing.assert_array_equal(np.asarray(out[i, :, t - i:]), 0)
     cache = head.init_cache(b, 16)
-    assert cache.k.shape == (HCFG.num_aug_layers, b, 16, CFG.num_key_value_heads, CFG.head_dim)
+    assert cache.k.shape == (HCFG.num_aug_layers, b, CFG.num_key_value_heads, 16, CFG.head_dim)
     state, cache = _commit(head, base, cache, f, y, jnp.array([t, 3, 0]))
     assert state.shape == (b, D) and np.asarray(cache.lengths).tolist() == [t, 3, 0]
     states = jnp.broadcast_to(state[:, None], (b, t, D))  # [B, E, D]
@@ -164,8 +164,8 @@ def test_commit_in_chunks_equals_one_call_and_padding_is_isolated(base, head):
     state_fresh, cache_fresh = _commit_fresh(head, base, head.init_cache(b, size), fc, yc, jnp.asarray(lengths))
     np.testing.assert_array_equal(np.asarray(state_fresh), np.asarray(state_full))
     for r in range(b):
-        np.testing.assert_array_equal(np.asarray(cache_fresh.k[:, r, :lengths[r]]),
-                                      np.asarray(cache_full.k[:, r, :lengths[r]]))
+        np.testing.assert_array_equal(np.asarray(cache_fresh.k[:, r, :, :lengths[r]]),
+                                      np.asarray(cache_full.k[:, r, :, :lengths[r]]))
 
     cache, starts = head.init_cache(b, size), np.zeros(b, int)
     for j, counts in enumerate(schedule.T):
@@ -176,8 +176,8 @@ def test_commit_in_chunks_equals_one_call_and_padding_is_isolated(base, head):
     np.testing.assert_allclose(np.asarray(state), np.asarray(state_full), atol=2e-5, rtol=2e-5)
     for r in range(b):  # the valid cache slots agree
         for kv in ("k", "v"):
-            np.testing.assert_allclose(np.asarray(getattr(cache, kv)[:, r, :lengths[r]]),
-                                       np.asarray(getattr(cache_full, kv)[:, r, :lengths[r]]), atol=2e-5)
+            np.testing.assert_allclose(np.asarray(getattr(cache, kv)[:, r, :, :lengths[r]]),
+                                       np.asarray(getattr(cache_full, kv)[:, r, :, :lengths[r]]), atol=2e-5)
 
     # ... and equal the teacher-forced forward (head 0) at each row's last position, whatever
     # the padding holds in the training batch too.

@@ -46,7 +46,23 @@ def test_write_past_end_is_dropped_not_clamped():
     new = jnp.ones((1, 1, 2, 1, 2))
     out = cache.append(new, new * 2)
     # slot 3 written, slot 4 (past the end) dropped; slots 0..2 untouched (a clamp would overwrite 2)
-    np.testing.assert_array_equal(np.asarray(out.k[0, 0, :, 0, 0]), [0, 0, 0, 1])
+    np.testing.assert_array_equal(np.asarray(out.k[0, 0, 0, :, 0]), [0, 0, 0, 1])
+
+
+def test_write_places_each_layer_head_and_dim_at_its_slot():
+    """The cache is `[L, B, K, S, H]` while new keys come as `[L, B, T, K, H]`: every entry lands where it
+    belongs (a swapped axis would put another head's or layer's value there)."""
+    l, b, t, k, h, s = 2, 2, 3, 3, 4, 8
+    new_k = jnp.arange(l * b * t * k * h, dtype=jnp.float32).reshape(l, b, t, k, h)
+    cache = KVCache.init(l, b, s, k, h).replace(lengths=jnp.array([1, 4]))
+    out = cache.append(new_k, -new_k)
+    assert out.k.shape == (l, b, k, s, h)
+    got, want = np.asarray(out.k), np.asarray(new_k)
+    for row, start in enumerate([1, 4]):
+        np.testing.assert_array_equal(got[:, row, :, start:start + t].transpose(0, 2, 1, 3), want[:, row])
+        np.testing.assert_array_equal(np.asarray(out.v)[:, row, :, start:start + t].transpose(0, 2, 1, 3),
+                                      -want[:, row])
+    assert not got[:, 0, :, 4:].any() and not got[:, 1, :, :4].any()  # nothing else written
 
 
 def test_check_room_raises_before_running():
@@ -57,13 +73,13 @@ def test_check_room_raises_before_running():
 
 def test_gather_to_prefix_compacts_rows_independently():
     l, b, s = 1, 2, 8
-    k = jnp.arange(l * b * s, dtype=jnp.float32).reshape(l, b, s, 1, 1)
+    k = jnp.arange(l * b * s, dtype=jnp.float32).reshape(l, b, 1, s, 1)  # [L, B, K, S, H]
     cache = KVCache(k=k, v=-k, lengths=jnp.array([2, 3]))
     out = cache.gather_to_prefix(jnp.array([[5, 7], [4, 6]]), jnp.array([2, 1]))
     np.testing.assert_array_equal(np.asarray(out.lengths), [4, 4])
-    np.testing.assert_array_equal(np.asarray(out.k[0, 0, :4, 0, 0]), [0, 1, 5, 7])
-    np.testing.assert_array_equal(np.asarray(out.k[0, 1, :4, 0, 0]), [8, 9, 10, 12])
-    np.testing.assert_array_equal(np.asarray(out.v[0, 1, :4, 0, 0]), [-8, -9, -10, -12])
+    np.testing.assert_array_equal(np.asarray(out.k[0, 0, 0, :4, 0]), [0, 1, 5, 7])
+    np.testing.assert_array_equal(np.asarray(out.k[0, 1, 0, :4, 0]), [8, 9, 10, 12])
+    np.testing.assert_array_equal(np.asarray(out.v[0, 1, 0, :4, 0]), [-8, -9, -10, -12])
 
 
 def test_jit_with_traced_lengths():
@@ -77,3 +93,23 @@ def test_jit_with_traced_lengths():
 
     full, _, _, _ = model(ids)
     np.testing.assert_allclose(np.asarray(run(ids)), np.asarray(full), atol=2e-5)
+
+
+@pytest.mark.parametrize("cache_size", [512, 40])  # a multiple of CACHE_BLOCK (blocked reads), and not (one block)
+def test_reading_the_cache_block_by_block_equals_one_softmax(cache_size):
+    """`cache_extent` makes attention read the cache in CACHE_BLOCK-slot blocks up to it with a running softmax;
+    the logits equal one full forward's, and the same chunks fed without it."""
+    model = init_llama(CFG, seed=5)
+    ids = jnp.asarray(np.random.RandomState(4).randint(0, 64, (2, 12)))
+    full, _, _, _ = model(ids)
+    b = ids.shape[0]
+    cache = KVCache.init(CFG.num_hidden_layers, b, cache_size, CFG.num_key_value_heads, CFG.head_dim)
+    out = []
+    for start, n in [(0, 5), (5, 1), (6, 6)]:
+        pos = cache.lengths[:, None] + jnp.arange(n)[None]
+        hidden, nk, nv = model.forward_hidden(ids[:, start:start + n], pos, causal_mask(jnp.ones((b, n), bool)),
+                                              cache, prefix_mask(cache.lengths, n, cache_size),
+                                              cache_extent=jnp.max(cache.lengths))
+        cache = cache.append(nk, nv)
+        out.append(model.logits(hidden))
+    np.testing.assert_allclose(np.asarray(jnp.concatenate(out, axis=1)), np.asarray(full), atol=2e-5)
