@@ -197,7 +197,9 @@ def _attention(q, k, v, self_mask, ck, cv, cache_mask, num_kv_heads, pk=None, pv
     start = 0
     if ck is not None:
         s = ck.shape[2]
-        out += jnp.einsum("BKGTS,BKSH->BTKGH", p[..., :s], cv.astype(v.dtype), preferred_element_type=f32)
+        # contracted as [B, K, G*T, S] x [B, K, S, H] (the cache slice as it lies), then the small result moved
+        out += jnp.einsum("BKGTS,BKSH->BKGTH", p[..., :s], cv.astype(v.dtype),
+                          preferred_element_type=f32).transpose(0, 3, 1, 2, 4)
         start = s
     if pk is not None:
         n_path = pk.shape[2]
@@ -230,13 +232,13 @@ def _blocked_cache_attention(qg, s_new, v, ck, cv, cache_mask, cache_extent):
 
     def fold(carry, scores, values, spec):
         """Adds one block of scores [B, K, G, T, S'] and its values (layout `spec`) to the running softmax."""
-        m, l, acc = carry  # [B, K, G, T], [B, K, G, T], [B, T, K, G, H]
+        m, l, acc = carry  # [B, K, G, T], [B, K, G, T], [B, K, G, T, H]
         m_new = jnp.maximum(m, scores.max(axis=-1))
         alpha = jnp.exp(m - m_new)  # [B, K, G, T]
         p = jnp.exp(scores - m_new[..., None])  # [B, K, G, T, S']
         l = l * alpha + p.sum(axis=-1)
-        acc = acc * jnp.moveaxis(alpha, 3, 1)[..., None] + jnp.einsum(
-            f"BKGTS,{spec}->BTKGH", p.astype(values.dtype), values, preferred_element_type=f32)
+        acc = acc * alpha[..., None] + jnp.einsum(
+            f"BKGTS,{spec}->BKGTH", p.astype(values.dtype), values, preferred_element_type=f32)
         return m_new, l, acc
 
     def body(j, carry):
@@ -247,9 +249,9 @@ def _blocked_cache_attention(qg, s_new, v, ck, cv, cache_mask, cache_extent):
         scores = jnp.einsum("BTKGH,BKSH->BKGTS", qg, kb, preferred_element_type=f32)
         return fold(carry, jnp.where(mb[:, None, None], scores, NEG_INF), vb, "BKSH")
 
-    init = (jnp.full((b, kh, g, t), NEG_INF, f32), jnp.zeros((b, kh, g, t), f32), jnp.zeros((b, t, kh, g, h), f32))
+    init = (jnp.full((b, kh, g, t), NEG_INF, f32), jnp.zeros((b, kh, g, t), f32), jnp.zeros((b, kh, g, t, h), f32))
     m, l, acc = fold(jax.lax.fori_loop(0, num_blocks, body, init), s_new, v, "BSKH")
-    return (acc / jnp.moveaxis(l, 3, 1)[..., None]).astype(v.dtype)
+    return (acc / l[..., None]).transpose(0, 3, 1, 2, 4).astype(v.dtype)  # [B, T, K, G, H]
 
 
 class Llama(nnx.Module):
