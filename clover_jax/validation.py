@@ -152,14 +152,23 @@ def estimate_generate_memory(config, *, batch: int, cache_size: int, prompt_len:
 
     KV caches `[L, B, K, S, H]` (keys and values, base and the draft head's Augmenting Block) are held
     twice while the jitted loop starts (the initial value and the loop carry); the prefill's attention
-    scores `[B, N, T, T]` and probabilities are float32; the MLP's `[B, T, I]` gate and up activations; the
-    verification's logits `[B, U, V]` float32 (three copies when sampling warps them).
+    scores and probabilities are float32, `[B, N, T, T]` for a prompt bucket of at most `PREFILL_CHUNK` tokens
+    or a draft head's pass over the whole prompt, else `[B, N, C, C + CACHE_BLOCK]` per block of C tokens; the
+    MLP's `[B, T, I]` gate and up activations; the verification's logits `[B, U, V]` float32 (three copies when
+    sampling warps them).
     """
+    from clover_jax.decoding.autoregressive import PREFILL_CHUNK
+    from clover_jax.models.llama import CACHE_BLOCK
+
     c = config
     kv_row = 2 * cache_size * c.num_key_value_heads * c.head_dim * dtype_bytes
+    if prompt_len <= PREFILL_CHUNK or tree_nodes:  # one block (or the draft head's Augmenting Block over all T)
+        scores = prompt_len * prompt_len
+    else:
+        scores = PREFILL_CHUNK * (PREFILL_CHUNK + CACHE_BLOCK)
     parts = {
         "KV cache": 2 * c.num_hidden_layers * batch * kv_row,
-        "prefill attention": 2 * batch * c.num_attention_heads * prompt_len * prompt_len * 4,
+        "prefill attention": 2 * batch * c.num_attention_heads * scores * 4,
         "prefill activations": batch * prompt_len * (2 * c.intermediate_size + 4 * c.hidden_size) * 4,
         "token buffers": 2 * batch * cache_size * 4,
     }

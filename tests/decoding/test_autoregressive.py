@@ -45,6 +45,48 @@ def test_greedy_matches_naive_argmax_loop(tiny):
     assert out == ids[len(p):]
 
 
+def test_prefill_in_blocks_equals_one_block(tiny):
+    """A prompt longer than the block runs block by block against the cache: the last logits, the hidden states
+    and the cached keys/values of every row's valid positions equal the one-block pass (to float rounding), the
+    cache lengths exactly; rows shorter than the longest (one block, several, one token) are unaffected."""
+    from clover_jax.models.cache import KVCache
+
+    rng = np.random.RandomState(3)
+    lens = np.array([37, 9, 64, 1], np.int32)
+    prompt = np.zeros((4, 64), np.int32)
+    for r, n in enumerate(lens):
+        prompt[r, :n] = rng.randint(3, 64, n)
+
+    def run(chunk, size):
+        cache = KVCache.init(CFG.num_hidden_layers, 4, size, CFG.num_key_value_heads, CFG.head_dim)
+        return jax.jit(lambda p, l: autoregressive.prefill(tiny, p, l, cache, chunk=chunk))(prompt, lens)
+
+    one_logits, one_hidden, one_cache = run(64, 256)
+    for chunk, size in [(8, 256), (16, 256), (16, 100)]:  # cache a multiple of CACHE_BLOCK (blocked reads), or not
+        logits, hidden, cache = run(chunk, size)
+        np.testing.assert_allclose(np.asarray(logits), np.asarray(one_logits), atol=2e-5)
+        assert np.asarray(cache.lengths).tolist() == lens.tolist()
+        for r, n in enumerate(lens):
+            np.testing.assert_allclose(np.asarray(hidden[r, :n]), np.asarray(one_hidden[r, :n]), atol=2e-5)
+            np.testing.assert_allclose(np.asarray(cache.k[:, r, :, :n]), np.asarray(one_cache.k[:, r, :, :n]),
+                                       atol=2e-5)
+            np.testing.assert_allclose(np.asarray(cache.v[:, r, :, :n]), np.asarray(one_cache.v[:, r, :, :n]),
+                                       atol=2e-5)
+
+
+def test_long_prompt_greedy_matches_naive_argmax_loop(tiny):
+    """A prompt over PREFILL_CHUNK tokens (prefilled in blocks) still decodes what full forwards would."""
+    p = np.random.RandomState(5).randint(3, 64, autoregressive.PREFILL_CHUNK + 45).tolist()
+    out = generate(tiny, [p], max_new_tokens=6).token_ids[0]
+    ids = list(p)
+    for _ in range(len(out)):
+        logits, *_ = tiny(np.asarray([ids]))
+        ids.append(int(np.argmax(np.asarray(logits[0, -1]))))
+        if ids[-1] == 2:
+            break
+    assert out == ids[len(p):]
+
+
 def test_stops_on_eos_and_max_new_tokens(tiny):
     res = generate(tiny, _prompts(6), max_new_tokens=9, cache_size=64)
     for toks in res.token_ids:
