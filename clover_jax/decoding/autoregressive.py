@@ -51,10 +51,10 @@ def prefill(model: Llama, prompt: jax.Array, prompt_lengths: jax.Array, cache: K
     block in a `lax.while_loop`, each block of `chunk` tokens attending to the cache the earlier blocks filled
     plus itself (chunked prefill, as in vLLM and Sarathi, Agrawal et al. 2024), and the loop stops after the
     longest row's last block. Attention then holds `[chunk, S]` scores per head instead of `[T, T]`, the padding
-    of the length bucket past the longest prompt is never computed, and one block's program serves every length:
-    on a 2-core CPU a 1,187-token prompt (bucket 2,048) took 9.5 s as one block and takes about a fifth of that
-    in blocks (docs/benchmarks.md). The blocks' attention sums the same terms in another order, so hidden states
-    can differ from the one-block pass in the last bits.
+    of the length bucket past the longest prompt is never computed, and each block reads only the cache blocks
+    filled so far (`cache_extent`): on a 2-core CPU a 1,187-token prompt (bucket 2,048) took 10.1 s as one block
+    and takes 2.7 s in blocks (`bench/bench_context.py`, docs/benchmarks.md). The blocks' attention sums the same
+    terms in another order, so hidden states can differ from the one-block pass in the last bits.
 
     Returns (last-position logits [B, V], pre-norm hidden [B, T, D], cache with lengths = prompt_lengths).
     """
