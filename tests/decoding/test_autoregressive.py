@@ -25,6 +25,17 @@ def _prompts(n, rng=np.random.RandomState(0)):
     return [rng.randint(3, 64, rng.randint(2, 20)).tolist() for _ in range(n)]
 
 
+def _naive_greedy(model, prompt, n):
+    """Up to `n` greedy tokens, each from a full forward over everything so far (no cache), stopping at EOS."""
+    ids = list(prompt)
+    for _ in range(n):
+        logits, *_ = model(np.asarray([ids]))
+        ids.append(int(np.argmax(np.asarray(logits[0, -1]))))
+        if ids[-1] == 2:
+            break
+    return ids[len(prompt):]
+
+
 def test_batch_equals_each_prompt_alone(tiny):
     prompts = _prompts(4)
     batch = generate(tiny, prompts, max_new_tokens=12, cache_size=64)
@@ -36,13 +47,7 @@ def test_batch_equals_each_prompt_alone(tiny):
 def test_greedy_matches_naive_argmax_loop(tiny):
     p = _prompts(1)[0]
     out = generate(tiny, [p], max_new_tokens=10, cache_size=64).token_ids[0]
-    ids = list(p)
-    for _ in range(len(out)):
-        logits, *_ = tiny(np.asarray([ids]))
-        ids.append(int(np.argmax(np.asarray(logits[0, -1]))))
-        if ids[-1] == 2:
-            break
-    assert out == ids[len(p):]
+    assert out == _naive_greedy(tiny, p, len(out))
 
 
 def test_prefill_in_blocks_equals_one_block(tiny):
@@ -78,13 +83,7 @@ def test_long_prompt_greedy_matches_naive_argmax_loop(tiny):
     """A prompt over PREFILL_CHUNK tokens (prefilled in blocks) still decodes what full forwards would."""
     p = np.random.RandomState(5).randint(3, 64, autoregressive.PREFILL_CHUNK + 45).tolist()
     out = generate(tiny, [p], max_new_tokens=6).token_ids[0]
-    ids = list(p)
-    for _ in range(len(out)):
-        logits, *_ = tiny(np.asarray([ids]))
-        ids.append(int(np.argmax(np.asarray(logits[0, -1]))))
-        if ids[-1] == 2:
-            break
-    assert out == ids[len(p):]
+    assert out == _naive_greedy(tiny, p, len(out))
 
 
 def test_stops_on_eos_and_max_new_tokens(tiny):
