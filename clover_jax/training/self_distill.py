@@ -48,7 +48,7 @@ def short_prompts(conversations, tokenizer, max_prompt_tokens: int) -> list[Conv
 def self_distilled_conversations(cfg, loaded, convs=None, progress: bool = True, mesh=None) -> list[Conversation]:
     """The configured conversations (or `convs`) with the base model's replies, generated once (on `mesh`, see
     `make_generate_fn`) and cached in `<self_distill_dir>/replies.jsonl`; prompts longer than
-    `data.self_distill_max_prompt_tokens` are skipped."""
+    `data.self_distill_max_prompt_tokens` are skipped. Greedy unless `data.self_distill_temperature` > 0."""
     import jax
 
     if jax.process_count() > 1:
@@ -59,7 +59,8 @@ def self_distilled_conversations(cfg, loaded, convs=None, progress: bool = True,
     convs = short_prompts(convs, loaded.tokenizer, cfg.data.self_distill_max_prompt_tokens)
     out = Path(cfg.self_distill_dir) / "replies.jsonl"
     out.parent.mkdir(parents=True, exist_ok=True)
-    return build_self_distill(convs, make_generate_fn(loaded, mesh=mesh), out,
+    gen = make_generate_fn(loaded, temperature=cfg.data.self_distill_temperature, seed=cfg.data.seed, mesh=mesh)
+    return build_self_distill(convs, gen, out,
                               batch_size=cfg.data.self_distill_batch_size,
                               max_new_tokens=cfg.data.self_distill_max_new_tokens, progress=progress)
 
