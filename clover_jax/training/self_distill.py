@@ -19,7 +19,7 @@ import argparse
 from pathlib import Path
 
 from clover_jax.api import encode_prompts, generate
-from clover_jax.training.distill_cache import SelfDistillCache, build_self_distill, first_turn_prompt
+from clover_jax.training.distill_cache import SelfDistillCache, build_self_distill, first_turn_prompt, prompt_key
 from clover_jax.training.sources import Conversation, DataError, load_conversations
 
 
@@ -65,8 +65,11 @@ def self_distilled_conversations(cfg, loaded, convs=None, progress: bool = True,
                               max_new_tokens=cfg.data.self_distill_max_new_tokens, progress=progress)
 
 
-def export_chat_file(cache_path, out_path) -> int:
+def export_chat_file(cache_path, out_path, id_suffix: str = "") -> int:
     """Writes the cached replies as a chat JSONL file (`{"id", "messages"}` per line); returns the count.
+    `id_suffix` (e.g. "/t0.7") is appended to every id: a second reply to the same conversations (sampled) can then
+    be trained beside the first (`data.source` refuses an id listed twice), and `data.heldout_split: id_hash`
+    keeps `X/t0.7` on the side of `X`.
 
     Lets a run train on whatever part of the cache is done (e.g. after stopping a long generation). A name
     ending in `.gz` is written gzip-compressed (`data.source` reads `.jsonl.gz`), small enough to keep the
@@ -80,7 +83,8 @@ def export_chat_file(cache_path, out_path) -> int:
     with (gzip.open(out_path, "wt", encoding="utf-8") if gz else open(out_path, "w", encoding="utf-8")) as f:
         for rec in cache.records.values():
             msgs = list(rec["prompt"]) + [{"role": "assistant", "content": rec["response"]}]
-            f.write(json.dumps({"id": rec["id"], "messages": msgs}) + "\n")
+            rid = rec["id"] if rec["id"].endswith(id_suffix) else rec["id"] + id_suffix  # (imported: already has it)
+            f.write(json.dumps({"id": rid, "messages": msgs}) + "\n")
     return len(cache)
 
 
@@ -108,23 +112,61 @@ def import_chat_file(chat_path, cache_path, max_new_tokens: int | None = None) -
     return len(items)
 
 
-def export_prompts_file(convs, tokenizer, max_prompt_tokens: int, out_path) -> int:
-    """Writes the first-turn prompts of `convs` that fit in `max_prompt_tokens` as a chat JSONL file (`.gz`:
-    compressed), each with the start of its original first reply (a chat file needs an assistant turn; the
-    reply is replaced when self-distilling). The file is a few MB where the ShareGPT JSON is 125 MB: what a
+def _chat_prompts(path) -> set[str]:
+    """The prompts (every message but the last) of a chat JSONL file, as `prompt_key`s."""
+    import gzip
+    import json
+
+    with (gzip.open if str(path).endswith(".gz") else open)(path, "rt", encoding="utf-8") as f:
+        return {prompt_key(json.loads(line)["messages"][:-1]) for line in f if line.strip()}
+
+
+def evaluation_exclusions() -> tuple[set[str], set[str]]:
+    """(original conversation ids, question texts) that training prompts must not share with the library's
+    evaluation questions: the ShareGPT held-out questions (`sharegpt_heldout`; a ShareGPT V3 id `X_n` is part n of
+    conversation X, so every part of X is excluded) and MT-Bench's first turns."""
+    import json
+
+    from clover_jax.io.prompts import questions_path
+
+    ids, texts = set(), set()
+    for name in ("sharegpt_heldout", "mt_bench"):
+        for line in Path(questions_path(name)).read_text(encoding="utf-8").splitlines():
+            q = json.loads(line)
+            texts.add(q["turns"][0].strip())
+            if q.get("category") == "sharegpt":
+                ids.add(str(q["question_id"]).rsplit("_", 1)[0])
+    return ids, texts
+
+
+def export_prompts_file(convs, tokenizer, max_prompt_tokens: int, out_path, skip_answered=()) -> int:
+    """Writes the distinct first-turn prompts of `convs` that fit in `max_prompt_tokens` as a chat JSONL file
+    (`.gz`: compressed), each with a one-character stand-in reply (a chat file needs an assistant turn; the reply is
+    replaced when self-distilling). Left out: prompts of conversations that share an original ShareGPT conversation
+    or a question text with the library's evaluation questions (`evaluation_exclusions`), and prompts that a chat
+    file of `skip_answered` already answers. The file is a few MB where the ShareGPT JSON is 125 MB: what a
     generation run on another machine needs (`data.source`). Returns the count."""
     import gzip
     import json
 
-    keep = short_prompts(convs, tokenizer, max_prompt_tokens)
+    held_ids, held_texts = evaluation_exclusions()
+    answered = set().union(*(_chat_prompts(p) for p in skip_answered)) if skip_answered else set()
+    cand = [c for c in convs if c.id.rsplit("_", 1)[0] not in held_ids
+            and first_turn_prompt(c)[-1]["content"].strip() not in held_texts
+            and prompt_key(first_turn_prompt(c)) not in answered]
+    n = 0
+    seen: set[str] = set()
     gz = str(out_path).endswith(".gz")
     with (gzip.open(out_path, "wt", encoding="utf-8") if gz else open(out_path, "w", encoding="utf-8")) as f:
-        for c in keep:
+        for c in short_prompts(cand, tokenizer, max_prompt_tokens):
             prompt = list(first_turn_prompt(c))
-            reply = c.messages[len(prompt)]["content"][:200]
-            f.write(json.dumps({"id": c.id, "messages": prompt + [{"role": "assistant", "content": reply}]},
+            if prompt_key(prompt) in seen:
+                continue
+            seen.add(prompt_key(prompt))
+            f.write(json.dumps({"id": c.id, "messages": prompt + [{"role": "assistant", "content": "-"}]},
                                ensure_ascii=False) + "\n")
-    return len(keep)
+            n += 1
+    return n
 
 
 def main(argv=None):
@@ -139,11 +181,17 @@ def main(argv=None):
                     help="first add the replies of a chat JSONL file (e.g. data/self_distill/*.jsonl.gz) to the "
                          "cache, then generate the rest")
     ap.add_argument("--export-prompts", metavar="PATH",
-                    help="only write the configured conversations' short first-turn prompts as a chat JSONL file")
+                    help="only write the configured conversations' short first-turn prompts as a chat JSONL file "
+                         "(less the library's evaluation questions)")
+    ap.add_argument("--skip-answered", metavar="FILE", nargs="+", default=(),
+                    help="with --export-prompts: leave out the prompts these chat JSONL files already answer")
+    ap.add_argument("--id-suffix", default="",
+                    help="with --export-chat: appended to every conversation id (e.g. /t0.7 for sampled replies "
+                         "trained beside greedy ones)")
     args = ap.parse_args(argv)
     cfg = config_from_args(args)
     if args.export_chat:
-        n = export_chat_file(Path(cfg.self_distill_dir) / "replies.jsonl", args.export_chat)
+        n = export_chat_file(Path(cfg.self_distill_dir) / "replies.jsonl", args.export_chat, args.id_suffix)
         print(f"{n} conversations written to {args.export_chat}")
         return
     if args.export_prompts:
@@ -151,7 +199,7 @@ def main(argv=None):
         from clover_jax.training.sources import load_conversations
 
         n = export_prompts_file(load_conversations(cfg.data), load_tokenizer(cfg.model.name_or_path),
-                                cfg.data.self_distill_max_prompt_tokens, args.export_prompts)
+                                cfg.data.self_distill_max_prompt_tokens, args.export_prompts, args.skip_answered)
         print(f"{n} prompts written to {args.export_prompts}")
         return
     if args.import_chat:

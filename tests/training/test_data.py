@@ -2,6 +2,7 @@
 
 import collections
 import copy
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -335,6 +336,11 @@ def test_split_by_id_hash_keeps_each_conversation_on_its_side_as_the_data_grows(
     assert {c.id for c in shuffled} != {c.id for c in big_held}
     with pytest.raises(ValueError, match="expected 'shuffle' or 'id_hash'"):
         D.split_conversations(sharegpt, 0.1, by="random")
+    # a second reply to a conversation (`X/t0.7`, sampled) lands on X's side, whichever side that is
+    twins = [dataclasses.replace(c, id=c.id + "/t0.7") for c in sharegpt]
+    twin_train, twin_held = D.split_conversations(list(sharegpt) + twins, 0.1, seed=0, by="id_hash")
+    assert {c.id for c in twin_held} == {c.id for c in big_held} | {c.id + "/t0.7" for c in big_held}
+    assert len(twin_train) == 2 * len(big_train)
 
 
 def test_tokenized_dataset(dataset, tok, sharegpt):
@@ -550,6 +556,75 @@ def test_self_distill_chat_file_round_trip_seeds_a_fresh_cache(tmp_path):
     bad.write_text(json.dumps({"id": "x", "messages": [{"role": "user", "content": "no reply"}]}) + "\n")
     with pytest.raises(D.DataError, match="line 1: the last message is not an assistant reply"):
         import_chat_file(bad, tmp_path / "other.jsonl")
+
+
+def test_exported_ids_take_a_suffix_once(tmp_path):
+    """Sampled replies to the same conversations are exported as `X/t0.7` (trainable beside the greedy `X`); a
+    cache seeded from such a file does not suffix them twice."""
+    from clover_jax.training.self_distill import export_chat_file, import_chat_file
+
+    convs = [conv(f"c{i}", ("u", f"question {i}"), ("a", "old")) for i in range(3)]
+    D.build_self_distill(convs[:2], FakeGenerate(), tmp_path / "a.jsonl", progress=False)
+    assert export_chat_file(tmp_path / "a.jsonl", tmp_path / "t.jsonl", id_suffix="/t0.7") == 2
+    ids = lambda path: [json.loads(line)["id"] for line in open(path)]  # noqa: E731
+    assert ids(tmp_path / "t.jsonl") == ["c0/t0.7", "c1/t0.7"]
+    import_chat_file(tmp_path / "t.jsonl", tmp_path / "b.jsonl")
+    D.build_self_distill(convs, FakeGenerate(), tmp_path / "b.jsonl", progress=False)  # adds c2 only
+    export_chat_file(tmp_path / "b.jsonl", tmp_path / "t2.jsonl", id_suffix="/t0.7")
+    assert ids(tmp_path / "t2.jsonl") == ["c0/t0.7", "c1/t0.7", "c2/t0.7"]
+
+
+def test_prompt_files_leave_out_evaluation_questions_and_answered_prompts(tmp_path, tok):
+    """`--export-prompts`: the prompts a generation run on another machine answers. Never a prompt of a
+    conversation that a sharegpt_heldout question comes from (any part `X_n` of it) or an MT-Bench question's
+    text; never one a kept chat file already answers (`--skip-answered`); each prompt once."""
+    import gzip
+
+    from clover_jax.io.prompts import read_prompts
+    from clover_jax.training.self_distill import evaluation_exclusions, export_prompts_file
+
+    held = json.loads(Path("clover_jax/data/sharegpt_heldout.jsonl").read_text().splitlines()[0])
+    base = held["question_id"].rsplit("_", 1)[0]
+    mt = read_prompts("mt_bench", limit=1)[0]
+    convs = [conv(f"{base}_99", ("u", "another part of a held-out conversation"), ("a", "r")),
+             conv("mt_1", ("u", mt), ("a", "r")),
+             conv("ok_0", ("u", "kept question"), ("a", "r")), conv("ok_1", ("u", "kept question"), ("a", "r2")),
+             conv("done_0", ("u", "answered already"), ("a", "r")), conv("new_0", ("s", "Be brief."), ("u", "hi"), ("a", "r")),
+             conv("long_0", ("u", "word " * 400), ("a", "r"))]
+    answered = tmp_path / "kept.jsonl.gz"
+    with gzip.open(answered, "wt") as f:
+        f.write(json.dumps({"id": "x", "messages": [{"role": "user", "content": "answered already"},
+                                                    {"role": "assistant", "content": "an answer"}]}) + "\n")
+    ids, texts = evaluation_exclusions()
+    assert base in ids and mt.strip() in texts and len(ids) > 50
+    out = tmp_path / "prompts.jsonl.gz"
+    assert export_prompts_file(convs, tok, 256, out, skip_answered=[answered]) == 2
+    rows = [json.loads(line) for line in gzip.open(out, "rt")]
+    assert [r["id"] for r in rows] == ["ok_0", "new_0"]
+    assert rows[1]["messages"] == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"},
+                                   {"role": "assistant", "content": "-"}]
+    assert export_prompts_file(convs, tok, 256, tmp_path / "all.jsonl") == 3  # the answered one is back
+
+
+def test_self_distillation_temperature_reaches_the_generator(monkeypatch, tmp_path):
+    """`data.self_distill_temperature` > 0 samples the replies (seeded by data.seed); 0 is greedy; < 0 refused."""
+    from clover_jax.config import ConfigError
+    from clover_jax.training import self_distill as SD
+
+    seen = {}
+    monkeypatch.setattr(SD, "make_generate_fn", lambda loaded, **kw: seen.update(kw) or FakeGenerate())
+    monkeypatch.setattr(SD, "short_prompts", lambda convs, tok, n: convs)
+
+    class Cfg:
+        data = DataConfig(self_distill_temperature=0.7, seed=3)
+        self_distill_dir = str(tmp_path)
+
+    loaded = type("Loaded", (), {"tokenizer": None})
+    out = SD.self_distilled_conversations(Cfg, loaded, convs=[conv("a", ("u", "q"), ("a", "r"))], progress=False)
+    assert seen == {"temperature": 0.7, "seed": 3, "mesh": None}
+    assert out[0].messages[-1]["content"] == "reply to q"
+    with pytest.raises(ConfigError, match="self_distill_temperature"):
+        DataConfig(self_distill_temperature=-1.0)
 
 
 def test_self_distillation_on_several_hosts_is_a_clear_error(monkeypatch):
