@@ -26,12 +26,15 @@ if [ -z "${PROMPTS:-}" ]; then  # the prompts no kept file answers yet, and all 
   "${sd[@]}" --export-prompts $PROMPTS --skip-answered "$DS.jsonl.gz" "$DS-2.jsonl.gz"
 fi
 gen() {  # gen CAP CACHE_DIR PROMPTS OUTFILE ID_SUFFIX [--set ...]: replies (a resumable cache that starts from the
-  imp=()  # replies OUTFILE already holds), then OUTFILE rewritten from the cache
+  imp=()  # replies OUTFILE already holds), then OUTFILE rewritten from the cache if it gained any
   [ -s "$4" ] && imp=(--import-chat "$4")
   cap "$1" $PY -m clover_jax.training.self_distill "${M[@]}" --set data.self_distill_dir="$2" \
       --set data.source="$3" --set data.num_conversations=0 "${imp[@]}" "${@:6}"
-  $PY -m clover_jax.training.self_distill "${M[@]}" --set data.self_distill_dir="$2" --export-chat "$4" \
+  local new="${4%.jsonl.gz}.new.jsonl.gz" lines=0
+  $PY -m clover_jax.training.self_distill "${M[@]}" --set data.self_distill_dir="$2" --export-chat "$new" \
       --id-suffix "$5"
+  [ -s "$4" ] && lines=$(zcat "$4" | wc -l)
+  if [ "$(zcat "$new" | wc -l)" -gt "$lines" ]; then mv "$new" "$4"; else rm -f "$new"; fi  # kept lines come first
 }
 say "greedy replies"; gen "${GEN1:-90}" runs/sd_gpu_greedy "$PROMPTS" "$DS-3.jsonl.gz" ""
 say "sampled replies"; gen "${GEN2:-120}" runs/sd_gpu_t0.7 "${PROMPTS_ALL:-$PROMPTS}" "$DS-t0.7.jsonl.gz" /t0.7 \
