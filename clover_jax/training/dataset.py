@@ -107,7 +107,8 @@ def split_conversations(conversations: Sequence[Conversation], heldout_fraction:
     n = len(conversations)
     order = np.random.default_rng(seed).permutation(n) if shuffle else np.arange(n)
     if by == "id_hash":
-        held_ids = {i for i, c in enumerate(conversations) if _unit_hash(f"{seed}:{c.id.split('/', 1)[0]}") < heldout_fraction}
+        held_ids = {i for i, c in enumerate(conversations)
+                    if _unit_hash(f"{seed}:{c.id.split('/', 1)[0]}") < heldout_fraction}
         return ([conversations[i] for i in order if i not in held_ids],
                 [conversations[i] for i in range(n) if i in held_ids])
     if by != "shuffle":

@@ -151,22 +151,23 @@ def export_prompts_file(convs, tokenizer, max_prompt_tokens: int, out_path, skip
 
     held_ids, held_texts = evaluation_exclusions()
     answered = set().union(*(_chat_prompts(p) for p in skip_answered)) if skip_answered else set()
-    cand = [c for c in convs if c.id.rsplit("_", 1)[0] not in held_ids
-            and first_turn_prompt(c)[-1]["content"].strip() not in held_texts
-            and prompt_key(first_turn_prompt(c)) not in answered]
-    n = 0
-    seen: set[str] = set()
+    seen = set(answered)  # prompt keys already answered or already written
+    cand = []
+    for c in convs:
+        prompt = first_turn_prompt(c)
+        if c.id.rsplit("_", 1)[0] in held_ids or prompt[-1]["content"].strip() in held_texts:
+            continue
+        if (key := prompt_key(prompt)) not in seen:
+            seen.add(key)
+            cand.append(c)
+    keep = short_prompts(cand, tokenizer, max_prompt_tokens)
     gz = str(out_path).endswith(".gz")
     with (gzip.open(out_path, "wt", encoding="utf-8") if gz else open(out_path, "w", encoding="utf-8")) as f:
-        for c in short_prompts(cand, tokenizer, max_prompt_tokens):
+        for c in keep:
             prompt = list(first_turn_prompt(c))
-            if prompt_key(prompt) in seen:
-                continue
-            seen.add(prompt_key(prompt))
             f.write(json.dumps({"id": c.id, "messages": prompt + [{"role": "assistant", "content": "-"}]},
                                ensure_ascii=False) + "\n")
-            n += 1
-    return n
+    return len(keep)
 
 
 def main(argv=None):

@@ -589,7 +589,8 @@ def test_prompt_files_leave_out_evaluation_questions_and_answered_prompts(tmp_pa
     convs = [conv(f"{base}_99", ("u", "another part of a held-out conversation"), ("a", "r")),
              conv("mt_1", ("u", mt), ("a", "r")),
              conv("ok_0", ("u", "kept question"), ("a", "r")), conv("ok_1", ("u", "kept question"), ("a", "r2")),
-             conv("done_0", ("u", "answered already"), ("a", "r")), conv("new_0", ("s", "Be brief."), ("u", "hi"), ("a", "r")),
+             conv("done_0", ("u", "answered already"), ("a", "r")),
+             conv("new_0", ("s", "Be brief."), ("u", "hi"), ("a", "r")),
              conv("long_0", ("u", "word " * 400), ("a", "r"))]
     answered = tmp_path / "kept.jsonl.gz"
     with gzip.open(answered, "wt") as f:
