@@ -89,12 +89,13 @@ def loop_ms_per_step(args, base, head, drafter, prompt, lens) -> tuple[float, fl
 
     def ar(n):
         out = ar_generate(base, prompt, lens, max_new_tokens=n, cache_size=args.cache_size, sampling=sampling,
-                          key=key, eos_ids=no_eos, mesh=mesh)
+                          key=key, eos_ids=no_eos, mesh=mesh, layers=args.layers)
         return jax.block_until_ready(out)
 
     def spec(n):
         out, stats, secs = spec_generate(base, head, prompt, lens, max_new_tokens=n, cache_size=args.cache_size,
-                                         sampling=sampling, key=key, eos_ids=no_eos, drafter=drafter, mesh=mesh)
+                                         sampling=sampling, key=key, eos_ids=no_eos, drafter=drafter, mesh=mesh,
+                                         layers=args.spec_layers)
         return out, secs
 
     def per_step(run, steps_of):
@@ -134,17 +135,25 @@ def parts_ms(args, config, base, head, drafter, prompt, lens) -> dict[str, float
     hg, hp = nnx.split(head)
     arrays = drafter.arrays()
     dtype = jnp.dtype(args.dtype)
+    # per-layer weight buffers for unrolled layers, made once (as the loops make them once per call, before
+    # their steps); the AR and the speculative parts run the layers as their loops do (`decode_layers`)
+    split = jax.jit(lambda bs: nnx.merge(bg, bs).layers.per_layer_weights())(bs) if "unrolled" in (
+        args.layers, args.spec_layers) else None
+    lw_ar = split if args.layers == "unrolled" else None
+    lw = split if args.spec_layers == "unrolled" else None
 
     @jax.jit
-    def setup(bs, hp, arrays, prompt, lens):
+    def setup(bs, lw, hp, arrays, prompt, lens):
         base_, head_ = nnx.merge(bg, bs), nnx.merge(hg, hp)
-        cache = KVCache.init(c.num_hidden_layers, b, s, c.num_key_value_heads, c.head_dim, dtype)
-        _, hidden, cache = prefill(base_, prompt, lens, cache)
+        cache = KVCache.init(c.num_hidden_layers, b, s, c.num_key_value_heads, c.head_dim, dtype,
+                             per_layer=lw is not None)
+        _, hidden, cache = prefill(base_, prompt, lens, cache, layer_weights=lw)
         y = jnp.concatenate([prompt[:, 1:], prompt[:, :1]], axis=1)
         hs = drafter.start(head_, base_, drafter.init_state(head_, base_, b, s, arrays), hidden, y, lens)
         return cache, hs
 
-    cache, hs = setup(bs, hp, arrays, prompt, lens)
+    cache, hs = setup(bs, lw, hp, arrays, prompt, lens)  # laid out for the speculative parts
+    cache_ar = setup(bs, lw_ar, hp, arrays, prompt, lens)[0] if lw_ar is not lw else cache
     root = prompt[:, 0]
     key = jax.random.key(0)
     out: dict[str, float] = {}
@@ -152,18 +161,18 @@ def parts_ms(args, config, base, head, drafter, prompt, lens) -> dict[str, float
 
     # --- the autoregressive step: one token through the stack, its K/V appended, logits, argmax
     @jax.jit
-    def ar_forward(bs, cache, tok):
+    def ar_forward(bs, lw, cache, tok):
         base_ = nnx.merge(bg, bs)
         h, nk, nv = base_.forward_hidden(tok[:, None], cache.lengths[:, None], jnp.ones((b, 1, 1), bool), cache,
-                                         prefix_mask(cache.lengths, 1, s))
+                                         prefix_mask(cache.lengths, 1, s), layer_weights=lw)
         return h, cache.append(nk, nv)
 
     @jax.jit
     def ar_logits(bs, h):
         return jnp.argmax(nnx.merge(bg, bs).logits(h[:, 0]), axis=-1)
 
-    out["ar: forward + KV append"] = _timeit(ar_forward, bs, cache, root, repeat=r)
-    h1, _ = ar_forward(bs, cache, root)
+    out["ar: forward + KV append"] = _timeit(ar_forward, bs, lw_ar, cache_ar, root, repeat=r)
+    h1, _ = ar_forward(bs, lw_ar, cache_ar, root)
     out["ar: logits + argmax"] = _timeit(ar_logits, bs, h1, repeat=r)
 
     # --- the speculative step
@@ -174,15 +183,16 @@ def parts_ms(args, config, base, head, drafter, prompt, lens) -> dict[str, float
     prop = draft(bs, hp, hs, root, key)
 
     @jax.jit
-    def verify_forward(bs, cache, tokens, buffers):
+    def verify_forward(bs, lw, cache, tokens, buffers):
         base_ = nnx.merge(bg, bs)
         depth = jnp.broadcast_to(buffers.depth, (b, u))
         mask = jnp.broadcast_to(buffers.mask, (b, u, u))
         length = cache.lengths
-        h, nk, nv = base_.forward_hidden(tokens, length[:, None] + depth, mask, cache, prefix_mask(length, u, s))
+        h, nk, nv = base_.forward_hidden(tokens, length[:, None] + depth, mask, cache, prefix_mask(length, u, s),
+                                         layer_weights=lw)
         return h, cache.write(nk, nv, length[:, None] + jnp.arange(u)[None, :])
 
-    hv, cache_v = verify_forward(bs, cache, prop.tokens, prop.buffers)
+    hv, cache_v = verify_forward(bs, lw, cache, prop.tokens, prop.buffers)
 
     @jax.jit
     def logits(bs, h):
@@ -207,7 +217,8 @@ def parts_ms(args, config, base, head, drafter, prompt, lens) -> dict[str, float
     f_new = jnp.take_along_axis(hv, acc.accepted_nodes[..., None], axis=1)  # [B, Dmax+1, D]
     y_new = jnp.zeros((b, dmax + 1), jnp.int32)
     out["spec: draft"] = _timeit(draft, bs, hp, hs, root, key, repeat=r)
-    out["spec: verify forward + KV write"] = _timeit(verify_forward, bs, cache, prop.tokens, prop.buffers, repeat=r)
+    out["spec: verify forward + KV write"] = _timeit(verify_forward, bs, lw, cache, prop.tokens, prop.buffers,
+                                                         repeat=r)
     out["spec: logits"] = _timeit(logits, bs, hv, repeat=r)
     out["spec: acceptance"] = _timeit(accept, prop.tokens, lg, prop.buffers, repeat=r)
     out["spec: KV compaction"] = _timeit(compact, cache_v, acc.accepted_nodes, acc.num_accepted, repeat=r)
@@ -231,6 +242,8 @@ def main(argv=None) -> int:
     ap.add_argument("--loop-repeat", type=int, default=3, help="runs per loop length (best)")
     ap.add_argument("--no-parts", action="store_true", help="only the loop measurement")
     ap.add_argument("--mesh", default=None, help="run the loops on a mesh, e.g. 'tp=8' or 'data=2,tp=4' (parts skipped)")
+    ap.add_argument("--layers", default="auto", choices=["auto", "unrolled", "scan"],
+                    help="how the base model's layers run while decoding (auto: unrolled on a CPU without a mesh)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
 
@@ -238,6 +251,7 @@ def main(argv=None) -> int:
     import jax.numpy as jnp
     import numpy as np
 
+    from clover_jax.decoding.autoregressive import decode_layers
     from clover_jax.decoding.speculative import drafter_for
 
     if args.context + args.loop_tokens[1] + 64 > args.cache_size:
@@ -254,6 +268,7 @@ def main(argv=None) -> int:
         args.no_parts = True
         nnx.update(base, parallel.place(nnx.state(base), args.mesh_obj))  # once, outside the timed calls
         nnx.update(head, parallel.place(nnx.state(head), args.mesh_obj))
+    layers_asked = args.layers
     rng = np.random.default_rng(0)
     b, t = args.batch_size, args.context
     prompt = jnp.asarray(rng.integers(0, config.vocab_size, (b, t)), jnp.int32)
@@ -264,20 +279,26 @@ def main(argv=None) -> int:
              if args.draft_vocab else None)
     report = {"head_type": args.head_type, "backend": jax.default_backend(), "device": str(jax.devices()[0]), "shape": args.shape,
               "dtype": args.dtype, "batch": b, "context": t, "cache_size": args.cache_size,
-              "draft_vocab": args.draft_vocab, "mesh": args.mesh, "trees": {}}
+              "draft_vocab": args.draft_vocab, "mesh": args.mesh, "layers_asked": args.layers, "layers": {},
+              "trees": {}}
     print(f"# {args.head_type} head, {args.shape} {args.dtype}, batch {b}, context {t}, cache {args.cache_size}, "
           f"draft vocabulary {args.draft_vocab or 'full'}, backend {report['backend']} ({report['device']})"
-          + (f", mesh {args.mesh}" if args.mesh else ""))
+          + (f", mesh {args.mesh}" if args.mesh else "") + f", --layers {args.layers}")
     sizes = {}
     for tree in args.trees:
         drafter = drafter_for(type(head), tree, vocab)
+        # the AR loop's choice; with --layers auto the speculative loop makes its own (scan on a CPU)
+        args.layers = decode_layers(layers_asked, args.mesh_obj, model=base)
+        args.spec_layers = decode_layers(layers_asked, args.mesh_obj, tokens_per_step=drafter.num_nodes, model=base)
         ar_ms, spec_ms = loop_ms_per_step(args, base, head, drafter, prompt, lens)
         rows = {"loop: AR step": ar_ms, "loop: speculative step": spec_ms}
         if not args.no_parts:
             rows |= parts_ms(args, config, base, head, drafter, prompt, lens)
         report["trees"][tree] = rows
+        report["layers"][tree] = {"ar": args.layers, "speculative": args.spec_layers}
         sizes[tree] = drafter.num_nodes
-        print(f"\n## {tree} ({drafter.num_nodes} verified tokens, {drafter.max_depth} deep)\n")
+        print(f"\n## {tree} ({drafter.num_nodes} verified tokens, {drafter.max_depth} deep; layers: AR {args.layers}, "
+              f"speculative {args.spec_layers})\n")
         print("| part | ms | / AR loop step |")
         print("|---|---|---|")
         for name, ms in rows.items():

@@ -18,7 +18,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from clover_jax.decoding.autoregressive import ar_generate
+from clover_jax.decoding.autoregressive import ar_generate, decode_layers, layer_weight_bytes
 from clover_jax.decoding.sampling import SamplingParams
 from clover_jax.models.cache import CacheOverflowError
 from clover_jax import parallel
@@ -315,6 +315,9 @@ def prepare_generate(model, prompts: Sequence[Any], *, tokenizer=None, max_new_t
         tree_nodes=drafter.num_nodes if drafter is not None else 0,
         head_layers=getattr(getattr(head, "cfg", None), "num_aug_layers", 0),
         draft_rows=len(draft_vocab) if draft_vocab is not None else config.vocab_size)
+    tokens_per_step = drafter.num_nodes if drafter is not None else 1
+    if decode_layers(None, mesh, tokens_per_step=tokens_per_step, model=model) == "unrolled":
+        memory["per-layer copy of the layer weights"] = layer_weight_bytes(model)
     what = f"generate(batch={len(ids)} prompts, cache_size={cache_size}, mode={mode!r})"
     if mesh is not None:
         memory = split_over_mesh(memory, config, dict(mesh.shape))

@@ -42,9 +42,58 @@ class _ARState:
 
 PREFILL_CHUNK = 256  # prompt tokens per prefill block (a prompt bucket above it is a multiple of it)
 
+DECODE_LAYERS = ("auto", "unrolled", "scan")
+
+
+def layer_weight_bytes(model: Llama) -> int:
+    """Bytes of the decoder layers' weights: what `layers="unrolled"` holds a second copy of during a call."""
+    return int(sum(x.nbytes for x in jax.tree.leaves(model.layers.layer_params())))
+
+
+def decode_layers(layers: str | None = None, mesh=None, *, tokens_per_step: int = 1, model: Llama | None = None,
+                  ) -> str:
+    """How a decoding loop runs the base model's layers: `"unrolled"` or `"scan"` (`None` means `"auto"`).
+
+    `"unrolled"`: the stacked weights are split into one buffer per layer once per call, before the loop, the KV
+    cache holds one buffer per layer, and each step runs the layers unrolled, so nothing is copied per step; the
+    call holds a second copy of the layers' weights. `"scan"`: a `lax.scan` over the stacked `[L, ...]` weights
+    and cache, which copies each layer's weight and cache slices at every step.
+
+    `"auto"` picks `"unrolled"` for a loop of one token per step (autoregressive decoding) of a float32 model on a
+    CPU backend without a mesh, when the second copy of `model`'s layer weights fits twice in the free memory, and
+    `"scan"` otherwise. In bfloat16 the two forms round differently (XLA fuses them differently and keeps excess
+    precision inside fusions), so autoregressive bfloat16 stays on the scan the speculative loop uses: with the
+    autoregressive loop unrolled, bf16 speculative decoding of SmolLM2 equalled it on 6 of 8 MT-Bench prompts at 32
+    tokens, against 8 of 8 with both scanned. Measured on a 2-core CPU (SmolLM2-135M, `bench/bench_step.py`,
+    docs/benchmarks.md): a one-token step costs 28 ms unrolled against 39 ms scanned, while a 4-token verification
+    step costs the same both ways and a 10-token one more unrolled (XLA's multi-token products repack the weights at
+    every call either way). GPUs and TPUs are not measured yet (`bench/bench_step.py --layers unrolled` there), and
+    a mesh needs the stacked sharding rules.
+    """
+    layers = layers or "auto"
+    if layers not in DECODE_LAYERS:
+        raise ValueError(f"layers must be one of {DECODE_LAYERS}, got {layers!r}")
+    if layers == "unrolled" and mesh is not None:
+        raise ValueError("layers='unrolled' is not supported with a mesh (the sharding rules are for stacked "
+                         "layers); use layers='scan' or 'auto'")
+    if layers != "auto":
+        return layers
+    if mesh is not None or tokens_per_step != 1 or jax.default_backend() != "cpu":
+        return "scan"
+    if model is not None:
+        from clover_jax.validation import available_memory
+
+        if jnp.dtype(model.dtype) != jnp.float32:
+            return "scan"
+
+        free, _ = available_memory()
+        if free is not None and 2 * layer_weight_bytes(model) > free:
+            return "scan"
+    return "unrolled"
+
 
 def prefill(model: Llama, prompt: jax.Array, prompt_lengths: jax.Array, cache: KVCache,
-            chunk: int = PREFILL_CHUNK):
+            chunk: int = PREFILL_CHUNK, layer_weights=None):
     """Runs the prompt `[B, T]` (right padded) through the model into an empty cache.
 
     A prompt of at most `chunk` tokens runs as one block. A longer one (T a multiple of `chunk`) runs block by
@@ -56,21 +105,24 @@ def prefill(model: Llama, prompt: jax.Array, prompt_lengths: jax.Array, cache: K
     and takes 2.7 s in blocks (`bench/bench_context.py`, docs/benchmarks.md). The blocks' attention sums the same
     terms in another order, so hidden states can differ from the one-block pass in the last bits.
 
+    `layer_weights`: the model's `layers.per_layer_weights()` when the layers run unrolled (`decode_layers`).
+
     Returns (last-position logits [B, V], pre-norm hidden [B, T, D], cache with lengths = prompt_lengths).
     """
     b, t = prompt.shape
     if t <= chunk or t % chunk:
         valid = jnp.arange(t)[None, :] < prompt_lengths[:, None]  # [B, T]
         positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-        hidden, new_k, new_v = model.forward_hidden(prompt, positions, causal_mask(valid))
+        hidden, new_k, new_v = model.forward_hidden(prompt, positions, causal_mask(valid), layer_weights=layer_weights)
         cache = cache.append(new_k, new_v, num_valid=prompt_lengths)
     else:
-        hidden, cache = _prefill_blocks(model, prompt, prompt_lengths, cache, chunk)
+        hidden, cache = _prefill_blocks(model, prompt, prompt_lengths, cache, chunk, layer_weights)
     last = jnp.take_along_axis(hidden, (prompt_lengths - 1)[:, None, None], axis=1)[:, 0]  # [B, D]
     return model.logits(last), hidden, cache
 
 
-def _prefill_blocks(model: Llama, prompt: jax.Array, prompt_lengths: jax.Array, cache: KVCache, chunk: int):
+def _prefill_blocks(model: Llama, prompt: jax.Array, prompt_lengths: jax.Array, cache: KVCache, chunk: int,
+                    layer_weights=None):
     """`prefill` of a prompt `[B, T]` in blocks of `chunk` tokens; returns (pre-norm hidden [B, T, D], cache)."""
     b, t = prompt.shape
     offsets = jnp.arange(chunk, dtype=jnp.int32)  # [C]
@@ -84,7 +136,7 @@ def _prefill_blocks(model: Llama, prompt: jax.Array, prompt_lengths: jax.Array, 
         valid = positions < prompt_lengths[:, None]  # [B, C]
         h, new_k, new_v = model.forward_hidden(ids, positions, causal_mask(valid), cache,
                                                prefix_mask(cache.lengths, chunk, cache.size),
-                                               cache_extent=jnp.max(cache.lengths))
+                                               cache_extent=jnp.max(cache.lengths), layer_weights=layer_weights)
         # a row whose prompt ended in an earlier block advances by 0; its block lands past its length, unread
         cache = cache.append(new_k, new_v, num_valid=jnp.clip(prompt_lengths - start, 0, chunk))
         hidden = jax.lax.dynamic_update_slice_in_dim(hidden, h.astype(hidden.dtype), start, axis=1)
@@ -101,13 +153,16 @@ def is_eos(tokens: jax.Array, eos_ids: jax.Array) -> jax.Array:
 
 
 def _ar_generate(graphdef, state, prompt, prompt_lengths, max_new_tokens, eos_ids, sampling, key, *,
-                 cache_size: int, greedy: bool, cache_dtype, mesh=None):
+                 cache_size: int, greedy: bool, cache_dtype, mesh=None, layers: str = "scan"):
     model = nnx.merge(graphdef, state)
     c = model.config
     b, t = prompt.shape
     shard = functools.partial(parallel.constrain_state, mesh=mesh)  # identity without a mesh
-    cache = shard(KVCache.init(c.num_hidden_layers, b, cache_size, c.num_key_value_heads, c.head_dim, cache_dtype))
-    logits, _, cache = prefill(model, prompt, prompt_lengths, cache)
+    unrolled = layers == "unrolled"
+    lw = model.layers.per_layer_weights() if unrolled else None  # one buffer per layer, made once per call
+    cache = shard(KVCache.init(c.num_hidden_layers, b, cache_size, c.num_key_value_heads, c.head_dim, cache_dtype,
+                               per_layer=unrolled))
+    logits, _, cache = prefill(model, prompt, prompt_lengths, cache, layer_weights=lw)
     key, sub = jax.random.split(key)
     first = next_token(sub, logits, sampling, greedy)  # [B]
     tokens = jnp.zeros((b, cache_size), jnp.int32)
@@ -128,9 +183,12 @@ def _ar_generate(graphdef, state, prompt, prompt_lengths, max_new_tokens, eos_id
         pos = s.cache.lengths[:, None]  # [B, 1]
         self_mask = jnp.ones((b, 1, 1), bool)
         hidden, nk, nv = model.forward_hidden(last, pos, self_mask, s.cache,
-                                              prefix_mask(s.cache.lengths, 1, cache_size))
+                                              prefix_mask(s.cache.lengths, 1, cache_size), layer_weights=lw)
         active = ~s.done
-        cache = s.cache.append(nk, nv, num_valid=active.astype(jnp.int32))
+        cache = s.cache
+        if unrolled:  # every layer has read its cache before any is written: the writes can then go in place
+            cache, hidden, nk, nv = jax.lax.optimization_barrier((cache, hidden, nk, nv))
+        cache = cache.append(nk, nv, num_valid=active.astype(jnp.int32))
         key, sub = jax.random.split(s.key)
         tok = next_token(sub, model.logits(hidden[:, 0]), sampling, greedy)
         write_at = jnp.where(active, s.lengths, cache_size)  # inactive rows: dropped write
@@ -146,9 +204,9 @@ def _ar_generate(graphdef, state, prompt, prompt_lengths, max_new_tokens, eos_id
 
 
 @functools.lru_cache(maxsize=None)
-def _jitted(graphdef, cache_size: int, greedy: bool, cache_dtype, mesh=None):
+def _jitted(graphdef, cache_size: int, greedy: bool, cache_dtype, mesh=None, layers: str = "scan"):
     fn = functools.partial(_ar_generate, graphdef, cache_size=cache_size, greedy=greedy, cache_dtype=cache_dtype,
-                           mesh=mesh)
+                           mesh=mesh, layers=layers)
     return jax.jit(fn)
 
 
@@ -162,12 +220,12 @@ def row_inputs(prompt, prompt_lengths, max_new_tokens, mesh=None):
 
 
 def ar_generate(model: Llama, prompt, prompt_lengths, *, max_new_tokens, cache_size: int, sampling=None,
-                key=None, eos_ids=None, cache_dtype=None, mesh=None) -> DecodeOutput:
+                key=None, eos_ids=None, cache_dtype=None, mesh=None, layers: str | None = None) -> DecodeOutput:
     """Jitted autoregressive generation on padded prompts. Inputs are validated by `clover_jax.api`.
 
     With a `mesh` (`clover_jax.parallel`), the weights are placed by the sharding rules (no copy when the
     model was loaded onto that mesh), the rows split over its batch axes and the KV cache over rows and KV
-    heads."""
+    heads. `layers`: see `decode_layers`."""
     from clover_jax.decoding.sampling import SamplingParams
 
     sampling = sampling or SamplingParams()
@@ -175,5 +233,6 @@ def ar_generate(model: Llama, prompt, prompt_lengths, *, max_new_tokens, cache_s
     state = parallel.place(state, mesh)
     eos = jnp.asarray(list(eos_ids if eos_ids is not None else model.config.eos_token_ids) or [-1], jnp.int32)
     key = jax.random.key(0) if key is None else key
-    fn = _jitted(graphdef, int(cache_size), sampling.greedy, jnp.dtype(cache_dtype or model.dtype), mesh)
+    fn = _jitted(graphdef, int(cache_size), sampling.greedy, jnp.dtype(cache_dtype or model.dtype), mesh,
+                 decode_layers(layers, mesh, model=model))
     return fn(state, *row_inputs(prompt, prompt_lengths, max_new_tokens, mesh), eos, sampling.arrays(), key)

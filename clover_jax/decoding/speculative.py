@@ -23,7 +23,7 @@ from flax import nnx, struct
 
 from clover_jax import parallel
 from clover_jax.decoding import verify
-from clover_jax.decoding.autoregressive import DecodeOutput, is_eos, prefill, row_inputs
+from clover_jax.decoding.autoregressive import DecodeOutput, decode_layers, is_eos, prefill, row_inputs
 from clover_jax.decoding.sampling import SamplingParams, next_token, warp_probs
 from clover_jax.models.cache import KVCache, prefix_mask
 
@@ -62,7 +62,7 @@ def _accept(proposal, logits, key, sampling, greedy: bool, sampled_drafts: bool)
 
 def _spec_generate(base_graph, base_state, head_graph, head_state_params, drafter_arrays, prompt, prompt_lengths,
                    max_new_tokens, eos_ids, sampling, key, *, drafter, cache_size: int, greedy: bool, cache_dtype,
-                   mesh=None):
+                   mesh=None, layers: str = "scan"):
     base = nnx.merge(base_graph, base_state)
     head = nnx.merge(head_graph, head_state_params)
     c = base.config
@@ -71,8 +71,11 @@ def _spec_generate(base_graph, base_state, head_graph, head_state_params, drafte
     rows = jnp.arange(b)
     shard = functools.partial(parallel.constrain_state, mesh=mesh)  # identity without a mesh
 
-    cache = shard(KVCache.init(c.num_hidden_layers, b, cache_size, c.num_key_value_heads, c.head_dim, cache_dtype))
-    logits, hidden, cache = prefill(base, prompt, prompt_lengths, cache)
+    unrolled = layers == "unrolled"  # see decode_layers
+    lw = base.layers.per_layer_weights() if unrolled else None  # one buffer per layer, made once per call
+    cache = shard(KVCache.init(c.num_hidden_layers, b, cache_size, c.num_key_value_heads, c.head_dim, cache_dtype,
+                               per_layer=unrolled))
+    logits, hidden, cache = prefill(base, prompt, prompt_lengths, cache, layer_weights=lw)
     key, sub = jax.random.split(key)
     root = next_token(sub, logits, sampling, greedy)  # [B]
     # the head reads (f_t, x_{t+1}) pairs: the prompt shifted by one, then the root
@@ -105,8 +108,11 @@ def _spec_generate(base_graph, base_state, head_graph, head_state_params, drafte
         length = s.cache.lengths
         positions = length[:, None] + depth  # [B, U]
         hidden, nk, nv = base.forward_hidden(prop.tokens, positions, tree_mask, s.cache,
-                                             prefix_mask(length, u, cache_size))
-        cache = s.cache.write(nk, nv, length[:, None] + jnp.arange(u)[None, :])
+                                             prefix_mask(length, u, cache_size), layer_weights=lw)
+        cache = s.cache
+        if unrolled:  # every layer has read its cache before any is written: the writes can then go in place
+            cache, hidden, nk, nv = jax.lax.optimization_barrier((cache, hidden, nk, nv))
+        cache = cache.write(nk, nv, length[:, None] + jnp.arange(u)[None, :])
         logits = base.logits(hidden)  # [B, U, V]
         acc = _accept(prop, logits, k_acc, sampling, greedy, drafter.sampled_drafts)
         active = ~s.done
@@ -145,10 +151,11 @@ def _spec_generate(base_graph, base_state, head_graph, head_state_params, drafte
 
 
 @functools.lru_cache(maxsize=None)
-def _jitted(base_graph, head_graph, drafter, cache_size: int, greedy: bool, cache_dtype, mesh=None):
+def _jitted(base_graph, head_graph, drafter, cache_size: int, greedy: bool, cache_dtype, mesh=None,
+            layers: str = "scan"):
     def fn(base_state, head_params, *args):
         return _spec_generate(base_graph, base_state, head_graph, head_params, *args, drafter=drafter,
-                              cache_size=cache_size, greedy=greedy, cache_dtype=cache_dtype, mesh=mesh)
+                              cache_size=cache_size, greedy=greedy, cache_dtype=cache_dtype, mesh=mesh, layers=layers)
 
     return jax.jit(fn)
 
@@ -170,12 +177,13 @@ def _drafter_for(head_type: type, tree_key, draft_vocab) -> object:
 
 def spec_generate(base, head, prompt, prompt_lengths, *, max_new_tokens, cache_size: int | None,
                   sampling: SamplingParams, key, tree=None, eos_ids=None, drafter=None, draft_vocab=None, mesh=None,
-                  stat_rows: int | None = None):
+                  stat_rows: int | None = None, layers: str | None = None):
     """Runs the jitted speculative loop; returns (DecodeOutput, stats dict, seconds).
 
     `max_new_tokens`: one number or one per row. With a `mesh` (`clover_jax.parallel`) the base and head
     weights are placed by the sharding rules, rows split over the batch axes, and both KV caches over rows
-    and KV heads. `stat_rows`: count only the first rows in the statistics (the rest pad the batch)."""
+    and KV heads. `stat_rows`: count only the first rows in the statistics (the rest pad the batch). `layers`:
+    how the base model's layers run (`clover_jax.decoding.autoregressive.decode_layers`)."""
     import numpy as np
 
     from clover_jax.api import plan_cache
@@ -188,7 +196,8 @@ def spec_generate(base, head, prompt, prompt_lengths, *, max_new_tokens, cache_s
     head_graph, head_params = nnx.split(head)
     base_state, head_params = parallel.place(base_state, mesh), parallel.place(head_params, mesh)
     eos = jnp.asarray(list(eos_ids if eos_ids is not None else base.config.eos_token_ids) or [-1], jnp.int32)
-    fn = _jitted(base_graph, head_graph, drafter, int(cache_size), sampling.greedy, jnp.dtype(base.dtype), mesh)
+    fn = _jitted(base_graph, head_graph, drafter, int(cache_size), sampling.greedy, jnp.dtype(base.dtype), mesh,
+                 decode_layers(layers, mesh, tokens_per_step=drafter.num_nodes, model=base))
     arrays = drafter.arrays() if hasattr(drafter, "arrays") else None
     inputs = row_inputs(prompt, lens, max_new_tokens, mesh)
     t0 = time.perf_counter()

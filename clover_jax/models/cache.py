@@ -1,13 +1,15 @@
 """Explicit KV cache pytree with per-row lengths, and the masks built from it.
 
-The cache holds every layer stacked: `k, v: [L, B, K, S, H]`, plus `lengths: [B]`, the number of
-valid positions of each row. Positions sit next to the head dim, so a layer's `[B, K, S, H]` slice enters
-the attention products as it is (batch dims B, K leading): with `[B, S, K, H]` XLA transposed every layer's
-slice at every decode step, a cost that grew with the cache size, not with the tokens held
-(docs/benchmarks.md). The model never mutates it: a forward returns the new tokens'
-keys/values `[L, B, T, K, H]` and `write` places them at explicit per-row slots. Slots at or past
-`S` are dropped rather than clamped, and `check_room` raises before anything runs when a concrete
-write would not fit (JAX's `dynamic_update_slice` would otherwise silently move the write).
+The cache holds every layer stacked: `k, v: [L, B, K, S, H]`, or (`per_layer`) one `[B, K, S, H]` array per layer,
+plus `lengths: [B]`, the number of valid positions of each row. The per-layer form is what the decoding loops use
+with unrolled layers (`clover_jax.decoding.autoregressive.decode_layers`): a layer then reads its own buffer, where
+slicing a stacked cache copies every layer's slice at every step. Positions sit next to the head dim, so a layer's
+`[B, K, S, H]` slice enters the attention products as it is (batch dims B, K leading): with `[B, S, K, H]` XLA
+transposed every layer's slice at every decode step, a cost that grew with the cache size, not with the tokens held
+(docs/benchmarks.md). The model never mutates it: a forward returns the new tokens' keys/values `[L, B, T, K, H]`
+and `write` places them at explicit per-row slots. Slots at or past `S` are dropped rather than clamped, and
+`check_room` raises before anything runs when a concrete write would not fit (JAX's `dynamic_update_slice` would
+otherwise silently move the write).
 """
 
 from __future__ import annotations
@@ -26,24 +28,32 @@ class CacheOverflowError(InputError):
 
 @struct.dataclass
 class KVCache:
-    k: jax.Array  # [L, B, K, S, H]
-    v: jax.Array  # [L, B, K, S, H]
+    k: jax.Array | tuple[jax.Array, ...]  # [L, B, K, S, H], or L arrays [B, K, S, H] (per_layer)
+    v: jax.Array | tuple[jax.Array, ...]  # like k
     lengths: jax.Array  # [B] int32: valid positions per row
 
     @classmethod
     def init(cls, num_layers: int, batch: int, size: int, num_kv_heads: int, head_dim: int,
-             dtype=jnp.float32) -> "KVCache":
+             dtype=jnp.float32, per_layer: bool = False) -> "KVCache":
+        lengths = jnp.zeros((batch,), jnp.int32)
+        if per_layer:
+            shape = (batch, num_kv_heads, size, head_dim)
+            return cls(k=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
+                       v=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)), lengths=lengths)
         shape = (num_layers, batch, num_kv_heads, size, head_dim)
-        return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
-                   lengths=jnp.zeros((batch,), jnp.int32))
+        return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), lengths=lengths)
+
+    @property
+    def per_layer(self) -> bool:
+        return isinstance(self.k, tuple)
 
     @property
     def size(self) -> int:
-        return self.k.shape[3]
+        return self.k[0].shape[2] if self.per_layer else self.k.shape[3]
 
     @property
     def batch(self) -> int:
-        return self.k.shape[1]
+        return self.k[0].shape[0] if self.per_layer else self.k.shape[1]
 
     def write(self, new_k: jax.Array, new_v: jax.Array, slots: jax.Array) -> "KVCache":
         """Writes `new_k/new_v [L, B, T, K, H]` at cache slots `slots [B, T]`; lengths are unchanged.
@@ -52,6 +62,10 @@ class KVCache:
         """
         num_layers, batch, t = new_k.shape[:3]
         b_idx = jnp.broadcast_to(jnp.arange(batch)[:, None], (batch, t))  # [B, T]
+        if self.per_layer:  # per layer: the indexed block is [B, T, K, H], as new_k[i] is
+            k = tuple(c.at[b_idx, :, slots].set(new_k[i].astype(c.dtype), mode="drop") for i, c in enumerate(self.k))
+            v = tuple(c.at[b_idx, :, slots].set(new_v[i].astype(c.dtype), mode="drop") for i, c in enumerate(self.v))
+            return self.replace(k=k, v=v)
         # indices split by a slice: the indexed block is [B, T, L, K, H]
         k = self.k.at[:, b_idx, :, slots].set(jnp.transpose(new_k, (1, 2, 0, 3, 4)).astype(self.k.dtype),
                                               mode="drop")
@@ -76,11 +90,15 @@ class KVCache:
         batch, a = src_slots.shape
         b_idx = jnp.broadcast_to(jnp.arange(batch)[:, None], (batch, a))
         src = jnp.clip(src_slots, 0, self.size - 1)
-        k_sel = self.k[:, b_idx, :, src]  # [B, A, L, K, H]
-        v_sel = self.v[:, b_idx, :, src]
         dst = self.lengths[:, None] + jnp.arange(a, dtype=jnp.int32)[None, :]
-        k = self.k.at[:, b_idx, :, dst].set(k_sel, mode="drop")
-        v = self.v.at[:, b_idx, :, dst].set(v_sel, mode="drop")
+        if self.per_layer:  # [B, A, K, H] per layer
+            k = tuple(c.at[b_idx, :, dst].set(c[b_idx, :, src], mode="drop") for c in self.k)
+            v = tuple(c.at[b_idx, :, dst].set(c[b_idx, :, src], mode="drop") for c in self.v)
+        else:
+            k_sel = self.k[:, b_idx, :, src]  # [B, A, L, K, H]
+            v_sel = self.v[:, b_idx, :, src]
+            k = self.k.at[:, b_idx, :, dst].set(k_sel, mode="drop")
+            v = self.v.at[:, b_idx, :, dst].set(v_sel, mode="drop")
         return self.replace(k=k, v=v, lengths=self.lengths + num.astype(jnp.int32))
 
 

@@ -98,28 +98,44 @@ class DecoderStack(nnx.Module):
             names += ["b_gate", "b_up", "b_down"]
         return {n: getattr(self, n)[...] for n in names}
 
+    def per_layer_weights(self) -> tuple[dict[str, jax.Array], ...]:
+        """`layer_params()` as one dict per layer (`[...]` without the `L` axis).
+
+        Inside a jitted function each slice is materialised once, where it is taken: taken before a decoding
+        loop and passed in as `layer_weights`, every step then reads each layer's weights in place. A `lax.scan`
+        over the stacked `[L, ...]` weights instead copies each layer's slice at every step (on a 2-core CPU,
+        most of a one-token step: docs/benchmarks.md), at the price of a second copy of the weights in memory.
+        """
+        lp = self.layer_params()
+        return tuple({k: v[i] for k, v in lp.items()} for i in range(self.num_layers))
+
     def __call__(self, x: jax.Array, positions: jax.Array, self_mask: jax.Array,
                  cache_k: jax.Array | None = None, cache_v: jax.Array | None = None,
                  cache_mask: jax.Array | None = None, path_k: jax.Array | None = None,
-                 path_v: jax.Array | None = None, cache_extent: jax.Array | None = None):
+                 path_v: jax.Array | None = None, cache_extent: jax.Array | None = None,
+                 layer_weights: tuple[dict[str, jax.Array], ...] | None = None):
         """Runs the stack.
 
         Args:
           x: `[B, T, D]` inputs.
           positions: `[B, T]` RoPE positions.
           self_mask: `[B, T, T]` which new tokens each new token attends to.
-          cache_k, cache_v: optional `[L, B, K, S, H]` cached keys/values (read only).
+          cache_k, cache_v: optional `[L, B, K, S, H]` cached keys/values (read only), or tuples of L `[B, K, S, H]`.
           cache_mask: `[B, T, S]` which cache slots each new token attends to.
           path_k, path_v: optional `[L, B, T, P, K, H]` keys/values that only new token t attends to, all of
             them (a draft-tree node's ancestors: P = its depth - 1), besides the cache and the new tokens.
           cache_extent: optional `[]` int: no query sees a cache slot at or past it. Attention then reads the cache
             in blocks of `CACHE_BLOCK` slots up to it (`_blocked_cache_attention`) instead of all S slots.
+          layer_weights: optional `per_layer_weights()`, taken outside the caller's loop. With it, or with a
+            per-layer cache (tuples of `[B, K, S, H]`), the layers run unrolled in Python instead of a `lax.scan`.
 
         Returns:
           `(y [B, T, D], new_k [L, B, T, K, H], new_v [L, B, T, K, H])`.
         """
         c = self.config
-        rope_len = cache_k.shape[3] + x.shape[1] if cache_k is not None else x.shape[1]
+        per_layer = layer_weights is not None or isinstance(cache_k, tuple)
+        cache_len = 0 if cache_k is None else cache_k[0].shape[2] if isinstance(cache_k, tuple) else cache_k.shape[3]
+        rope_len = cache_len + x.shape[1]
         inv_freq = jnp.asarray(rope_inv_freq(c, rope_len), jnp.float32)  # [H/2]
         eps = c.rms_norm_eps
         dtype = self.dtype
@@ -137,7 +153,8 @@ class DecoderStack(nnx.Module):
             q = apply_rope(q, positions, inv_freq)
             k = apply_rope(k, positions, inv_freq)
             attn = _attention(q, k, v, self_mask, ck, cv, cache_mask, c.num_key_value_heads, pk, pv, cache_extent)
-            o = _dot("BTNH,NHD->BTD", attn, lp["wo"])
+            # one [B, T, N*H] x [N*H, D] product: contracting (N, H) as two axes let XLA transpose wo per call
+            o = _dot("BTE,ED->BTD", attn.reshape(*attn.shape[:2], -1), lp["wo"].reshape(-1, lp["wo"].shape[-1]))
             h = h + (o + lp["bo"] if c.attention_out_bias else o)
             m = rms_norm(h, lp["mlp_norm"], eps)
             gate = _dot("BTD,DF->BTF", m, lp["w_gate"])
@@ -148,6 +165,14 @@ class DecoderStack(nnx.Module):
             h = h + (down + lp["b_down"] if c.mlp_bias else down)
             return h, (k, v)
 
+        if per_layer:  # layers unrolled, each reading its own weight and cache buffers (no slice copied per call)
+            h, ks, vs = x.astype(dtype), [], []
+            for i, lp in enumerate(layer_weights if layer_weights is not None else self.per_layer_weights()):
+                pick = lambda a: None if a is None else a[i]  # noqa: E731
+                h, (k, v) = layer(h, (lp, pick(cache_k), pick(cache_v), pick(path_k), pick(path_v)))
+                ks.append(k)
+                vs.append(v)
+            return h, jnp.stack(ks), jnp.stack(vs)
         if self.remat:
             layer = jax.checkpoint(layer)
         xs = (self.layer_params(), cache_k if use_cache else None, cache_v if use_cache else None, path_k, path_v)
@@ -277,7 +302,8 @@ class Llama(nnx.Module):
     def embed_tokens(self, tokens: jax.Array) -> jax.Array:
         return jnp.take(self.embed[...], tokens, axis=0).astype(self.dtype)
 
-    def forward_hidden(self, tokens, positions, self_mask, cache=None, cache_mask=None, cache_extent=None):
+    def forward_hidden(self, tokens, positions, self_mask, cache=None, cache_mask=None, cache_extent=None,
+                       layer_weights=None):
         """Pre-final-norm hidden states `[B, T, D]` and new K/V `[L, B, T, K, H]`. `cache_extent` (`[]` int):
         no query sees a cache slot at or past it, so attention reads only the cache blocks below it."""
         x = self.embed_tokens(tokens)
@@ -286,7 +312,8 @@ class Llama(nnx.Module):
             ck, cv = cache.k, cache.v
             if cache_mask is None:
                 raise ValueError("cache_mask [B, T, S] is required when a cache is given")
-        return self.layers(x, positions, self_mask, ck, cv, cache_mask, cache_extent=cache_extent)
+        return self.layers(x, positions, self_mask, ck, cv, cache_mask, cache_extent=cache_extent,
+                           layer_weights=layer_weights)
 
     def logits(self, hidden_prenorm: jax.Array) -> jax.Array:
         """float32 logits `[..., V]` from pre-norm hidden states `[..., D]`."""

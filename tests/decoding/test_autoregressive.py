@@ -79,6 +79,55 @@ def test_prefill_in_blocks_equals_one_block(tiny):
                                        atol=2e-5)
 
 
+def test_unrolled_layers_equal_the_scan(tiny):
+    """`layers="unrolled"` (one buffer per layer, a per-layer KV cache) and `layers="scan"` (stacked weights and
+    cache) decode the same greedy tokens, with short prompts and one prefilled in blocks, and sample the same
+    tokens with the same key."""
+    from clover_jax.decoding.sampling import SamplingParams
+
+    long = np.random.RandomState(7).randint(3, 64, autoregressive.PREFILL_CHUNK + 30).tolist()
+    prompts = _prompts(3) + [long]
+    n = max(len(p) for p in prompts)
+    prompt = np.zeros((len(prompts), n), np.int32)
+    for r, p in enumerate(prompts):
+        prompt[r, :len(p)] = p
+    lens = np.array([len(p) for p in prompts], np.int32)
+    for sampling in (SamplingParams(), SamplingParams(temperature=1.0)):
+        out = {layers: autoregressive.ar_generate(tiny, prompt, lens, max_new_tokens=12, cache_size=n + 16,
+                                                  sampling=sampling, key=jax.random.key(3), layers=layers)
+               for layers in ("scan", "unrolled")}
+        np.testing.assert_array_equal(np.asarray(out["scan"].tokens), np.asarray(out["unrolled"].tokens))
+        np.testing.assert_array_equal(np.asarray(out["scan"].lengths), np.asarray(out["unrolled"].lengths))
+
+
+def test_decode_layers_policy(tiny, monkeypatch):
+    """`auto` unrolls one-token loops on a CPU without a mesh, scans multi-token loops and meshes, and scans
+    when a second copy of the layer weights would not fit twice in free memory; bad values are refused."""
+    from clover_jax import validation
+
+    assert autoregressive.decode_layers(None, model=tiny) == "unrolled"
+    assert autoregressive.decode_layers("auto", tokens_per_step=4, model=tiny) == "scan"
+    assert autoregressive.decode_layers("unrolled", tokens_per_step=4) == "unrolled"
+    assert autoregressive.decode_layers("auto", mesh=object()) == "scan"
+    with pytest.raises(ValueError, match="not supported with a mesh"):
+        autoregressive.decode_layers("unrolled", mesh=object())
+    with pytest.raises(ValueError, match="layers must be one of"):
+        autoregressive.decode_layers("unroll")
+    assert autoregressive.decode_layers(None, model=init_llama(CFG, seed=0, dtype=jnp.bfloat16)) == "scan"
+    small = autoregressive.layer_weight_bytes(tiny)
+    assert small == sum(x.nbytes for x in jax.tree.leaves(tiny.layers.layer_params())) > 0
+    from clover_jax.api import prepare_generate
+
+    plan = prepare_generate(tiny, _prompts(2), max_new_tokens=4, cache_size=64)
+    assert plan.memory["per-layer copy of the layer weights"] == small  # counted where it is made
+    monkeypatch.setattr(validation, "available_memory", lambda device=None: (2 * small - 1, "test"))
+    assert autoregressive.decode_layers(None, model=tiny) == "scan"
+    assert "per-layer copy of the layer weights" not in prepare_generate(
+        tiny, _prompts(2), max_new_tokens=4, cache_size=64, check_free_memory=False).memory
+    monkeypatch.setattr(validation, "available_memory", lambda device=None: (2 * small, "test"))
+    assert autoregressive.decode_layers(None, model=tiny) == "unrolled"
+
+
 def test_long_prompt_greedy_matches_naive_argmax_loop(tiny):
     """A prompt over PREFILL_CHUNK tokens (prefilled in blocks) still decodes what full forwards would."""
     p = np.random.RandomState(5).randint(3, 64, autoregressive.PREFILL_CHUNK + 45).tolist()

@@ -42,6 +42,32 @@ def test_greedy_equals_autoregressive_tiny(tiny, tree):
 
 
 
+@pytest.mark.parametrize("tree", ["chain-4", "dynamic-10"])
+def test_unrolled_layers_equal_the_scan(tiny, tree):
+    """The speculative loop with unrolled layers (per-layer weight buffers and KV cache; `auto` picks it only
+    for one-token loops) decodes what the scanned loop and autoregressive decoding decode, with the same
+    acceptance."""
+    base, head = tiny
+    prompts = _prompts(3, seed=2)
+    n = max(len(p) for p in prompts)
+    prompt = np.zeros((3, n), np.int32)
+    for r, p in enumerate(prompts):
+        prompt[r, :len(p)] = p
+    lens = np.array([len(p) for p in prompts], np.int32)
+    from clover_jax.decoding.sampling import SamplingParams
+
+    runs = {layers: speculative.spec_generate(base, head, prompt, lens, max_new_tokens=30, cache_size=n + 60,
+                                              sampling=SamplingParams(), key=jax.random.key(0), tree=tree,
+                                              layers=layers) for layers in ("scan", "unrolled")}
+    (scan, scan_stats, _), (unrolled, unrolled_stats, _) = runs["scan"], runs["unrolled"]
+    np.testing.assert_array_equal(np.asarray(scan.tokens), np.asarray(unrolled.tokens))
+    assert scan_stats["accept_hist"] == unrolled_stats["accept_hist"]
+    ar = generate(base, prompts, max_new_tokens=30, cache_size=n + 60)
+    for r, p in enumerate(prompts):
+        got = np.asarray(unrolled.tokens[r, len(p):int(unrolled.lengths[r])]).tolist()
+        assert got == ar.token_ids[r]
+
+
 def test_greedy_equals_autoregressive_up_to_cache_end(tiny):
     base, head = tiny
     prompts = _prompts(3, seed=5)

@@ -113,3 +113,25 @@ def test_reading_the_cache_block_by_block_equals_one_softmax(cache_size):
         cache = cache.append(nk, nv)
         out.append(model.logits(hidden))
     np.testing.assert_allclose(np.asarray(jnp.concatenate(out, axis=1)), np.asarray(full), atol=2e-5)
+
+
+def test_per_layer_cache_writes_and_compacts_like_the_stacked_one():
+    """The per-layer form (one `[B, K, S, H]` buffer per layer, for unrolled decoding) holds after `append`,
+    a second `write` and `gather_to_prefix` exactly what the stacked `[L, B, K, S, H]` cache holds, drops
+    writes past the end the same way, and reports the same size and batch."""
+    l, b, k, s, h = 3, 2, 2, 8, 4
+    rng = np.random.RandomState(0)
+    new = jnp.asarray(rng.randn(l, b, 3, k, h), jnp.float32)
+    new2 = jnp.asarray(rng.randn(l, b, 2, k, h), jnp.float32)
+    out = {}
+    for per_layer in (False, True):
+        cache = KVCache.init(l, b, s, k, h, per_layer=per_layer).replace(lengths=jnp.array([1, 4]))
+        assert cache.per_layer == per_layer and cache.size == s and cache.batch == b
+        cache = cache.append(new, -new)
+        cache = cache.write(new2, 2 * new2, jnp.array([[7, 8], [0, 5]]))  # slot 8 is past the end: dropped
+        cache = cache.gather_to_prefix(jnp.array([[2, 0], [6, 5]]), jnp.array([2, 1]))
+        stack = (lambda x: jnp.stack(x)) if per_layer else (lambda x: x)
+        out[per_layer] = (np.asarray(stack(cache.k)), np.asarray(stack(cache.v)), np.asarray(cache.lengths))
+    for a, c in zip(out[False], out[True]):
+        np.testing.assert_array_equal(a, c)
+    assert out[True][2].tolist() == [6, 8]
