@@ -54,8 +54,36 @@ def add_debug_argument(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     return parser
 
 
+COMPILE_CACHE_ENV = "CLOVER_JAX_CACHE"  # a folder, or "off"; default ~/.cache/clover_jax/xla
+
+
+def enable_compile_cache(path: str | None = None) -> str | None:
+    """Turns on JAX's persistent compilation cache, so a later run of a tool reuses this run's compiled loops
+    (an unrolled one-token loop of SmolLM2 compiles in 6.8 s on a 2-core CPU, and loads from the cache in about
+    1 s). The folder: `path`, else `$CLOVER_JAX_CACHE`, else `~/.cache/clover_jax/xla`; `CLOVER_JAX_CACHE=off`
+    turns it off, and a cache the user configured through JAX (`JAX_COMPILATION_CACHE_DIR`) is left as it is.
+    Returns the folder in use, or None."""
+    import jax
+
+    path = path or os.environ.get(COMPILE_CACHE_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "clover_jax",
+                                                                      "xla")
+    if path.strip().lower() in ("off", "0", "false", "no", "none"):
+        return None
+    current = jax.config.jax_compilation_cache_dir
+    if current:
+        return current
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError:  # a read-only home: run without the cache rather than fail
+        return None
+    jax.config.update("jax_compilation_cache_dir", path)
+    return path
+
+
 def run_cli(main: Callable[[list[str] | None], int], argv: Sequence[str] | None = None) -> int:
-    """Runs `main(argv)`; a user error prints `error: ...` and returns 2 (see the module docstring)."""
+    """Runs `main(argv)` with the persistent compilation cache on (`enable_compile_cache`); a user error prints
+    `error: ...` and returns 2 (see the module docstring)."""
+    enable_compile_cache()
     try:
         return main(None if argv is None else list(argv))
     except KeyboardInterrupt:

@@ -59,3 +59,27 @@ def test_train_unknown_key_is_one_line_error(capsys):
     code = train.main(["--config", str(ROOT / "configs" / "smollm2-135m-clover2.yaml"), "--set", "optim.lrr=1e-3"])
     err = capsys.readouterr().err
     assert code == 2 and "optim.lrr" in err and "did you mean 'optim.lr'" in err and "Traceback" not in err
+
+
+def test_compile_cache_is_written_and_can_be_turned_off(tmp_path):
+    """The CLI tools' persistent compilation cache: a compiled function lands in the folder `CLOVER_JAX_CACHE`
+    names; `off` leaves JAX's cache unset; a cache configured through JAX wins. Run in fresh interpreters
+    (the cache is process-wide configuration)."""
+    import os
+    import subprocess
+
+    code = ("import jax, jax.numpy as jnp; from clover_jax.cli import enable_compile_cache; "
+            "jax.config.update('jax_persistent_cache_min_compile_time_secs', 0); d = enable_compile_cache(); "
+            "jax.jit(lambda x: jnp.sin(x) * 2)(jnp.ones(3)).block_until_ready(); print(d)")
+
+    def run(**env):
+        full = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"} | env
+        return subprocess.run([sys.executable, "-c", code], env=full, capture_output=True, text=True,
+                              check=True).stdout.strip().splitlines()[-1]
+
+    folder = tmp_path / "xla"
+    assert run(CLOVER_JAX_CACHE=str(folder)) == str(folder)
+    assert any(folder.iterdir())  # the compiled function was stored
+    assert run(CLOVER_JAX_CACHE="off") == "None"
+    theirs = tmp_path / "theirs"
+    assert run(CLOVER_JAX_CACHE=str(folder), JAX_COMPILATION_CACHE_DIR=str(theirs)) == str(theirs)

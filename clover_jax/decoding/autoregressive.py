@@ -105,7 +105,8 @@ def prefill(model: Llama, prompt: jax.Array, prompt_lengths: jax.Array, cache: K
     and takes 2.7 s in blocks (`bench/bench_context.py`, docs/benchmarks.md). The blocks' attention sums the same
     terms in another order, so hidden states can differ from the one-block pass in the last bits.
 
-    `layer_weights`: the model's `layers.per_layer_weights()` when the layers run unrolled (`decode_layers`).
+    `layer_weights`: the model's `layers.per_layer_weights()` when the layers run unrolled (`decode_layers`); only
+    the blocks of a long prompt use them (they read a per-layer cache), a one-block prompt runs the scan.
 
     Returns (last-position logits [B, V], pre-norm hidden [B, T, D], cache with lengths = prompt_lengths).
     """
@@ -113,7 +114,9 @@ def prefill(model: Llama, prompt: jax.Array, prompt_lengths: jax.Array, cache: K
     if t <= chunk or t % chunk:
         valid = jnp.arange(t)[None, :] < prompt_lengths[:, None]  # [B, T]
         positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-        hidden, new_k, new_v = model.forward_hidden(prompt, positions, causal_mask(valid), layer_weights=layer_weights)
+        # no cache to read: a scan over the stacked weights (a prompt-length block is bound by the products, not
+        # by the slice copies), and an unrolled loop's compile time halves
+        hidden, new_k, new_v = model.forward_hidden(prompt, positions, causal_mask(valid))
         cache = cache.append(new_k, new_v, num_valid=prompt_lengths)
     else:
         hidden, cache = _prefill_blocks(model, prompt, prompt_lengths, cache, chunk, layer_weights)
