@@ -65,10 +65,10 @@ def decode_layers(layers: str | None = None, mesh=None, *, tokens_per_step: int 
     precision inside fusions), so autoregressive bfloat16 stays on the scan the speculative loop uses: with the
     autoregressive loop unrolled, bf16 speculative decoding of SmolLM2 equalled it on 6 of 8 MT-Bench prompts at 32
     tokens, against 8 of 8 with both scanned. Measured on a 2-core CPU (SmolLM2-135M, `bench/bench_step.py`,
-    docs/benchmarks.md): a one-token step costs 28 ms unrolled against 39 ms scanned, while a 4-token verification
-    step costs the same both ways and a 10-token one more unrolled (XLA's multi-token products repack the weights at
-    every call either way). GPUs and TPUs are not measured yet (`bench/bench_step.py --layers unrolled` there), and
-    a mesh needs the stacked sharding rules.
+    docs/benchmarks.md): a one-token step costs about 27 ms unrolled against 37-39 ms scanned, while a 4-token
+    verification step costs the same both ways and a 10-token one more unrolled (XLA's multi-token products repack
+    the weights at every call either way). GPUs and TPUs are not measured yet (`bench/bench_step.py --layers
+    unrolled` there), and a mesh needs the stacked sharding rules.
     """
     layers = layers or "auto"
     if layers not in DECODE_LAYERS:
@@ -85,7 +85,6 @@ def decode_layers(layers: str | None = None, mesh=None, *, tokens_per_step: int 
 
         if jnp.dtype(model.dtype) != jnp.float32:
             return "scan"
-
         free, _ = available_memory()
         if free is not None and 2 * layer_weight_bytes(model) > free:
             return "scan"
