@@ -54,19 +54,20 @@ def add_debug_argument(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     return parser
 
 
-COMPILE_CACHE_ENV = "CLOVER_JAX_CACHE"  # a folder, or "off"; default ~/.cache/clover_jax/xla
+COMPILE_CACHE_ENV = "CLOVER_JAX_COMPILE_CACHE"  # a folder, or "off"
 
 
 def enable_compile_cache(path: str | None = None) -> str | None:
     """Turns on JAX's persistent compilation cache, so a later run of a tool reuses this run's compiled loops
     (an unrolled one-token loop of SmolLM2 compiles in 6.8 s on a 2-core CPU, and loads from the cache in about
-    1 s). The folder: `path`, else `$CLOVER_JAX_CACHE`, else `~/.cache/clover_jax/xla`; `CLOVER_JAX_CACHE=off`
-    turns it off, and a cache the user configured through JAX (`JAX_COMPILATION_CACHE_DIR`) is left as it is.
-    Returns the folder in use, or None."""
+    1 s). The folder: `path`, else `$CLOVER_JAX_COMPILE_CACHE`, else `xla/` in the library's cache folder
+    (`$CLOVER_JAX_CACHE`, default `~/.cache/clover_jax`); `CLOVER_JAX_COMPILE_CACHE=off` turns it off, and a cache
+    the user configured through JAX (`JAX_COMPILATION_CACHE_DIR`) is left as it is. Returns the folder in use, or
+    None."""
     import jax
 
-    path = path or os.environ.get(COMPILE_CACHE_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "clover_jax",
-                                                                      "xla")
+    root = os.environ.get("CLOVER_JAX_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "clover_jax")
+    path = path or os.environ.get(COMPILE_CACHE_ENV) or os.path.join(root, "xla")
     if path.strip().lower() in ("off", "0", "false", "no", "none"):
         return None
     current = jax.config.jax_compilation_cache_dir

@@ -6,7 +6,7 @@ cd "$ROOT"
 source scripts/env.sh
 export XLA_FLAGS="${XLA_FLAGS:---xla_force_host_platform_device_count=8}"
 # the CLI tools turn on a persistent compilation cache in ~/.cache; the suite does not write there
-export CLOVER_JAX_CACHE="${CLOVER_JAX_CACHE:-off}"
+export CLOVER_JAX_COMPILE_CACHE="${CLOVER_JAX_COMPILE_CACHE:-off}"
 # test paths given (bash scripts/test.sh tests/heads): run those; otherwise the whole suite
 for arg in "$@"; do
   case "$arg" in tests|tests/*) exec python -m pytest -q "$@" ;; esac

@@ -62,8 +62,9 @@ def test_train_unknown_key_is_one_line_error(capsys):
 
 
 def test_compile_cache_is_written_and_can_be_turned_off(tmp_path):
-    """The CLI tools' persistent compilation cache: a compiled function lands in the folder `CLOVER_JAX_CACHE`
-    names; `off` leaves JAX's cache unset; a cache configured through JAX wins. Run in fresh interpreters
+    """The CLI tools' persistent compilation cache: a compiled function lands in the folder
+    `CLOVER_JAX_COMPILE_CACHE` names (default: `xla/` under `CLOVER_JAX_CACHE`); `off` leaves JAX's cache unset; a
+    cache configured through JAX wins. Run in fresh interpreters
     (the cache is process-wide configuration)."""
     import os
     import subprocess
@@ -73,13 +74,15 @@ def test_compile_cache_is_written_and_can_be_turned_off(tmp_path):
             "jax.jit(lambda x: jnp.sin(x) * 2)(jnp.ones(3)).block_until_ready(); print(d)")
 
     def run(**env):
-        full = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"} | env
+        drop = ("JAX_COMPILATION_CACHE_DIR", "CLOVER_JAX_COMPILE_CACHE", "CLOVER_JAX_CACHE")
+        full = {k: v for k, v in os.environ.items() if k not in drop} | env
         return subprocess.run([sys.executable, "-c", code], env=full, capture_output=True, text=True,
                               check=True).stdout.strip().splitlines()[-1]
 
     folder = tmp_path / "xla"
-    assert run(CLOVER_JAX_CACHE=str(folder)) == str(folder)
+    assert run(CLOVER_JAX_COMPILE_CACHE=str(folder)) == str(folder)
     assert any(folder.iterdir())  # the compiled function was stored
-    assert run(CLOVER_JAX_CACHE="off") == "None"
+    assert run(CLOVER_JAX_CACHE=str(tmp_path / "root")) == str(tmp_path / "root" / "xla")
+    assert run(CLOVER_JAX_COMPILE_CACHE="off") == "None"
     theirs = tmp_path / "theirs"
-    assert run(CLOVER_JAX_CACHE=str(folder), JAX_COMPILATION_CACHE_DIR=str(theirs)) == str(theirs)
+    assert run(CLOVER_JAX_COMPILE_CACHE=str(folder), JAX_COMPILATION_CACHE_DIR=str(theirs)) == str(theirs)
