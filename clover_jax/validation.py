@@ -152,8 +152,8 @@ def estimate_generate_memory(config, *, batch: int, cache_size: int, prompt_len:
 
     KV caches `[L, B, K, S, H]` (keys and values, base and the draft head's Augmenting Block) are held
     twice while the jitted loop starts (the initial value and the loop carry); the prefill's attention
-    scores and probabilities are float32, `[B, N, T, T]` for a prompt bucket of at most `PREFILL_CHUNK` tokens
-    or a draft head's pass over the whole prompt, else `[B, N, C, C + CACHE_BLOCK]` per block of C tokens; the
+    scores and probabilities are float32, `[B, N, T, T]` for a prompt bucket of at most `PREFILL_CHUNK` tokens,
+    else `[B, N, C, C + CACHE_BLOCK]` per block of C tokens (the draft head's prompt pass is blocked the same way); the
     MLP's `[B, T, I]` gate and up activations; the verification's logits `[B, U, V]` float32 (three copies when
     sampling warps them).
     """
@@ -162,7 +162,7 @@ def estimate_generate_memory(config, *, batch: int, cache_size: int, prompt_len:
 
     c = config
     kv_row = 2 * cache_size * c.num_key_value_heads * c.head_dim * dtype_bytes
-    if prompt_len <= PREFILL_CHUNK or tree_nodes:  # one block (or the draft head's Augmenting Block over all T)
+    if prompt_len <= PREFILL_CHUNK:  # one block
         scores = prompt_len * prompt_len
     else:
         scores = PREFILL_CHUNK * (PREFILL_CHUNK + CACHE_BLOCK)

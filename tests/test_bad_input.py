@@ -272,6 +272,16 @@ def test_generate_checks_memory_before_compiling(files, monkeypatch):
     assert parts["KV cache"] == 2 * 2 * c.num_hidden_layers * 8 * 4096 * c.num_key_value_heads * c.head_dim * 4
     free, where = validation.available_memory()
     assert free is None or (free > 0 and where)
+    # a long prompt's attention is planned per prefill block, for the draft head's prompt pass too (it runs in
+    # blocks, `commit_prompt`): Llama-3-8B's 32 heads over an 8,192-token prompt, not [T, T] scores (17 GB)
+    from clover_jax.models.config import LlamaConfig
+
+    big = LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                      num_attention_heads=32, num_key_value_heads=8, head_dim=128)
+    for nodes in (0, 26):
+        parts = validation.estimate_generate_memory(big, batch=1, cache_size=8448, prompt_len=8192, dtype_bytes=2,
+                                                    tree_nodes=nodes, head_layers=2, draft_rows=32000)
+        assert parts["prefill attention"] == 2 * 32 * 256 * (256 + 256) * 4  # 33.6 MB
 
 
 def test_good_input_still_generates(files):

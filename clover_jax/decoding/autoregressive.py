@@ -150,6 +150,32 @@ def _prefill_blocks(model: Llama, prompt: jax.Array, prompt_lengths: jax.Array, 
     return hidden, cache
 
 
+def decode_cache(model: Llama, batch: int, cache_size: int, cache_dtype, layers: str):
+    """`(empty KV cache, per-layer weights or None)` for a decoding loop whose layers run as `layers` (`"unrolled"`
+    or `"scan"`, see `decode_layers`): unrolled, the weights are split into one buffer per layer here, once per
+    call, and the cache holds one buffer per layer."""
+    c = model.config
+    unrolled = layers == "unrolled"
+    lw = model.layers.per_layer_weights() if unrolled else None
+    cache = KVCache.init(c.num_hidden_layers, batch, cache_size, c.num_key_value_heads, c.head_dim, cache_dtype,
+                         per_layer=unrolled)
+    return cache, lw
+
+
+def decode_forward(model: Llama, tokens: jax.Array, positions: jax.Array, self_mask: jax.Array, cache: KVCache,
+                   layer_weights=None):
+    """One decoding forward of `tokens [B, U]` at `positions [B, U]` (`self_mask [B, U, U]`) after each row's cached
+    prefix; returns `(pre-norm hidden [B, U, D], new_k, new_v [L, B, U, K, H], cache)`, the cache to write them
+    into. With `layer_weights` (unrolled layers) an optimization barrier orders every layer's cache read before any
+    write, so XLA writes the per-layer cache buffers in place instead of copying all of them at every step."""
+    hidden, nk, nv = model.forward_hidden(tokens, positions, self_mask, cache,
+                                          prefix_mask(cache.lengths, tokens.shape[1], cache.size),
+                                          layer_weights=layer_weights)
+    if layer_weights is not None:
+        cache, hidden, nk, nv = jax.lax.optimization_barrier((cache, hidden, nk, nv))
+    return hidden, nk, nv, cache
+
+
 def is_eos(tokens: jax.Array, eos_ids: jax.Array) -> jax.Array:
     return jnp.any(tokens[..., None] == eos_ids, axis=-1)
 
@@ -157,14 +183,10 @@ def is_eos(tokens: jax.Array, eos_ids: jax.Array) -> jax.Array:
 def _ar_generate(graphdef, state, prompt, prompt_lengths, max_new_tokens, eos_ids, sampling, key, *,
                  cache_size: int, greedy: bool, cache_dtype, mesh=None, layers: str = "scan"):
     model = nnx.merge(graphdef, state)
-    c = model.config
     b, t = prompt.shape
     shard = functools.partial(parallel.constrain_state, mesh=mesh)  # identity without a mesh
-    unrolled = layers == "unrolled"
-    lw = model.layers.per_layer_weights() if unrolled else None  # one buffer per layer, made once per call
-    cache = shard(KVCache.init(c.num_hidden_layers, b, cache_size, c.num_key_value_heads, c.head_dim, cache_dtype,
-                               per_layer=unrolled))
-    logits, _, cache = prefill(model, prompt, prompt_lengths, cache, layer_weights=lw)
+    cache, lw = decode_cache(model, b, cache_size, cache_dtype, layers)
+    logits, _, cache = prefill(model, prompt, prompt_lengths, shard(cache), layer_weights=lw)
     key, sub = jax.random.split(key)
     first = next_token(sub, logits, sampling, greedy)  # [B]
     tokens = jnp.zeros((b, cache_size), jnp.int32)
@@ -183,13 +205,8 @@ def _ar_generate(graphdef, state, prompt, prompt_lengths, max_new_tokens, eos_id
     def body(s: _ARState):
         last = jnp.take_along_axis(s.tokens, (s.lengths - 1)[:, None], axis=1)  # [B, 1]
         pos = s.cache.lengths[:, None]  # [B, 1]
-        self_mask = jnp.ones((b, 1, 1), bool)
-        hidden, nk, nv = model.forward_hidden(last, pos, self_mask, s.cache,
-                                              prefix_mask(s.cache.lengths, 1, cache_size), layer_weights=lw)
+        hidden, nk, nv, cache = decode_forward(model, last, pos, jnp.ones((b, 1, 1), bool), s.cache, lw)
         active = ~s.done
-        cache = s.cache
-        if unrolled:  # every layer has read its cache before any is written: the writes can then go in place
-            cache, hidden, nk, nv = jax.lax.optimization_barrier((cache, hidden, nk, nv))
         cache = cache.append(nk, nv, num_valid=active.astype(jnp.int32))
         key, sub = jax.random.split(s.key)
         tok = next_token(sub, model.logits(hidden[:, 0]), sampling, greedy)

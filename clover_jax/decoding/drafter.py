@@ -24,8 +24,10 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 import jax
+import jax.numpy as jnp
 from flax import struct
 
+from clover_jax.decoding.autoregressive import PREFILL_CHUNK
 from clover_jax.decoding.topology import TreeTopology
 from clover_jax.decoding.tree import TreeBuffers
 
@@ -103,3 +105,43 @@ def cached_arrays(drafter, build) -> dict:
 def vocab_ids(draft_vocab) -> jax.Array | None:
     """The draft vocabulary's token ids `[Vd]` as an int32 array (None: the full vocabulary)."""
     return None if draft_vocab is None else jax.numpy.asarray(draft_vocab, jax.numpy.int32)
+
+
+def commit_prompt(commit, cache, f_prompt: jax.Array, y_prompt: jax.Array, lengths: jax.Array,
+                  chunk: int | None = None):
+    """A head's prompt pass in blocks of `chunk` positions, as the base model's prefill runs a long prompt.
+
+    `commit(cache, f [B, C, D], y [B, C], num [B], fresh, cache_extent) -> (state [B, ...], cache')` is the head's
+    own commit of accepted positions (the heads' `commit(base, ...)` with the base bound). A prompt of at most
+    `chunk` positions (or not a multiple of it) is one commit into the empty cache. A longer one is committed
+    block by block in a `lax.while_loop` that stops after the longest row's last block, each block attending to
+    the slots the earlier ones filled, read block by block up to the filled length (`cache_extent`): the head's
+    attention then holds `[chunk, S]` scores per head, not `[T, T]` for the whole padded prompt (17 GB of float32
+    scores for an 8,192-token prompt and 32 heads). A row's state is that of its last block holding a position.
+
+    Args:
+      cache: the head's empty cache; f_prompt: `[B, T, D]` the base's pre-norm hidden states of the prompt;
+      y_prompt: `[B, T]` the token after each position (the root after the last); lengths: `[B]` prompt lengths.
+    Returns:
+      `(state [B, ...], cache)` with `cache.lengths = lengths`.
+    """
+    chunk = chunk or PREFILL_CHUNK
+    t = f_prompt.shape[1]
+    lengths = lengths.astype(jnp.int32)
+    if t <= chunk or t % chunk:
+        return commit(cache, f_prompt, y_prompt, lengths, True, None)
+    state, cache = commit(cache, f_prompt[:, :chunk], y_prompt[:, :chunk], jnp.minimum(lengths, chunk), True, None)
+
+    def body(carry):
+        i, state, cache = carry
+        start = i * chunk
+        f = jax.lax.dynamic_slice_in_dim(f_prompt, start, chunk, axis=1)  # [B, C, D]
+        y = jax.lax.dynamic_slice_in_dim(y_prompt, start, chunk, axis=1)  # [B, C]
+        num = jnp.clip(lengths - start, 0, chunk)  # [B] a row whose prompt ended earlier advances by 0
+        new_state, cache = commit(cache, f, y, num, False, jnp.max(cache.lengths))
+        keep = (num > 0).reshape(-1, *([1] * (new_state.ndim - 1)))
+        return i + 1, jnp.where(keep, new_state, state), cache
+
+    num_blocks = (jnp.max(lengths) + chunk - 1) // chunk  # [] blocks holding some row's prompt
+    _, state, cache = jax.lax.while_loop(lambda c: c[0] < num_blocks, body, (jnp.ones((), jnp.int32), state, cache))
+    return state, cache

@@ -23,9 +23,10 @@ from flax import nnx, struct
 
 from clover_jax import parallel
 from clover_jax.decoding import verify
-from clover_jax.decoding.autoregressive import DecodeOutput, decode_layers, is_eos, prefill, row_inputs
+from clover_jax.decoding.autoregressive import (DecodeOutput, decode_cache, decode_forward, decode_layers,
+                                                 is_eos, prefill, row_inputs)
 from clover_jax.decoding.sampling import SamplingParams, next_token, warp_probs
-from clover_jax.models.cache import KVCache, prefix_mask
+from clover_jax.models.cache import KVCache
 
 
 @struct.dataclass
@@ -65,17 +66,13 @@ def _spec_generate(base_graph, base_state, head_graph, head_state_params, drafte
                    mesh=None, layers: str = "scan"):
     base = nnx.merge(base_graph, base_state)
     head = nnx.merge(head_graph, head_state_params)
-    c = base.config
     b, t = prompt.shape
     u, dmax = drafter.num_nodes, drafter.max_depth
     rows = jnp.arange(b)
     shard = functools.partial(parallel.constrain_state, mesh=mesh)  # identity without a mesh
 
-    unrolled = layers == "unrolled"  # see decode_layers
-    lw = base.layers.per_layer_weights() if unrolled else None  # one buffer per layer, made once per call
-    cache = shard(KVCache.init(c.num_hidden_layers, b, cache_size, c.num_key_value_heads, c.head_dim, cache_dtype,
-                               per_layer=unrolled))
-    logits, hidden, cache = prefill(base, prompt, prompt_lengths, cache, layer_weights=lw)
+    cache, lw = decode_cache(base, b, cache_size, cache_dtype, layers)  # see decode_layers
+    logits, hidden, cache = prefill(base, prompt, prompt_lengths, shard(cache), layer_weights=lw)
     key, sub = jax.random.split(key)
     root = next_token(sub, logits, sampling, greedy)  # [B]
     # the head reads (f_t, x_{t+1}) pairs: the prompt shifted by one, then the root
@@ -107,11 +104,7 @@ def _spec_generate(base_graph, base_state, head_graph, head_state_params, drafte
         tree_mask = buf.mask if buf.mask.ndim == 3 else jnp.broadcast_to(buf.mask, (b, u, u))
         length = s.cache.lengths
         positions = length[:, None] + depth  # [B, U]
-        hidden, nk, nv = base.forward_hidden(prop.tokens, positions, tree_mask, s.cache,
-                                             prefix_mask(length, u, cache_size), layer_weights=lw)
-        cache = s.cache
-        if unrolled:  # every layer has read its cache before any is written: the writes can then go in place
-            cache, hidden, nk, nv = jax.lax.optimization_barrier((cache, hidden, nk, nv))
+        hidden, nk, nv, cache = decode_forward(base, prop.tokens, positions, tree_mask, s.cache, lw)
         cache = cache.write(nk, nv, length[:, None] + jnp.arange(u)[None, :])
         logits = base.logits(hidden)  # [B, U, V]
         acc = _accept(prop, logits, k_acc, sampling, greedy, drafter.sampled_drafts)

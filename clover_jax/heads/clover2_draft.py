@@ -23,7 +23,7 @@ from clover_jax.decoding.sampling import top_k_ids  # noqa: F401  (re-exported f
 from clover_jax.decoding.topology import topology_from_parents
 from clover_jax.decoding.tree import DynamicTree, TreeBuffers, TreeSpec, build_buffers
 from clover_jax.heads.clover2 import Clover2Head
-from clover_jax.decoding.drafter import Proposal, TreeDrafterBase, cached_arrays, vocab_ids
+from clover_jax.decoding.drafter import Proposal, TreeDrafterBase, cached_arrays, commit_prompt, vocab_ids
 from clover_jax.models.cache import KVCache
 from clover_jax.validation import InputError
 
@@ -73,7 +73,10 @@ class Clover2Drafter(TreeDrafterBase):
                             vocab_ids=arrays["vocab_ids"], buffers=arrays["buffers"])
 
     def start(self, head, base, state: Clover2State, f_prompt, y_prompt, lengths) -> Clover2State:
-        s0, cache = head.commit(base, state.cache, f_prompt, y_prompt, lengths, fresh=True)  # init_state's empty cache
+        def commit(cache, f, y, num, fresh, extent):
+            return head.commit(base, cache, f, y, num, fresh=fresh, cache_extent=extent)
+
+        s0, cache = commit_prompt(commit, state.cache, f_prompt, y_prompt, lengths)  # init_state's empty cache
         return state.replace(cache=cache, s0=s0)
 
     def commit(self, head, base, state: Clover2State, f_new, y_new, num_new) -> Clover2State:

@@ -139,7 +139,8 @@ class EagleHead(nnx.Module):
         return KVCache.init(NUM_LAYERS, batch, size, c.num_key_value_heads, c.head_dim, dtype or self.cfg.dtype)
 
     def commit(self, base: Llama, cache: KVCache, f_new: jax.Array, y_new: jax.Array,
-               num_valid: jax.Array, fresh: bool = False) -> tuple[jax.Array, KVCache]:
+               num_valid: jax.Array, fresh: bool = False, cache_extent: jax.Array | None = None
+               ) -> tuple[jax.Array, KVCache]:
         """Feeds newly accepted positions (pairs `(h_t, x_{t+1})`) through the draft layer.
 
         Args:
@@ -148,6 +149,7 @@ class EagleHead(nnx.Module):
           y_new: `[B, A]` the token following each (the last one: the root).
           num_valid: `[B]` real positions per row (0: the row is untouched).
           fresh: the cache is known to be empty (the prompt's commit): its slots are not attended to.
+          cache_extent: optional `[]` int: read the cache in blocks up to it only (see Clover2Head.commit).
 
         Returns:
           `(f^ [B, D], cache')`: the layer output at each row's last valid position (f^ after the root: the
@@ -163,7 +165,8 @@ class EagleHead(nnx.Module):
         positions = cache.lengths[:, None] + jnp.arange(a, dtype=jnp.int32)[None, :]  # [B, A]
         old, cache_mask = attended_cache(cache, a, fresh)  # cache_mask [B, A, S] or None
         ck, cv = (None, None) if old is None else (old.k, old.v)
-        out, new_k, new_v = self.layer(z, positions, causal_mask(valid), ck, cv, cache_mask)
+        out, new_k, new_v = self.layer(z, positions, causal_mask(valid), ck, cv, cache_mask,
+                                       cache_extent=cache_extent)
         last = jnp.maximum(num_valid - 1, 0)
         state = jnp.take_along_axis(out, last[:, None, None], axis=1)[:, 0]  # [B, D]
         return state, cache.append(new_k, new_v, num_valid)

@@ -23,16 +23,16 @@ def prompts(b=2, t=8, seed=0):
     return jnp.asarray(rng.integers(3, CFG.vocab_size, (b, t)), jnp.int32), jnp.asarray([t, t - 3][:b], jnp.int32)
 
 
-def spec(base, head, tree, prompt, lens, n=24, eos=NO_EOS):
+def spec(base, head, tree, prompt, lens, n=24, eos=NO_EOS, cache_size=160):
     """Greedy speculative decoding: `(output, stats)`."""
-    out, stats, _ = spec_generate(base, head, prompt, lens, max_new_tokens=n, cache_size=160,
+    out, stats, _ = spec_generate(base, head, prompt, lens, max_new_tokens=n, cache_size=cache_size,
                                   sampling=SamplingParams(), key=jax.random.key(0), tree=tree, eos_ids=eos)
     return out, stats
 
 
-def same_as_greedy(base, out, prompt, lens, n, eos):
+def same_as_greedy(base, out, prompt, lens, n, eos, cache_size=160):
     """Asserts that `out` equals autoregressive greedy decoding, lengths and tokens."""
-    ar = ar_generate(base, prompt, lens, max_new_tokens=n, cache_size=160, eos_ids=eos)
+    ar = ar_generate(base, prompt, lens, max_new_tokens=n, cache_size=cache_size, eos_ids=eos)
     np.testing.assert_array_equal(np.asarray(out.lengths), np.asarray(ar.lengths))
     for r in range(prompt.shape[0]):
         k = int(ar.lengths[r])
