@@ -2,6 +2,7 @@
 
   python bench/bench_context.py                          # 4 Spec-Bench prompts (40 to 1,187 tokens), + transformers
   python bench/bench_context.py --no-peer --cache-sizes 256 1024 2304
+  python bench/bench_context.py --head smollm2-135m-instruct-clover2 --tree chain-3   # + speculative columns
 
 Table 1: for prompts of growing length (the shortest QA, extraction, RAG and summarisation prompts of the
 Spec-Bench sample that `bench_spec.py --questions spec_bench --limit 104` runs), greedy autoregressive decoding with
@@ -9,7 +10,8 @@ our jitted loop (prompt padded to its length bucket, the cache `bench_spec.py` w
 `generate` on the same weights: the time of a 1-token generation (prefill + one step) and the decode cost per token
 (the difference to a `--max-new-tokens` run over the extra tokens). Table 2: our decode ms per step for the shortest
 prompt at several cache sizes (the cache is static in the jitted loop, so what a step costs beyond the tokens held
-shows here). Compile time is excluded (a warm-up call per shape); each number is the best of `--repeat` runs.
+shows here). With `--head`, the same two numbers for speculative decoding with that head and tree (its 1-token time
+holds the draft head's pass over the prompt). Compile time is excluded (a warm-up call per shape); each number is the best of `--repeat` runs.
 """
 
 from __future__ import annotations
@@ -34,11 +36,14 @@ def _best(fn, repeat):
     return best, out
 
 
-def _ours(model, ids, new, cache, repeat):
+def _ours(model, ids, new, cache, repeat, **spec):
     from clover_jax.api import generate
 
+    mode = "speculative" if spec else "ar"
+
     def run(n):
-        return lambda: generate(model, [ids], max_new_tokens=n, decode_text=False, mode="ar", cache_size=cache)
+        return lambda: generate(model, [ids], max_new_tokens=n, decode_text=False, mode=mode, cache_size=cache,
+                                **spec)
 
     t1, _ = _best(run(1), repeat)
     tn, res = _best(run(new), repeat)
@@ -68,6 +73,8 @@ def _main(argv=None):
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--cache-sizes", type=int, nargs="*", default=[256, 1024, 2304])
     ap.add_argument("--no-peer", action="store_true", help="skip transformers")
+    ap.add_argument("--head", help="also time speculative decoding with this head (a registered name or folder)")
+    ap.add_argument("--tree", default="chain-3", help="the tree for --head (default chain-3)")
     from clover_jax.cli import add_debug_argument
 
     add_debug_argument(ap)
@@ -99,16 +106,21 @@ def _main(argv=None):
 
     print(f"{args.model}, greedy, {args.max_new_tokens} new tokens, batch 1, best of {args.repeat}; "
           f"{os.cpu_count()} cores\n")
-    print("| prompt tokens | bucket | cache | ours: 1 token s | ours: decode ms/token | transformers: 1 token s "
-          "| transformers: decode ms/token |")
-    print("|---|---|---|---|---|---|---|")
+    spec_cols = f" speculative ({args.tree}): 1 token s | speculative: decode ms/token |" if args.head else ""
+    print("| prompt tokens | bucket | cache | ours: 1 token s | ours: decode ms/token |" + spec_cols +
+          " transformers: 1 token s | transformers: decode ms/token |")
+    print("|---" * (7 + 2 * bool(args.head)) + "|")
     for p in picks:
         bucket = bucket_length(len(p))
         cache = round_up(bucket + args.max_new_tokens + 4 + 8, 256)  # bench_spec.py's cache for a 4-node tree
         t1, step = _ours(loaded.model, p, args.max_new_tokens, cache, args.repeat)
+        spec = ""
+        if args.head:
+            s1, sstep = _ours(loaded.model, p, args.max_new_tokens, cache, args.repeat, head=args.head, tree=args.tree)
+            spec = f" {s1:.3f} | {sstep:.1f} |"
         peer = _peer(ref, p, args.max_new_tokens, eos, args.repeat) if ref is not None else None
         cols = f"{peer[0]:.3f} | {peer[1]:.1f}" if peer else "- | -"
-        print(f"| {len(p)} | {bucket} | {cache} | {t1:.3f} | {step:.1f} | {cols} |", flush=True)
+        print(f"| {len(p)} | {bucket} | {cache} | {t1:.3f} | {step:.1f} |{spec} {cols} |", flush=True)
 
     if args.cache_sizes:
         print(f"\nOur decode ms/token for the {len(picks[0])}-token prompt by cache size:\n")
