@@ -7,8 +7,15 @@ source scripts/env.sh
 export XLA_FLAGS="${XLA_FLAGS:---xla_force_host_platform_device_count=8}"
 # the CLI tools turn on a persistent compilation cache in ~/.cache; the suite does not write there
 export CLOVER_JAX_COMPILE_CACHE="${CLOVER_JAX_COMPILE_CACHE:-off}"
+# Instead, one run of the suite shares JAX's persistent compilation cache in a folder made for it and removed after
+# it: a program that several test modules (or the CLI tests' subprocesses) compile is compiled once per run.
+if [ -z "${JAX_COMPILATION_CACHE_DIR:-}" ]; then
+  JAX_COMPILATION_CACHE_DIR="$(mktemp -d -t clover_jax_suite_xla.XXXXXX)"
+  export JAX_COMPILATION_CACHE_DIR
+  trap 'rm -rf "$JAX_COMPILATION_CACHE_DIR"' EXIT
+fi
 # test paths given (bash scripts/test.sh tests/heads): run those; otherwise the whole suite
 for arg in "$@"; do
-  case "$arg" in tests|tests/*) exec python -m pytest -q "$@" ;; esac
+  case "$arg" in tests|tests/*) python -m pytest -q "$@"; exit $? ;; esac
 done
-exec python -m pytest tests -q "$@"
+python -m pytest tests -q "$@"

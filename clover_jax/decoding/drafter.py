@@ -13,7 +13,8 @@ Per decoding step the loop calls:
   3. `commit(head, base, state, f_new, y_new, num_new)` with the accepted nodes' pre-norm hidden
      states `[B, A, D]`, the token following each (`y_new [B, A]`, the last one is the new root) and
      the count per row.
-Before the loop, `start(...)` consumes the prompt the same way `commit` consumes accepted tokens.
+Before the loop, `start(...)` consumes the prompt the same way `commit` consumes accepted tokens (a head that
+caches the prompt does it in blocks, `commit_prompt`, as the base model's prefill).
 A drafter with arrays (tree buffers, a draft vocabulary) may expose them as `arrays()`: the loop then passes
 them into the jitted call as an argument and on to `init_state(head, base, batch, cache_size, arrays)`, so they
 are not baked into the compiled program as constants.
