@@ -118,6 +118,23 @@ def test_tiny_sharded_equals_single_device(tiny, mesh):
         assert sum(spm.stats["accept_hist"]) == sum(sp1.row_steps)  # padding rows are not counted
 
 
+def test_long_prompts_on_a_mesh_equal_one_device(tiny):
+    """Prompts past one 256-token block (the base prefill and the draft head's prompt pass then run block by block in
+    while loops, `commit_prompt`): on a mesh, speculative decoding gives the one-device tokens and acceptance, and
+    those equal greedy decoding."""
+    _need_devices()
+    base, clover2, *_ = tiny
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(3, LLAMA3ISH.vocab_size, n).tolist() for n in (300, 40)]
+    kw = dict(max_new_tokens=12, cache_size=768)
+    ar = api.generate(base, prompts, **kw)
+    one = api.generate(base, prompts, mode="speculative", head=clover2, tree="chain-3", **kw)
+    many = api.generate(base, prompts, mode="speculative", head=clover2, tree="chain-3", mesh=MESHES[0], **kw)
+    assert one.token_ids == ar.token_ids
+    assert many.token_ids == one.token_ids
+    assert many.stats["accept_hist"] == one.stats["accept_hist"]
+
+
 def test_sampling_on_mesh_keeps_rows_independent_of_padding(tiny):
     """Sampling on a mesh: same seed, same tokens as one device (the random streams do not depend on the
     layout), and the rows added to pad the batch are cut from the result."""
