@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from clover_jax.decoding.autoregressive import PREFILL_CHUNK as CHUNK  # the prefill's block, 256
 from clover_jax.decoding.drafter import commit_prompt
 from clover_jax.heads import registry
 from clover_jax.models.llama import CACHE_BLOCK
@@ -19,7 +20,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # spec_helpers
 from spec_helpers import CFG, NO_EOS, same_as_greedy, spec  # noqa: E402
 
 D = CFG.hidden_size
-CHUNK = 256  # the prefill's block (PREFILL_CHUNK)
 
 
 def _perturbed_head(name, base, seed=1):
