@@ -48,6 +48,9 @@ def parse_args(argv=None):
     p.add_argument("--mesh", default=None, help="decode on several devices: 'data=D,tp=T' (tensor parallel over T "
                    "devices, rows over D; unnamed axes are 1). On CPU, XLA_FLAGS="
                    "--xla_force_host_platform_device_count=8 simulates 8 devices")
+    p.add_argument("--layers", default="auto", choices=["auto", "unrolled", "scan"],
+                   help="how the decoding loop runs the base model's layers: unrolled (fastest one-token steps, "
+                   "a second copy of the layer weights), scan (no copy), auto (by backend, dtype and free memory)")
     p.add_argument("--quiet", action="store_true", help="print only the summary")
     add_debug_argument(p)
     return p.parse_args(argv)
@@ -154,7 +157,7 @@ def _main(argv=None) -> int:
             print(f"drafting from the head's {len(draft_vocab)}-token training vocabulary", file=sys.stderr)
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
               chat=not args.no_chat, system=args.system, cache_size=args.cache_size, mode=args.mode, head=head,
-              tree=args.tree, draft_vocab=draft_vocab, mesh=mesh)
+              tree=args.tree, draft_vocab=draft_vocab, mesh=mesh, layers=args.layers)
     total_tokens = total_seconds = 0.0
     hist = None  # speculative: steps that accepted n drafts, summed over batches
     compile_seconds = 0.0

@@ -243,7 +243,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-parts", action="store_true", help="only the loop measurement")
     ap.add_argument("--mesh", default=None, help="run the loops on a mesh, e.g. 'tp=8' or 'data=2,tp=4' (parts skipped)")
     ap.add_argument("--layers", default="auto", choices=["auto", "unrolled", "scan"],
-                    help="how the base model's layers run while decoding (auto: unrolled on a CPU without a mesh)")
+                    help="how the base model's layers run while decoding (auto: see clover_jax.decoding.autoregressive."
+                    "decode_layers; unrolled for every loop on a GPU, for one-token float32 loops on a CPU)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
 

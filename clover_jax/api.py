@@ -18,7 +18,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from clover_jax.decoding.autoregressive import ar_generate, decode_layers, layer_weight_bytes
+from clover_jax.decoding.autoregressive import DECODE_LAYERS, ar_generate, decode_layers, layer_weight_bytes
 from clover_jax.decoding.sampling import SamplingParams
 from clover_jax.models.cache import CacheOverflowError
 from clover_jax import parallel
@@ -224,6 +224,7 @@ class GenerationPlan:
     memory: dict[str, int] = dataclasses.field(default_factory=dict)  # estimated bytes per part (per device)
     mesh: Any = None  # jax.sharding.Mesh the loop runs on (None: one device)
     auto_choice: str | None = None  # what tree="auto" resolved to (a tree name, or "ar"), else None
+    layers: str = "scan"  # how the decoding loop runs the base model's layers ("unrolled" or "scan")
 
     @property
     def row_new_tokens(self) -> np.ndarray:
@@ -242,7 +243,7 @@ def prepare_generate(model, prompts: Sequence[Any], *, tokenizer=None, max_new_t
                      temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0, chat: bool = True,
                      system: str | None = None, cache_size: int | None = None, mode: str = "ar", head=None,
                      tree=None, draft_vocab=None, decode_text: bool = True, check_free_memory: bool = True,
-                     mesh=None) -> GenerationPlan:
+                     mesh=None, layers: str = "auto") -> GenerationPlan:
     """Checks every argument of `generate` (same signature) and resolves the head, tree and cache, without
     compiling anything. Errors (`clover_jax.validation.InputError`) name the argument, the value and the
     limit: types and ranges, finite sampling parameters, token ids within the vocabulary, prompt + new tokens
@@ -278,6 +279,10 @@ def prepare_generate(model, prompts: Sequence[Any], *, tokenizer=None, max_new_t
         raise InputError("head: mode='speculative' needs a draft head (head=...)")
     sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
     mesh = parallel.parse_mesh(mesh)
+    check_choice("layers", layers, DECODE_LAYERS)
+    if layers == "unrolled" and mesh is not None:
+        raise InputError("layers: 'unrolled' is not supported with a mesh (the sharding rules are for stacked "
+                         "layers); use 'scan' or 'auto'")
     ids = encode_prompts(tokenizer, prompts, chat=chat, system=system, vocab_size=config.vocab_size)
     pad_id = config.pad_token_id if config.pad_token_id is not None else 0
     # on a mesh the rows split over its batch shards: pad the batch to a multiple with copies of prompt 0
@@ -316,7 +321,8 @@ def prepare_generate(model, prompts: Sequence[Any], *, tokenizer=None, max_new_t
         head_layers=getattr(getattr(head, "cfg", None), "num_aug_layers", 0),
         draft_rows=len(draft_vocab) if draft_vocab is not None else config.vocab_size)
     tokens_per_step = drafter.num_nodes if drafter is not None else 1
-    if decode_layers(None, mesh, tokens_per_step=tokens_per_step, model=model) == "unrolled":
+    layers = decode_layers(layers, mesh, tokens_per_step=tokens_per_step, model=model)
+    if layers == "unrolled":
         memory["per-layer copy of the layer weights"] = layer_weight_bytes(model)
     what = f"generate(batch={len(ids)} prompts, cache_size={cache_size}, mode={mode!r})"
     if mesh is not None:
@@ -333,13 +339,14 @@ def prepare_generate(model, prompts: Sequence[Any], *, tokenizer=None, max_new_t
         check_memory(memory, weights_bytes=weights, what=what)
     return GenerationPlan(model=model, tokenizer=tokenizer, ids=ids, prompt=arr, prompt_lengths=lens,
                           max_new_tokens=max_new_tokens, sampling=sampling, seed=seed, cache_size=cache_size,
-                          mode=mode, head=head, drafter=drafter, memory=memory, mesh=mesh, auto_choice=auto_choice)
+                          mode=mode, head=head, drafter=drafter, memory=memory, mesh=mesh, auto_choice=auto_choice,
+                          layers=layers)
 
 
 def generate(model, prompts: Sequence[Any], *, tokenizer=None, max_new_tokens: int = 128, temperature: float = 0.0,
              top_k: int = 0, top_p: float = 1.0, seed: int = 0, chat: bool = True, system: str | None = None,
              cache_size: int | None = None, mode: str = "ar", head=None, tree=None, draft_vocab=None,
-             decode_text: bool = True, mesh=None) -> GenerationResult:
+             decode_text: bool = True, mesh=None, layers: str = "auto") -> GenerationResult:
     """Generates for a batch of prompts.
 
     Args:
@@ -358,6 +365,9 @@ def generate(model, prompts: Sequence[Any], *, tokenizer=None, max_new_tokens: i
         heads, MLP, vocabulary), rows split over `data`; the head's weights and both KV caches are sharded to
         match. The batch is padded to a multiple of the batch shards. Load the model onto the mesh
         (`load_model(..., mesh=mesh)`) to avoid a copy of the weights per call.
+      layers: how the loop runs the base model's layers: "unrolled" (fastest for one-token steps; holds a
+        second copy of the layer weights during the call), "scan" (no copy), or "auto" (measured choice per
+        backend, dtype and free memory: `clover_jax.decoding.autoregressive.decode_layers`).
 
     Every argument is checked before anything compiles (`prepare_generate`); a bad one raises an
     `InputError` naming it, its value and the limit.
@@ -365,7 +375,7 @@ def generate(model, prompts: Sequence[Any], *, tokenizer=None, max_new_tokens: i
     plan = prepare_generate(model, prompts, tokenizer=tokenizer, max_new_tokens=max_new_tokens,
                             temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, chat=chat, system=system,
                             cache_size=cache_size, mode=mode, head=head, tree=tree, draft_vocab=draft_vocab,
-                            decode_text=decode_text, mesh=mesh)
+                            decode_text=decode_text, mesh=mesh, layers=layers)
     return run_plan(plan, decode_text=decode_text)
 
 
@@ -376,7 +386,7 @@ def run_plan(plan: GenerationPlan, decode_text: bool = True) -> GenerationResult
     if plan.mode == "ar":
         t0 = time.perf_counter()
         out = ar_generate(model, plan.prompt, lens, max_new_tokens=plan.row_new_tokens, cache_size=plan.cache_size,
-                          sampling=plan.sampling, key=key, mesh=plan.mesh)
+                          sampling=plan.sampling, key=key, mesh=plan.mesh, layers=plan.layers)
         out = jax.block_until_ready(out)
         seconds = time.perf_counter() - t0
         stats = {}
@@ -385,7 +395,8 @@ def run_plan(plan: GenerationPlan, decode_text: bool = True) -> GenerationResult
 
         out, stats, seconds = spec_generate(model, plan.head, plan.prompt, lens, max_new_tokens=plan.row_new_tokens,
                                             cache_size=plan.cache_size, sampling=plan.sampling, key=key,
-                                            drafter=plan.drafter, mesh=plan.mesh, stat_rows=len(plan.ids))
+                                            drafter=plan.drafter, mesh=plan.mesh, stat_rows=len(plan.ids),
+                                            layers=plan.layers)
     tokens = np.asarray(out.tokens)
     lengths = np.asarray(out.lengths)
     gen = [tokens[i, lens[i]: lengths[i]].tolist() for i in range(len(plan.ids))]

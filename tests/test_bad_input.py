@@ -245,6 +245,8 @@ API_CASES = [  # (keyword arguments of generate, what the error names)
     (dict(prompts=[[1, 2]], max_new_tokens=10, cache_size=8), "cache_size=8"),
     (dict(prompts=[[1, 2]], mode="speculative", head="{head}", tree="chain-3", draft_vocab=[1, 1, 2]), "duplicate"),
     (dict(prompts=[[1, 2]], mode="speculative", head="{head}", tree="chain-9"), "drafts deep"),
+    (dict(prompts=[[1, 2]], layers="unroll"), "layers"),
+    (dict(prompts=[[1, 2]], layers="unrolled", mesh="data=1"), "layers: 'unrolled' is not supported with a mesh"),
 ]
 
 

@@ -59,16 +59,22 @@ def decode_layers(layers: str | None = None, mesh=None, *, tokens_per_step: int 
     call holds a second copy of the layers' weights. `"scan"`: a `lax.scan` over the stacked `[L, ...]` weights
     and cache, which copies each layer's weight and cache slices at every step.
 
-    `"auto"` picks `"unrolled"` for a loop of one token per step (autoregressive decoding) of a float32 model on a
-    CPU backend without a mesh, when the second copy of `model`'s layer weights fits twice in the free memory, and
-    `"scan"` otherwise. In bfloat16 the two forms round differently (XLA fuses them differently and keeps excess
-    precision inside fusions), so autoregressive bfloat16 stays on the scan the speculative loop uses: with the
-    autoregressive loop unrolled, bf16 speculative decoding of SmolLM2 equalled it on 6 of 8 MT-Bench prompts at 32
-    tokens, against 8 of 8 with both scanned. Measured on a 2-core CPU (SmolLM2-135M, `bench/bench_step.py`,
-    docs/benchmarks.md): a one-token step costs about 27 ms unrolled against 37-39 ms scanned, while a 4-token
-    verification step costs the same both ways and a 10-token one more unrolled (XLA's multi-token products repack
-    the weights at every call either way). GPUs and TPUs are not measured yet (`bench/bench_step.py --layers
-    unrolled` there), and a mesh needs the stacked sharding rules.
+    `"auto"` picks, without a mesh and when the second copy of `model`'s layer weights fits twice in the free
+    memory: on a GPU, `"unrolled"` for every loop, autoregressive and speculative, in any dtype; on a CPU,
+    `"unrolled"` for a loop of one token per step (autoregressive decoding) of a float32 model; `"scan"` otherwise
+    (a mesh, a TPU: not measured, a CPU's multi-token or bfloat16 loops). Measured on one NVIDIA H100 (Llama-3-8B's
+    shapes in bfloat16, random weights, `bench/bench_step.py`, docs/benchmarks.md): a one-token step costs 7.6 ms
+    unrolled against 18.5 ms scanned at batch 1 (6.3 against 17.0 at batch 8), a 4-token speculative step 7.7
+    against 17.7. On a 2-core CPU (SmolLM2-135M): a one-token step costs about 27 ms unrolled against 37-39 ms
+    scanned, while a 4-token verification step costs the same both ways and a 10-token one more unrolled (XLA's
+    multi-token products repack the weights at every call either way). In bfloat16 the two forms round
+    differently (XLA fuses them differently and keeps excess precision inside fusions), so in bfloat16 the
+    autoregressive and speculative loops of a backend get the same form: with the autoregressive loop unrolled and the
+    speculative one scanned, bf16 speculative decoding of SmolLM2 equalled autoregressive on 6 of 8 MT-Bench
+    prompts at 32 tokens on a CPU, against 8 of 8 with both scanned; with both unrolled, 14 of 16 at 32 tokens and
+    7 of 16 at 64, against 16 and 12 of 16 both scanned (a U-token verify and a one-token step sum in different
+    orders, and bf16 rounds near-ties apart; float32 agrees). bf16 agreement on GPUs is not measured. A mesh needs
+    the stacked sharding rules.
     """
     layers = layers or "auto"
     if layers not in DECODE_LAYERS:
@@ -78,13 +84,14 @@ def decode_layers(layers: str | None = None, mesh=None, *, tokens_per_step: int 
                          "layers); use layers='scan' or 'auto'")
     if layers != "auto":
         return layers
-    if mesh is not None or tokens_per_step != 1 or jax.default_backend() != "cpu":
+    backend = jax.default_backend()
+    if mesh is not None or backend not in ("cpu", "gpu"):
+        return "scan"
+    if backend == "cpu" and (tokens_per_step != 1 or (model is not None and jnp.dtype(model.dtype) != jnp.float32)):
         return "scan"
     if model is not None:
         from clover_jax.validation import available_memory
 
-        if jnp.dtype(model.dtype) != jnp.float32:
-            return "scan"
         free, _ = available_memory()
         if free is not None and 2 * layer_weight_bytes(model) > free:
             return "scan"

@@ -101,8 +101,9 @@ def test_unrolled_layers_equal_the_scan(tiny):
 
 
 def test_decode_layers_policy(tiny, monkeypatch):
-    """`auto` unrolls one-token loops on a CPU without a mesh, scans multi-token loops and meshes, and scans
-    when a second copy of the layer weights would not fit twice in free memory; bad values are refused."""
+    """`auto` unrolls one-token float32 loops on a CPU and every loop on a GPU, without a mesh; it scans
+    meshes, TPUs, a CPU's multi-token and bf16 loops, and when a second copy of the layer weights would not fit
+    twice in free memory; `generate(layers=...)` overrides it; bad values are refused."""
     from clover_jax import validation
 
     assert autoregressive.decode_layers(None, model=tiny) == "unrolled"
@@ -113,10 +114,24 @@ def test_decode_layers_policy(tiny, monkeypatch):
         autoregressive.decode_layers("unrolled", mesh=object())
     with pytest.raises(ValueError, match="layers must be one of"):
         autoregressive.decode_layers("unroll")
-    assert autoregressive.decode_layers(None, model=init_llama(CFG, seed=0, dtype=jnp.bfloat16)) == "scan"
+    bf16 = init_llama(CFG, seed=0, dtype=jnp.bfloat16)
+    assert autoregressive.decode_layers(None, model=bf16) == "scan"
+    assert autoregressive.decode_layers(None, tokens_per_step=4, model=bf16) == "scan"
+    from clover_jax.api import prepare_generate
+
+    # the GPU rule (measured on an H100): every loop unrolled, bf16 and multi-token ones too; a TPU scans
+    monkeypatch.setattr(autoregressive.jax, "default_backend", lambda: "gpu")
+    for model in (tiny, bf16):
+        assert autoregressive.decode_layers(None, tokens_per_step=4, model=model) == "unrolled"
+        assert autoregressive.decode_layers(None, model=model) == "unrolled"
+    assert autoregressive.decode_layers(None, mesh=object(), model=bf16) == "scan"
+    assert prepare_generate(bf16, _prompts(2), max_new_tokens=4, cache_size=64).layers == "unrolled"
+    assert prepare_generate(bf16, _prompts(2), max_new_tokens=4, cache_size=64, layers="scan").layers == "scan"
+    monkeypatch.setattr(autoregressive.jax, "default_backend", lambda: "tpu")
+    assert autoregressive.decode_layers(None, model=tiny) == "scan"
+    monkeypatch.undo()
     small = autoregressive.layer_weight_bytes(tiny)
     assert small == sum(x.nbytes for x in jax.tree.leaves(tiny.layers.layer_params())) > 0
-    from clover_jax.api import prepare_generate
 
     plan = prepare_generate(tiny, _prompts(2), max_new_tokens=4, cache_size=64)
     assert plan.memory["per-layer copy of the layer weights"] == small  # counted where it is made

@@ -44,8 +44,8 @@ def test_greedy_equals_autoregressive_tiny(tiny, tree):
 
 @pytest.mark.parametrize("tree", ["chain-4", "dynamic-10"])
 def test_unrolled_layers_equal_the_scan(tiny, tree):
-    """The speculative loop with unrolled layers (per-layer weight buffers and KV cache; `auto` picks it only
-    for one-token loops) decodes what the scanned loop and autoregressive decoding decode, with the same
+    """The speculative loop with unrolled layers (per-layer weight buffers and KV cache; `auto` picks it on a
+    GPU) decodes what the scanned loop and autoregressive decoding decode, with the same
     acceptance."""
     base, head = tiny
     prompts = _prompts(3, seed=2)
