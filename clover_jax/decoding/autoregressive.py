@@ -137,9 +137,8 @@ def _prefill_blocks(model: Llama, prompt: jax.Array, prompt_lengths: jax.Array, 
     offsets = jnp.arange(chunk, dtype=jnp.int32)  # [C]
     hidden0 = jnp.zeros((b, t, model.config.hidden_size), model.dtype)  # [B, T, D]
 
-    def body(carry):
-        i, cache, hidden = carry
-        start = i * chunk
+    def body(start, num, carry):
+        cache, hidden = carry
         ids = jax.lax.dynamic_slice_in_dim(prompt, start, chunk, axis=1)  # [B, C]
         positions = jnp.broadcast_to(start + offsets, (b, chunk))  # [B, C]
         valid = positions < prompt_lengths[:, None]  # [B, C]
@@ -147,14 +146,28 @@ def _prefill_blocks(model: Llama, prompt: jax.Array, prompt_lengths: jax.Array, 
                                                prefix_mask(cache.lengths, chunk, cache.size),
                                                cache_extent=jnp.max(cache.lengths), layer_weights=layer_weights)
         # a row whose prompt ended in an earlier block advances by 0; its block lands past its length, unread
-        cache = cache.append(new_k, new_v, num_valid=jnp.clip(prompt_lengths - start, 0, chunk))
+        cache = cache.append(new_k, new_v, num_valid=num)
         hidden = jax.lax.dynamic_update_slice_in_dim(hidden, h.astype(hidden.dtype), start, axis=1)
-        return i + 1, cache, hidden
+        return cache, hidden
 
-    num_blocks = (jnp.max(prompt_lengths) + chunk - 1) // chunk  # [] blocks holding some row's prompt
-    _, cache, hidden = jax.lax.while_loop(lambda c: c[0] < num_blocks, body,
-                                          (jnp.zeros((), jnp.int32), cache, hidden0))
+    cache, hidden = run_blocks(body, (cache, hidden0), prompt_lengths, chunk)
     return hidden, cache
+
+
+def run_blocks(body, carry, lengths: jax.Array, chunk: int, first: int = 0):
+    """Runs `carry = body(start [], num [B], carry)` over a prompt's blocks of `chunk` positions, from block `first`
+    through the longest row's last block, in a `lax.while_loop` (the bucket's padding past every row's prompt never
+    runs). `start` is the block's first position, `num` how many of each row's prompt positions fall in the block
+    (0 for a row whose prompt ended earlier). Shared by the base prefill and the draft heads' prompt pass
+    (`clover_jax.decoding.drafter.commit_prompt`)."""
+    num_blocks = (jnp.max(lengths) + chunk - 1) // chunk  # [] blocks holding some row's prompt
+
+    def step(c):
+        i, carry = c
+        start = i * chunk
+        return i + 1, body(start, jnp.clip(lengths - start, 0, chunk), carry)
+
+    return jax.lax.while_loop(lambda c: c[0] < num_blocks, step, (jnp.asarray(first, jnp.int32), carry))[1]
 
 
 def decode_cache(model: Llama, batch: int, cache_size: int, cache_dtype, layers: str):

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from clover_jax.decoding.autoregressive import PREFILL_CHUNK
+from clover_jax.decoding.autoregressive import PREFILL_CHUNK, run_blocks
 from clover_jax.decoding.topology import TreeTopology
 from clover_jax.decoding.tree import TreeBuffers
 
@@ -133,16 +133,12 @@ def commit_prompt(commit, cache, f_prompt: jax.Array, y_prompt: jax.Array, lengt
         return commit(cache, f_prompt, y_prompt, lengths, True, None)
     state, cache = commit(cache, f_prompt[:, :chunk], y_prompt[:, :chunk], jnp.minimum(lengths, chunk), True, None)
 
-    def body(carry):
-        i, state, cache = carry
-        start = i * chunk
+    def body(start, num, carry):  # num [B]: a row whose prompt ended earlier advances by 0
+        state, cache = carry
         f = jax.lax.dynamic_slice_in_dim(f_prompt, start, chunk, axis=1)  # [B, C, D]
         y = jax.lax.dynamic_slice_in_dim(y_prompt, start, chunk, axis=1)  # [B, C]
-        num = jnp.clip(lengths - start, 0, chunk)  # [B] a row whose prompt ended earlier advances by 0
         new_state, cache = commit(cache, f, y, num, False, jnp.max(cache.lengths))
         keep = (num > 0).reshape(-1, *([1] * (new_state.ndim - 1)))
-        return i + 1, jnp.where(keep, new_state, state), cache
+        return jnp.where(keep, new_state, state), cache
 
-    num_blocks = (jnp.max(lengths) + chunk - 1) // chunk  # [] blocks holding some row's prompt
-    _, state, cache = jax.lax.while_loop(lambda c: c[0] < num_blocks, body, (jnp.ones((), jnp.int32), state, cache))
-    return state, cache
+    return run_blocks(body, (state, cache), lengths, chunk, first=1)
