@@ -11,6 +11,8 @@
 # On 2026-11-26, on one NVIDIA H200, this script made stage 8's replies (GEN1=50 GEN2=90; kept in data/self_distill,
 # -3 and -t0.7, so a rerun generates only the rest); the training then ran as `python train.py --config <the config>`
 # on the four files (3,000 steps in 228 s), the sampled file's ids suffixed by hand as --id-suffix now does.
+# Stage 9 (2026-11-26, one NVIDIA H100) ran this script as it is: PROMPTS / PROMPTS_ALL = the stage-8 prompt files,
+# GEN1=25 GEN2=50 GEN3=75 TRAIN=330, MODEL = the GGUF's path there (docs/benchmarks.md).
 set -uo pipefail
 MODEL=${1:-smollm2-135m-instruct}
 OUT=${2:-runs/gpu_head}
