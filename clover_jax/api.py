@@ -18,7 +18,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from clover_jax.decoding.autoregressive import DECODE_LAYERS, ar_generate, decode_layers, layer_weight_bytes
+from clover_jax.decoding.autoregressive import ar_generate, check_layers, decode_layers, layer_weight_bytes
 from clover_jax.decoding.sampling import SamplingParams
 from clover_jax.models.cache import CacheOverflowError
 from clover_jax import parallel
@@ -279,10 +279,7 @@ def prepare_generate(model, prompts: Sequence[Any], *, tokenizer=None, max_new_t
         raise InputError("head: mode='speculative' needs a draft head (head=...)")
     sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
     mesh = parallel.parse_mesh(mesh)
-    check_choice("layers", layers, DECODE_LAYERS)
-    if layers == "unrolled" and mesh is not None:
-        raise InputError("layers: 'unrolled' is not supported with a mesh (the sharding rules are for stacked "
-                         "layers); use 'scan' or 'auto'")
+    check_layers(layers, mesh)
     ids = encode_prompts(tokenizer, prompts, chat=chat, system=system, vocab_size=config.vocab_size)
     pad_id = config.pad_token_id if config.pad_token_id is not None else 0
     # on a mesh the rows split over its batch shards: pad the batch to a multiple with copies of prompt 0

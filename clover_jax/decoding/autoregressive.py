@@ -45,6 +45,20 @@ PREFILL_CHUNK = 256  # prompt tokens per prefill block (a prompt bucket above it
 DECODE_LAYERS = ("auto", "unrolled", "scan")
 
 
+def check_layers(layers: str | None, mesh=None) -> str:
+    """`layers` (`None` means `"auto"`) if it is one of `DECODE_LAYERS` and fits `mesh`, else an `InputError` naming
+    it; `decode_layers` and `generate` check with it before anything compiles."""
+    from clover_jax.validation import InputError
+
+    layers = layers or "auto"
+    if layers not in DECODE_LAYERS:
+        raise InputError(f"layers must be one of {DECODE_LAYERS}, got {layers!r}")
+    if layers == "unrolled" and mesh is not None:
+        raise InputError("layers: 'unrolled' is not supported with a mesh (the sharding rules are for stacked "
+                         "layers); use 'scan' or 'auto'")
+    return layers
+
+
 def layer_weight_bytes(model: Llama) -> int:
     """Bytes of the decoder layers' weights: what `layers="unrolled"` holds a second copy of during a call."""
     return int(sum(x.nbytes for x in jax.tree.leaves(model.layers.layer_params())))
@@ -76,12 +90,7 @@ def decode_layers(layers: str | None = None, mesh=None, *, tokens_per_step: int 
     orders, and bf16 rounds near-ties apart; float32 agrees). bf16 agreement on GPUs is not measured. A mesh needs
     the stacked sharding rules.
     """
-    layers = layers or "auto"
-    if layers not in DECODE_LAYERS:
-        raise ValueError(f"layers must be one of {DECODE_LAYERS}, got {layers!r}")
-    if layers == "unrolled" and mesh is not None:
-        raise ValueError("layers='unrolled' is not supported with a mesh (the sharding rules are for stacked "
-                         "layers); use layers='scan' or 'auto'")
+    layers = check_layers(layers, mesh)
     if layers != "auto":
         return layers
     backend = jax.default_backend()
