@@ -251,11 +251,50 @@ def _ar_generate(graphdef, state, prompt, prompt_lengths, max_new_tokens, eos_id
                         num_generated=st.lengths - prompt_lengths, steps=st.step, row_steps=st.row_steps)
 
 
+def products_precision(dtype) -> str | None:
+    """The matmul precision a decoding loop of a `dtype` model is traced with: `"highest"` for float32, else None
+    (the backend's default).
+
+    Float32 products are not float32 everywhere by default: JAX computes them with TensorFloat-32 inputs on recent
+    NVIDIA GPUs and with bfloat16 passes on TPUs (`jax.default_matmul_precision`). Speculative decoding equals
+    autoregressive decoding only as far as a U-token verification rounds as a one-token step does, and inputs
+    rounded to a 10-bit (TF32) or 7-bit (bfloat16) mantissa turn more near-ties between the top logits into
+    different tokens. So float32 decoding asks for float32 products on every backend (at the batch sizes decoding
+    runs, a step is bound by reading the weights, not by arithmetic). bfloat16 models keep the default: their
+    inputs are bfloat16 already. On one H100 with the default precision, 43 of 160 greedy MT-Bench outputs of
+    float32 SmolLM2 differed between speculative and autoregressive decoding (the cause not isolated; see
+    docs/benchmarks.md)."""
+    return "highest" if jnp.dtype(dtype) == jnp.float32 else None
+
+
+def traced_with(precision: str | None, fn):
+    """`fn` traced under `jax.default_matmul_precision(precision)` (unchanged when `precision` is None)."""
+    if precision is None:
+        return fn
+
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        with jax.default_matmul_precision(precision):
+            return fn(*args, **kwargs)
+
+    return wrapped
+
+
 @functools.lru_cache(maxsize=None)
-def _jitted(graphdef, cache_size: int, greedy: bool, cache_dtype, mesh=None, layers: str = "scan"):
+def _jitted(graphdef, cache_size: int, greedy: bool, cache_dtype, mesh=None, layers: str = "scan",
+            precision: str | None = None):
     fn = functools.partial(_ar_generate, graphdef, cache_size=cache_size, greedy=greedy, cache_dtype=cache_dtype,
                            mesh=mesh, layers=layers)
-    return jax.jit(fn)
+    return jax.jit(traced_with(precision, fn))
+
+
+def jitted_loop(model: Llama, cache_size: int, greedy: bool, cache_dtype=None, mesh=None, layers: str | None = None,
+                *, graphdef=None):
+    """The jitted autoregressive loop `ar_generate` runs for these settings (cached: one per setting, each
+    compiled once per prompt bucket)."""
+    graphdef = nnx.split(model)[0] if graphdef is None else graphdef
+    return _jitted(graphdef, int(cache_size), greedy, jnp.dtype(cache_dtype or model.dtype), mesh,
+                   decode_layers(layers, mesh, model=model), products_precision(model.dtype))
 
 
 def row_inputs(prompt, prompt_lengths, max_new_tokens, mesh=None):
@@ -281,6 +320,5 @@ def ar_generate(model: Llama, prompt, prompt_lengths, *, max_new_tokens, cache_s
     state = parallel.place(state, mesh)
     eos = jnp.asarray(list(eos_ids if eos_ids is not None else model.config.eos_token_ids) or [-1], jnp.int32)
     key = jax.random.key(0) if key is None else key
-    fn = _jitted(graphdef, int(cache_size), sampling.greedy, jnp.dtype(cache_dtype or model.dtype), mesh,
-                 decode_layers(layers, mesh, model=model))
+    fn = jitted_loop(model, cache_size, sampling.greedy, cache_dtype, mesh, layers, graphdef=graphdef)
     return fn(state, *row_inputs(prompt, prompt_lengths, max_new_tokens, mesh), eos, sampling.arrays(), key)

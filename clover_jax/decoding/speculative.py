@@ -24,7 +24,7 @@ from flax import nnx, struct
 from clover_jax import parallel
 from clover_jax.decoding import verify
 from clover_jax.decoding.autoregressive import (DecodeOutput, decode_cache, decode_forward, decode_layers,
-                                                 is_eos, prefill, row_inputs)
+                                                 is_eos, prefill, products_precision, row_inputs, traced_with)
 from clover_jax.decoding.sampling import SamplingParams, next_token, warp_probs
 from clover_jax.models.cache import KVCache
 
@@ -145,12 +145,22 @@ def _spec_generate(base_graph, base_state, head_graph, head_state_params, drafte
 
 @functools.lru_cache(maxsize=None)
 def _jitted(base_graph, head_graph, drafter, cache_size: int, greedy: bool, cache_dtype, mesh=None,
-            layers: str = "scan"):
+            layers: str = "scan", precision: str | None = None):
     def fn(base_state, head_params, *args):
         return _spec_generate(base_graph, base_state, head_graph, head_params, *args, drafter=drafter,
                               cache_size=cache_size, greedy=greedy, cache_dtype=cache_dtype, mesh=mesh, layers=layers)
 
-    return jax.jit(fn)
+    return jax.jit(traced_with(precision, fn))
+
+
+def jitted_loop(base, head, drafter, cache_size: int, greedy: bool, mesh=None, layers: str | None = None, *,
+                graphs=None):
+    """The jitted speculative loop `spec_generate` runs for these settings (cached: one per setting, each compiled
+    once per prompt bucket)."""
+    base_graph, head_graph = (nnx.split(base)[0], nnx.split(head)[0]) if graphs is None else graphs
+    return _jitted(base_graph, head_graph, drafter, int(cache_size), greedy, jnp.dtype(base.dtype), mesh,
+                   decode_layers(layers, mesh, tokens_per_step=drafter.num_nodes, model=base),
+                   products_precision(base.dtype))
 
 
 def drafter_for(head_type: type, tree_key, draft_vocab=None) -> object:
@@ -189,8 +199,7 @@ def spec_generate(base, head, prompt, prompt_lengths, *, max_new_tokens, cache_s
     head_graph, head_params = nnx.split(head)
     base_state, head_params = parallel.place(base_state, mesh), parallel.place(head_params, mesh)
     eos = jnp.asarray(list(eos_ids if eos_ids is not None else base.config.eos_token_ids) or [-1], jnp.int32)
-    fn = _jitted(base_graph, head_graph, drafter, int(cache_size), sampling.greedy, jnp.dtype(base.dtype), mesh,
-                 decode_layers(layers, mesh, tokens_per_step=drafter.num_nodes, model=base))
+    fn = jitted_loop(base, head, drafter, cache_size, sampling.greedy, mesh, layers, graphs=(base_graph, head_graph))
     arrays = drafter.arrays() if hasattr(drafter, "arrays") else None
     inputs = row_inputs(prompt, lens, max_new_tokens, mesh)
     t0 = time.perf_counter()

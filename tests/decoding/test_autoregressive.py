@@ -161,13 +161,32 @@ def test_stops_on_eos_and_max_new_tokens(tiny):
 def test_max_new_tokens_is_traced_no_recompile(tiny):
     prompts = _prompts(2)
     generate(tiny, prompts, max_new_tokens=5, cache_size=64)
-    graphdef, _ = nnx.split(tiny)
-    fn = autoregressive._jitted(graphdef, 64, True, jnp.dtype(jnp.float32))  # the lru-cached jitted loop
+    fn = autoregressive.jitted_loop(tiny, 64, True)  # the cached jitted loop generate ran
     compiled = fn._cache_size()
+    assert compiled >= 1
     r1 = generate(tiny, prompts, max_new_tokens=7, cache_size=64)
     r2 = generate(tiny, [p[:-1] for p in prompts], max_new_tokens=3, cache_size=64)
     assert fn._cache_size() == compiled, "a new max_new_tokens or a prompt in the same bucket recompiled"
     assert max(len(t) for t in r1.token_ids) <= 7 and max(len(t) for t in r2.token_ids) <= 3
+
+
+def test_float32_decoding_asks_for_float32_products(tiny):
+    """A float32 model decodes with float32 products on every backend (`products_precision`: by default JAX
+    rounds float32 product inputs to TF32 on recent GPUs and to bfloat16 passes on TPUs); a bfloat16 model keeps
+    the backend's default. Checked on the lowered loop, whatever the backend running the test."""
+    from clover_jax.decoding.sampling import SamplingParams
+
+    def lowered(model):
+        fn = autoregressive.jitted_loop(model, 64, True)
+        rows = autoregressive.row_inputs(np.full((1, 8), 5), np.full(1, 8), 4)
+        return fn.lower(nnx.split(model)[1], *rows, jnp.asarray([2]), SamplingParams().arrays(),
+                        jax.random.key(0)).as_text()
+
+    assert autoregressive.products_precision(jnp.float32) == "highest"
+    assert autoregressive.products_precision(jnp.bfloat16) is None
+    f32 = lowered(tiny)
+    assert f32.count("dot_general") > 0 and f32.count("HIGHEST") >= f32.count("dot_general")
+    assert "HIGHEST" not in lowered(init_llama(CFG, seed=0, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16))
 
 
 def test_sampling_is_reproducible_and_seed_dependent(tiny):

@@ -86,8 +86,9 @@ def test_one_compile_per_bucket(tiny):
     prompts = _prompts(2, seed=1)
     generate(base, prompts, max_new_tokens=8, cache_size=96, mode="speculative", head=head)
     drafter = speculative.drafter_for(type(head), "clover2-26")
-    fn = speculative._jitted(nnx.split(base)[0], nnx.split(head)[0], drafter, 96, True, jnp.dtype(jnp.float32))
+    fn = speculative.jitted_loop(base, head, drafter, 96, True)  # the cached loop generate ran
     n = fn._cache_size()
+    assert n >= 1
     generate(base, _prompts(2, seed=2), max_new_tokens=17, cache_size=96, mode="speculative", head=head)
     assert fn._cache_size() == n
 
