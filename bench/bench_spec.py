@@ -107,6 +107,9 @@ def _main(argv=None):
     ap.add_argument("--peer", action="store_true", help="also time transformers + torch generate (greedy)")
     ap.add_argument("--out-dir", default="artifacts/eval")
     ap.add_argument("--mesh", default=None, help="decode on a device mesh, e.g. 'tp=8' or 'data=2,tp=4'")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="compute dtype of the model")
+    ap.add_argument("--layers", default="auto", choices=["auto", "unrolled", "scan"],
+                    help="how both decoding loops run the layers (clover_jax.decoding.autoregressive.decode_layers)")
     from clover_jax.cli import add_debug_argument
 
     add_debug_argument(ap)
@@ -123,7 +126,9 @@ def _main(argv=None):
         from clover_jax.parallel import parse_mesh
 
         mesh = parse_mesh(args.mesh)
-    loaded = load_model(args.model, mesh=mesh)
+    import jax.numpy as jnp
+
+    loaded = load_model(args.model, mesh=mesh, dtype=getattr(jnp, args.dtype))
     head = load_head(args.head, loaded.model)
     from clover_jax.calibrate import register_saved_trees
 
@@ -149,11 +154,15 @@ def _main(argv=None):
         print(f"the head was trained on a {len(trained_on)}-token draft vocabulary: every tree drafts from it (+dv)")
     result = evaluate(loaded, head, prompts, trees=args.trees, batch_size=args.batch_size,
                       max_new_tokens=args.max_new_tokens, temperature=args.temperature, categories=cats,
-                      draft_vocab=draft_vocab, mesh=mesh)
+                      draft_vocab=draft_vocab, mesh=mesh, layers=args.layers)
     result["wall_seconds"] = round(time.time() - t0, 1)
     result["auto"] = auto
     result["args"] = vars(args)
-    result["machine"] = f"{platform.machine()}, {os.cpu_count()} cores, {platform.platform()}"
+    import jax
+
+    dev = jax.devices()[0]
+    result["machine"] = (f"{platform.machine()}, {os.cpu_count()} cores, {platform.platform()}, "
+                         f"{dev.platform}: {getattr(dev, 'device_kind', '')}, {args.dtype}")
     result["date"] = time.strftime("%Y-%m-%d")
     if args.peer and args.temperature == 0.0:
         import torch
@@ -190,6 +199,10 @@ def _main(argv=None):
     if result["greedy_mismatches"] is not None:
         lines.append(f"\ngreedy outputs differing from autoregressive: {result['greedy_mismatches']} "
                      f"of {result['greedy_compared']}")
+        for t, idx in result["greedy_differing_prompts"].items():
+            if idx:
+                lines.append(f"- {t}: {len(idx)} prompts differ ({', '.join(map(str, idx[:20]))}"
+                             f"{', ...' if len(idx) > 20 else ''})")
     (out / "results.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     plots(result, out, args.trees)

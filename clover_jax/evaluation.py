@@ -61,10 +61,10 @@ DV = "+dv"  # tree-name suffix: run that tree with the draft vocabulary
 
 def evaluate(loaded, head, prompts: Sequence[str], *, trees: Sequence[str] = ("clover2-26",), batch_size: int = 1,
              max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
-             categories: Sequence[str] | None = None, progress: bool = True, draft_vocab=None, mesh=None
-             ) -> dict[str, Any]:
+             categories: Sequence[str] | None = None, progress: bool = True, draft_vocab=None, mesh=None,
+             layers: str = "auto") -> dict[str, Any]:
     """Runs AR and speculative decoding (one run per tree) on the prompts; returns stats and mismatches.
-    `mesh`: decode on a device mesh (see `generate`).
+    `mesh`: decode on a device mesh; `layers`: how the decoding loops run the layers (both as in `generate`).
 
     A tree name ending in `+dv` (e.g. "chain-3+dv") runs that tree with the draft vocabulary `draft_vocab`
     (token ids, `clover_jax.heads.draft_vocab`), so both can be compared in one run."""
@@ -79,12 +79,13 @@ def evaluate(loaded, head, prompts: Sequence[str], *, trees: Sequence[str] = ("c
     warmed = set()
     mismatches = 0
     compared = 0
+    differ = {t: [] for t in trees}  # per tree: the indices of prompts whose greedy output differs from AR's
     batches = range(0, len(ids), batch_size)
     for start in tqdm(batches, desc="eval", disable=not progress):
         chunk = ids[start:start + batch_size]
         bucket = bucket_length(max(len(p) for p in chunk))
         cache = round_up(bucket + max_new_tokens + max_nodes + 8, 256)
-        common = dict(cache_size=cache, temperature=temperature, top_p=top_p, mesh=mesh)
+        common = dict(cache_size=cache, temperature=temperature, top_p=top_p, mesh=mesh, layers=layers)
         outs = {}
         for name, run in runs.items():
             kw = dict(common, mode="ar") if name == "ar" else dict(
@@ -116,12 +117,15 @@ def evaluate(loaded, head, prompts: Sequence[str], *, trees: Sequence[str] = ("c
             outs[name] = res.token_ids
         if temperature == 0.0:
             for name in trees:
-                for a, s in zip(outs["ar"], outs[name]):
+                for i, (a, s) in enumerate(zip(outs["ar"], outs[name])):
                     compared += 1
                     mismatches += int(a != s)
+                    if a != s:
+                        differ[name].append(start + i)
     result = {"runs": {k: v.summary() for k, v in runs.items()},
               "greedy_mismatches": mismatches if temperature == 0.0 else None,
               "greedy_compared": compared if temperature == 0.0 else None,
+              "greedy_differing_prompts": differ if temperature == 0.0 else None,
               "per_prompt": {k: v.per_prompt for k, v in runs.items()}}
     ar_tps = runs["ar"].tokens_per_second
     for t in trees:

@@ -22,6 +22,7 @@ def test_evaluate_reports_tau_speed_and_no_mismatch():
     res = evaluate(loaded, head, prompts, trees=["clover2-26", "chain-3"], batch_size=2, max_new_tokens=16,
                    categories=["w", "w", "m", "m"], progress=False)
     assert res["greedy_mismatches"] == 0 and res["greedy_compared"] == 8
+    assert res["greedy_differing_prompts"] == {"clover2-26": [], "chain-3": []}
     for t in ("clover2-26", "chain-3"):
         r = res["runs"][t]
         assert r["tau"] >= 1.0 and r["tokens"] == res["runs"]["ar"]["tokens"]
