@@ -150,6 +150,15 @@ def test_calibration_fits_the_tree_the_head_accepts(tmp_path, monkeypatch):
     assert 2.5 < minimal < 4.0
     assert fitted[path[0]]["tau"] == 4.0 and minimal - 1e-3 <= fitted[path[0]]["predicted_tau"] <= 4.0
     assert "probe-8-6-4" in entry["candidates"]  # the probe as deep as the head's three heads
+    # the final round: the first round's two fastest measured again beside the fitted trees; `best` is that
+    # round's fastest (all of them against the same autoregressive runs)
+    first = {t: r for t, r in entry["candidates"].items() if not r.get("fitted")}
+    finalists = sorted(first, key=lambda t: -first[t]["speedup"])[:calibrate.FINALISTS]
+    assert {t for t, r in first.items() if "final_speedup" in r} == set(finalists)
+    final = {t: r.get("final_speedup", r["speedup"]) for t, r in entry["candidates"].items()
+             if r.get("fitted") or t in finalists}
+    top = max(final, key=final.get)
+    assert entry["best"] == (top if final[top] > 1.0 else "ar")
 
     folder = tmp_path / "head"
     folder.mkdir()
