@@ -57,8 +57,11 @@ def test_shipped_files_are_reference_format_and_small():
 
 
 @pytest.mark.slow
-def test_shipped_head_accepts_drafts_and_is_exact(smollm):
-    """Greedy, chain-4, 64 tokens, 4 MT-Bench prompts one at a time: output == autoregressive, tau >= floor."""
+@pytest.mark.parametrize("layers", ["auto", "unrolled"])
+def test_shipped_head_accepts_drafts_and_is_exact(smollm, layers):
+    """Greedy, chain-4, 64 tokens, 4 MT-Bench prompts one at a time: output == autoregressive, tau >= floor.
+    `unrolled`: both loops as `layers="auto"` runs them on a GPU (on one H100 the unrolled chain-3 loop gave
+    lower tau and other outputs on short prompts, docs/benchmarks.md; on the CPU it agrees)."""
     rows = [json.loads(line) for line in questions_path("mt_bench").read_text().splitlines() if line.strip()]
     first_of = {}
     for r in rows:
@@ -66,8 +69,8 @@ def test_shipped_head_accepts_drafts_and_is_exact(smollm):
     firsts = list(first_of.values())[:FLOOR_PROMPTS]
     hist = None
     for p in firsts:
-        ar = generate(smollm, [p], max_new_tokens=64)
-        sp = generate(smollm, [p], max_new_tokens=64, mode="speculative", head=NAME, tree="chain-4")
+        ar = generate(smollm, [p], max_new_tokens=64, layers=layers)
+        sp = generate(smollm, [p], max_new_tokens=64, mode="speculative", head=NAME, tree="chain-4", layers=layers)
         assert sp.token_ids == ar.token_ids
         h = np.asarray(sp.stats["accept_hist"])
         hist = h if hist is None else hist + h

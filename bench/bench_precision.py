@@ -1,0 +1,83 @@
+"""Float32 decoding with float32 products (what `generate` asks for, `products_precision`) against the backend's
+default matmul precision (TF32 on recent NVIDIA GPUs, bfloat16 passes on TPUs, float32 on CPUs): the same tokens?
+the same speed? Autoregressive and speculative decoding, one prompt at a time, alternating, best of `--repeat`.
+
+  python bench/bench_precision.py --limit 8 --max-new-tokens 64 --tree chain-3
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def _main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--head", default="smollm2-135m-instruct-clover2")
+    ap.add_argument("--tree", default="chain-3")
+    ap.add_argument("--questions", default="mt_bench")
+    ap.add_argument("--limit", type=int, default=8)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--repeat", type=int, default=3)
+    args = ap.parse_args(argv)
+
+    import jax
+
+    from bench_spec import load_questions
+    from clover_jax.api import encode_prompts, generate
+    from clover_jax.decoding import autoregressive, speculative
+    from clover_jax.heads.draft_vocab import head_draft_vocab
+    from clover_jax.heads.loading import load_head
+    from clover_jax.io.loader import load_model
+
+    lm = load_model(args.model)
+    head = load_head(args.head, lm.model)
+    dv = head_draft_vocab(args.head)
+    prompts, _ = load_questions(args.questions, args.limit, None)
+    ids = encode_prompts(lm.tokenizer, prompts)
+    cache = 512 + args.max_new_tokens
+    asked = autoregressive.products_precision
+    settings = {"default": lambda dtype: None, "float32 (asked)": asked}
+    seconds, tokens = {}, {}
+    try:
+        for _ in range(args.repeat):
+            for name, rule in settings.items():
+                autoregressive.products_precision = speculative.products_precision = rule
+                for mode in ("ar", "speculative"):
+                    kw = dict(mode="speculative", head=head, tree=args.tree, draft_vocab=dv) if mode != "ar" else {}
+                    out, total = [], 0.0
+                    for p in ids:
+                        generate(lm.model, [p], max_new_tokens=1, cache_size=cache, decode_text=False, **kw)
+                        r = generate(lm.model, [p], max_new_tokens=args.max_new_tokens, cache_size=cache,
+                                     decode_text=False, **kw)
+                        out.append(r.token_ids[0])
+                        total += r.seconds
+                    seconds.setdefault((name, mode), []).append(total)
+                    tokens[(name, mode)] = out
+    finally:
+        autoregressive.products_precision = speculative.products_precision = asked
+    dev = jax.devices()[0]
+    print(f"{len(ids)} prompts ({args.questions}), {args.max_new_tokens} new tokens, tree {args.tree}; "
+          f"{dev.platform}: {getattr(dev, 'device_kind', '')}; best of {args.repeat}\n")
+    print("| loop | default precision (s) | float32 products (s) | outputs identical | speculative == AR |")
+    print("|---|---|---|---|---|")
+    for mode in ("ar", "speculative"):
+        same = sum(a == b for a, b in zip(tokens[("default", mode)], tokens[("float32 (asked)", mode)]))
+        exact = {n: sum(a == b for a, b in zip(tokens[(n, "ar")], tokens[(n, "speculative")])) for n in settings}
+        print(f"| {mode} | {min(seconds[('default', mode)]):.2f} | {min(seconds[('float32 (asked)', mode)]):.2f} | "
+              f"{same}/{len(ids)} | " + (f"default {exact['default']}/{len(ids)}, float32 "
+                                         f"{exact['float32 (asked)']}/{len(ids)}" if mode != "ar" else "") + " |")
+
+
+def main(argv=None) -> int:
+    from clover_jax.cli import run_cli
+
+    return run_cli(_main, argv) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
