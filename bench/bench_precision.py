@@ -1,6 +1,7 @@
 """Float32 decoding with float32 products (what `generate` asks for, `products_precision`) against the backend's
-default matmul precision (TF32 on recent NVIDIA GPUs, bfloat16 passes on TPUs, float32 on CPUs): the same tokens?
-the same speed? Autoregressive and speculative decoding, one prompt at a time, alternating, best of `--repeat`.
+default matmul precision (TF32 on recent NVIDIA GPUs, bfloat16 passes on TPUs, float32 on CPUs), chosen as a caller
+would, with `jax.default_matmul_precision("default")` around the calls: the same tokens? the same speed?
+Autoregressive and speculative decoding, one prompt at a time, alternating, best of `--repeat`.
 
   python bench/bench_precision.py --limit 8 --max-new-tokens 64 --tree chain-3
 """
@@ -25,11 +26,12 @@ def _main(argv=None):
     ap.add_argument("--repeat", type=int, default=3)
     args = ap.parse_args(argv)
 
+    import contextlib
+
     import jax
 
     from bench_spec import load_questions
     from clover_jax.api import encode_prompts, generate
-    from clover_jax.decoding import autoregressive, speculative
     from clover_jax.heads.draft_vocab import head_draft_vocab
     from clover_jax.heads.loading import load_head
     from clover_jax.io.loader import load_model
@@ -40,26 +42,22 @@ def _main(argv=None):
     prompts, _ = load_questions(args.questions, args.limit, None)
     ids = encode_prompts(lm.tokenizer, prompts)
     cache = 512 + args.max_new_tokens
-    asked = autoregressive.products_precision
-    settings = {"default": lambda dtype: None, "float32 (asked)": asked}
+    settings = {"default": lambda: jax.default_matmul_precision("default"), "float32 (asked)": contextlib.nullcontext}
     seconds, tokens = {}, {}
-    try:
-        for _ in range(args.repeat):
-            for name, rule in settings.items():
-                autoregressive.products_precision = speculative.products_precision = rule
-                for mode in ("ar", "speculative"):
-                    kw = dict(mode="speculative", head=head, tree=args.tree, draft_vocab=dv) if mode != "ar" else {}
-                    out, total = [], 0.0
-                    for p in ids:
+    for _ in range(args.repeat):
+        for name, context in settings.items():
+            for mode in ("ar", "speculative"):
+                kw = dict(mode="speculative", head=head, tree=args.tree, draft_vocab=dv) if mode != "ar" else {}
+                out, total = [], 0.0
+                for p in ids:
+                    with context():
                         generate(lm.model, [p], max_new_tokens=1, cache_size=cache, decode_text=False, **kw)
                         r = generate(lm.model, [p], max_new_tokens=args.max_new_tokens, cache_size=cache,
                                      decode_text=False, **kw)
-                        out.append(r.token_ids[0])
-                        total += r.seconds
-                    seconds.setdefault((name, mode), []).append(total)
-                    tokens[(name, mode)] = out
-    finally:
-        autoregressive.products_precision = speculative.products_precision = asked
+                    out.append(r.token_ids[0])
+                    total += r.seconds
+                seconds.setdefault((name, mode), []).append(total)
+                tokens[(name, mode)] = out
     dev = jax.devices()[0]
     print(f"{len(ids)} prompts ({args.questions}), {args.max_new_tokens} new tokens, tree {args.tree}; "
           f"{dev.platform}: {getattr(dev, 'device_kind', '')}; best of {args.repeat}\n")

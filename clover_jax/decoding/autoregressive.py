@@ -253,7 +253,8 @@ def _ar_generate(graphdef, state, prompt, prompt_lengths, max_new_tokens, eos_id
 
 def products_precision(dtype) -> str | None:
     """The matmul precision a decoding loop of a `dtype` model is traced with: `"highest"` for float32, else None
-    (the backend's default).
+    (the precision in force). A precision the caller chose (`jax.default_matmul_precision(...)` around the call, or
+    `JAX_DEFAULT_MATMUL_PRECISION`) is kept: None then too.
 
     Float32 products are not float32 everywhere by default: JAX computes them with TensorFloat-32 inputs on recent
     NVIDIA GPUs and with bfloat16 passes on TPUs (`jax.default_matmul_precision`). Speculative decoding equals
@@ -264,6 +265,8 @@ def products_precision(dtype) -> str | None:
     inputs are bfloat16 already. On one H100 with the default precision, 43 of 160 greedy MT-Bench outputs of
     float32 SmolLM2 differed between speculative and autoregressive decoding (the cause not isolated; see
     docs/benchmarks.md)."""
+    if jax.config.jax_default_matmul_precision is not None:
+        return None
     return "highest" if jnp.dtype(dtype) == jnp.float32 else None
 
 

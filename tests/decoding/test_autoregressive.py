@@ -187,6 +187,9 @@ def test_float32_decoding_asks_for_float32_products(tiny):
     f32 = lowered(tiny)
     assert f32.count("dot_general") > 0 and f32.count("HIGHEST") >= f32.count("dot_general")
     assert "HIGHEST" not in lowered(init_llama(CFG, seed=0, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16))
+    with jax.default_matmul_precision("default"):  # a precision the caller chose is kept
+        assert autoregressive.products_precision(jnp.float32) is None
+        assert "HIGHEST" not in lowered(tiny)
 
 
 def test_sampling_is_reproducible_and_seed_dependent(tiny):
