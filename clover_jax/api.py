@@ -239,6 +239,19 @@ def _is_model(model) -> bool:
     return hasattr(model, "config") and hasattr(model, "forward_hidden")
 
 
+def _lookup_only_head(tree):
+    """The parameter-free head of a prompt-lookup-only tree (`lookup-K`), or an error: other trees need a head."""
+    from clover_jax.decoding.lookup import NoHead
+    from clover_jax.decoding.tree import LookupTree, get_tree
+
+    if tree is not None and not (isinstance(tree, str) and tree.strip().lower() == "auto"):
+        spec = get_tree(tree)
+        if isinstance(spec, LookupTree) and spec.inner is None:
+            return NoHead()
+    raise InputError("head: mode='speculative' needs a draft head (head=...), or a prompt-lookup tree that needs "
+                     "none (tree='lookup-4')")
+
+
 def prepare_generate(model, prompts: Sequence[Any], *, tokenizer=None, max_new_tokens: int = 128,
                      temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0, chat: bool = True,
                      system: str | None = None, cache_size: int | None = None, mode: str = "ar", head=None,
@@ -276,7 +289,7 @@ def prepare_generate(model, prompts: Sequence[Any], *, tokenizer=None, max_new_t
     if len(prompts) == 0:
         raise PromptError("prompts: no prompts given (an empty list)")
     if mode == "speculative" and head is None:
-        raise InputError("head: mode='speculative' needs a draft head (head=...)")
+        head = _lookup_only_head(tree)
     sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
     mesh = parallel.parse_mesh(mesh)
     check_layers(layers, mesh)

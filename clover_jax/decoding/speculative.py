@@ -172,10 +172,20 @@ def drafter_for(head_type: type, tree_key, draft_vocab=None) -> object:
 
 @functools.lru_cache(maxsize=32)
 def _drafter_for(head_type: type, tree_key, draft_vocab) -> object:
-    from clover_jax.decoding.tree import get_tree
+    from clover_jax.decoding.tree import LookupTree, get_tree
     from clover_jax.heads import registry
+    from clover_jax.validation import InputError
 
-    return registry.of_head(head_type).make_drafter(get_tree(tree_key), draft_vocab)
+    spec = get_tree(tree_key)
+    if isinstance(spec, LookupTree):  # a prompt-lookup chain beside the head's tree (or alone)
+        from clover_jax.decoding.lookup import LookupDrafter, NoHead
+
+        if spec.inner is not None and issubclass(head_type, NoHead):
+            raise InputError(f"tree {spec.name!r} drafts {spec.inner.name!r} with a head: give head=..., or "
+                             f"use {spec.name.rsplit('+', 1)[-1]!r} (prompt lookup alone)")
+        inner = None if spec.inner is None else registry.of_head(head_type).make_drafter(spec.inner, draft_vocab)
+        return LookupDrafter(inner, spec)
+    return registry.of_head(head_type).make_drafter(spec, draft_vocab)
 
 
 def spec_generate(base, head, prompt, prompt_lengths, *, max_new_tokens, cache_size: int | None,

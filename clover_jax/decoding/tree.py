@@ -450,7 +450,45 @@ class BeamTree:
     top_k = property(lambda self: int(self.width))  # the most children a node can have
 
 
-TreePolicy = (TreeSpec, DynamicTree, BeamTree)
+@dataclasses.dataclass(frozen=True)
+class LookupTree:
+    """A tree policy (`clover_jax.decoding.lookup`): `inner` (a head's static tree or per-step policy, or None: the root alone) plus a chain of
+    `length` tokens found by prompt lookup under the root. Names: `lookup-K[-nN]` (no head), `TREE+lookup-K[-nN]`
+    (N = `max_ngram`, default 3)."""
+
+    inner: Any  # TreeSpec, DynamicTree or BeamTree (a head drafts it), or None: the root alone
+    length: int
+    max_ngram: int = 3
+    name: str = dataclasses.field(default="", compare=False)
+
+    def __post_init__(self):
+        for field, lo in (("length", 1), ("max_ngram", 1)):
+            v = getattr(self, field)
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < lo:
+                raise TreeSpecError(f"lookup tree: {field} must be an integer >= {lo}, got {v!r}")
+        if self.length > MAX_DEPTH:
+            raise TreeSpecError(f"lookup tree: a chain of {self.length} tokens is deeper than MAX_DEPTH {MAX_DEPTH}")
+        if isinstance(self.inner, LookupTree):
+            raise TreeSpecError("lookup tree: the inner tree is already a lookup tree (one lookup chain per tree)")
+        if not self.name:
+            n = "" if self.max_ngram == 3 else f"-n{self.max_ngram}"
+            inner = "" if self.inner is None else f"{self.inner.name}+"
+            object.__setattr__(self, "name", f"{inner}lookup-{self.length}{n}")
+
+    @property
+    def num_nodes(self) -> int:
+        return (1 if self.inner is None else int(self.inner.num_nodes)) + int(self.length)
+
+    @property
+    def max_depth(self) -> int:
+        return max(0 if self.inner is None else int(self.inner.max_depth), int(self.length))
+
+    @property
+    def top_k(self) -> int:  # the most children a node can have: the inner tree's, plus the chain under the root
+        return (0 if self.inner is None else int(self.inner.top_k)) + 1
+
+
+TreePolicy = (TreeSpec, DynamicTree, BeamTree, LookupTree)
 
 # trees named at run time (the fitted trees of a calibration, `clover_jax.decoding.tree_fit`): name -> spec
 _REGISTERED: dict[str, TreeSpec] = {}
@@ -474,10 +512,15 @@ def register_tree(spec: TreeSpec) -> TreeSpec:
 def get_tree(name_or_path: str | os.PathLike | TreeSpec | DynamicTree | BeamTree
              ) -> TreeSpec | DynamicTree | BeamTree:
     """Resolve "clover2-26", "medusa-63", "chain-N", "dynamic-N[-dD][-kK]" (a `DynamicTree` policy),
-    "beam-WxL[-uN]" (a `BeamTree` policy), or a JSON file path (a policy object passes through)."""
+    "beam-WxL[-uN]" (a `BeamTree` policy), "lookup-K[-nN]" or "TREE+lookup-K[-nN]" (a `LookupTree`: a prompt
+    lookup chain alone or beside TREE), or a JSON file path (a policy object passes through)."""
     if isinstance(name_or_path, TreePolicy):
         return name_or_path
     key = os.fspath(name_or_path)
+    m = re.fullmatch(r"(?:(.+)\+)?lookup-(\d+)(?:-n(\d+))?", key)
+    if m and key not in _REGISTERED:
+        inner, k, n = m.groups()
+        return LookupTree(None if inner is None else get_tree(inner), int(k), int(n) if n else 3, name=key)
     if key in PRESETS:
         return PRESETS[key]()
     if key in _REGISTERED:
@@ -498,7 +541,7 @@ def get_tree(name_or_path: str | os.PathLike | TreeSpec | DynamicTree | BeamTree
         if not os.path.isfile(key):
             raise TreeSpecError(f"tree file {key!r} does not exist")
         return from_json(key)
-    known = ", ".join(list(PRESETS) + ["chain-N", "dynamic-N", "beam-WxL"])
+    known = ", ".join(list(PRESETS) + ["chain-N", "dynamic-N", "beam-WxL", "lookup-K", "TREE+lookup-K"])
     if re.fullmatch(r"(fit|probe)-[0-9a-f-]+", key):
         raise TreeSpecError(f"tree {key!r} is a calibration's fitted tree, not known in this process: ask for "
                             "tree='auto' (it loads the calibration's trees), or save it as JSON (TreeSpec.to_json)")
