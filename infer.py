@@ -4,6 +4,7 @@
   python infer.py --model smollm2-135m-instruct --prompts-file mt_bench --limit 8
   python infer.py --mode speculative --prompt "..."     # SmolLM2 with its shipped head, smollm2-135m-instruct-clover2
   python infer.py --model smollm2-135m-instruct --head runs/smollm2-clover2 --mode speculative --prompt "..."
+  python infer.py --model path/to/any-llama --mode speculative --tree lookup-4 --prompt "..."   # no head: prompt lookup
 """
 
 from __future__ import annotations
@@ -41,8 +42,9 @@ def parse_args(argv=None):
     p.add_argument("--head", help="draft head: a registered name (smollm2-135m-instruct-clover2), a training run dir "
                    "(Orbax) or an exported head folder; default: the model's shipped head, if it has one")
     p.add_argument("--tree", default=None, help="clover2-26 | small-10 | medusa-63 | chain-N | dynamic-N | auto "
-                   "(calibrated for this head and hardware, see python -m clover_jax.calibrate) | tree.json (default: "
-                   "the shipped head's tree, else clover2-26)")
+                   "(calibrated for this head and hardware, see python -m clover_jax.calibrate) | tree.json | "
+                   "TREE+lookup-K (a prompt-lookup chain of K tokens beside the head's tree) | lookup-K (prompt lookup "
+                   "alone, no head) (default: the shipped head's tree, else clover2-26)")
     p.add_argument("--draft-vocab", help="draft only from these token ids (JSON from python -m "
                    "clover_jax.heads.draft_vocab); output is unchanged, drafting is cheaper")
     p.add_argument("--mesh", default=None, help="decode on several devices: 'data=D,tp=T' (tensor parallel over T "
@@ -101,7 +103,13 @@ def _main(argv=None) -> int:
     if not prompts:
         print("error: give --prompt or --prompts-file", file=sys.stderr)
         return 2
-    if args.mode == "speculative" and not args.head:
+    lookup_only = False  # a prompt-lookup tree alone (lookup-K) drafts without a head
+    if args.mode == "speculative" and not args.head and args.tree:
+        from clover_jax.decoding.tree import LookupTree, get_tree
+
+        lookup_only = args.tree.strip().lower() != "auto" and isinstance(get_tree(args.tree), LookupTree) \
+            and get_tree(args.tree).inner is None
+    if args.mode == "speculative" and not args.head and not lookup_only:
         from clover_jax import pretrained
 
         args.head = pretrained.default_head(args.model)
@@ -110,7 +118,9 @@ def _main(argv=None) -> int:
                   f"{', '.join(pretrained.HEADS)})", file=sys.stderr)
             return 2
         print(f"drafting with the shipped head {args.head}", file=sys.stderr)
-    if args.mode == "speculative":  # the tree and the head's folder before the model is loaded
+    if lookup_only:
+        tree_nodes = get_tree(args.tree).num_nodes
+    elif args.mode == "speculative":  # the tree and the head's folder before the model is loaded
         from clover_jax import pretrained
         from clover_jax.decoding.tree import get_tree
 
@@ -140,7 +150,7 @@ def _main(argv=None) -> int:
               "devices", file=sys.stderr)
     loaded = load_model(args.model, dtype=dtype, mesh=mesh)  # weights read straight onto the mesh
     head = None
-    if args.mode == "speculative":
+    if args.mode == "speculative" and not lookup_only:
         from clover_jax.heads.loading import load_head
 
         head = load_head(args.head, loaded.model)
