@@ -22,7 +22,9 @@ the fitted trees with the highest predicted speed are measured in a final round,
 fastest candidates measured again, and `auto` is the fastest tree of that final round (one baseline for all of
 them: on a 2-core AMD EPYC the first round's winner, `small-10` at 1.17x, ran at 0.98x on 52 Spec-Bench prompts
 where the fitted `fit-5-411aab`, 1.11x in the second round, ran at 1.13x). Fitted trees are named `fit-N-<hash>`
-(N nodes, root included); the calibration stores their shapes, so `auto` can pick one.
+(N nodes, root included); the calibration stores their shapes, so `auto` can pick one. The final round also runs
+the best fitted tree and the first round's best static tree with a prompt-lookup chain of `LOOKUP_LENGTH` tokens
+beside them (`TREE+lookup-4`, `clover_jax.decoding.lookup`), so `auto` can pick a merged tree where it pays.
 
 A calibration is keyed by the hardware (backend and device kind; on a CPU the processor model and core
 count), the compute dtype and the batch size; it is saved beside the head (`calibration.json` in the head's
@@ -57,6 +59,7 @@ BEAM_CANDIDATES = ("beam-2x3", "beam-2x4", "beam-3x4", "beam-4x5")  # for beam-s
 PROBE_WIDTHS = (8, 6, 4, 3, 3)  # child ranks measured per depth by the probe tree: 24 drafts, 25 nodes
 FITTED_TO_MEASURE = 2  # fitted trees measured per calibration (the best predicted ones)
 FINALISTS = 2  # the first round's fastest candidates, measured again beside the fitted trees
+LOOKUP_LENGTH = 4  # the final round also runs its best static tree and best fitted tree with a lookup chain this long
 # Spec-Bench categories other than MT-Bench's, so a calibration does not see the usual evaluation prompts
 DEFAULT_PROMPTS = (("spec_bench", "translation", 3), ("spec_bench", "qa", 3), ("spec_bench", "math_reasoning", 2))
 
@@ -221,7 +224,12 @@ def max_candidate_nodes() -> int:
     from clover_jax.decoding.tree_fit import probe_tree
 
     sizes = [get_tree(t).num_nodes for t in STATIC_CANDIDATES + DYNAMIC_CANDIDATES + BEAM_CANDIDATES]
-    return max(sizes + [probe_tree(PROBE_WIDTHS).num_nodes])
+    return max(sizes + [probe_tree(PROBE_WIDTHS).num_nodes]) + LOOKUP_LENGTH
+
+
+def _lookup_variants(head, base, draft_vocab, trees: Sequence[str]) -> list[str]:
+    """`TREE+lookup-LOOKUP_LENGTH` for each of `trees` (distinct) the head can draft."""
+    return candidate_trees(head, base, draft_vocab, [f"{t}+lookup-{LOOKUP_LENGTH}" for t in dict.fromkeys(trees)])
 
 
 def probe_for(head, base, draft_vocab=None):
@@ -301,7 +309,7 @@ def measure(loaded, head, *, prompts: Sequence[str] | None = None, candidates: S
     or "ar". `fit=False` measures the candidates only (no probe, no fitted trees)."""
     import jax
 
-    from clover_jax.decoding.tree import register_tree
+    from clover_jax.decoding.tree import TreeSpec, get_tree, register_tree
     from clover_jax.evaluation import DV, evaluate
 
     prompts = list(prompts) if prompts else default_prompts()
@@ -322,15 +330,19 @@ def measure(loaded, head, *, prompts: Sequence[str] | None = None, candidates: S
     fitted, fit_info = [], {}
     if probe is not None:
         fitted, fit_info = _fit(table, runs, names, probe)
+    for spec, _, _ in fitted:
+        register_tree(spec)
     final = list(table)  # the runs `best` is chosen from: the first round's, or the final round's
-    if fitted:
-        for spec, _, _ in fitted:
-            register_tree(spec)
+    finalists = sorted(table, key=lambda t: -table[t]["speedup"])[:FINALISTS]
+    lookups = _lookup_variants(head, loaded.model, draft_vocab, [spec.name for spec, _, _ in fitted[:1]] + [
+        t for t in finalists if isinstance(get_tree(t), TreeSpec)][:1])
+    if fitted or lookups:
         # The final round measures the fitted trees beside the first round's fastest candidates, against the same
         # autoregressive runs: a speed-up measured in another round meets another baseline (the machine's speed
-        # drifts between rounds), and the first round's maximum over many candidates is biased upwards.
-        finalists = sorted(table, key=lambda t: -table[t]["speedup"])[:FINALISTS]
-        more = {spec.name: spec.name + dv for spec, _, _ in fitted} | {t: names[t] for t in finalists}
+        # drifts between rounds), and the first round's maximum over many candidates is biased upwards. The best
+        # static and fitted trees also run with a prompt-lookup chain beside them (`clover_jax.decoding.lookup`).
+        more = {spec.name: spec.name + dv for spec, _, _ in fitted} | {t: names[t] for t in finalists} | {
+            t: t + dv for t in lookups}
         res2 = evaluate(loaded, head, prompts, trees=list(more.values()), batch_size=batch_size,
                         max_new_tokens=max_new_tokens, draft_vocab=draft_vocab, progress=progress, mesh=mesh)
         mismatches += res2["greedy_mismatches"]
@@ -339,6 +351,8 @@ def measure(loaded, head, *, prompts: Sequence[str] | None = None, candidates: S
                 "fitted": True, "predicted_tau": round(tau, 3), "predicted_speedup": round(speed, 3)}
         for t in finalists:
             table[t]["final_speedup"] = res2["runs"][more[t]]["speedup_vs_ar"]
+        for t in lookups:
+            table[t] = _row(res2["runs"][more[t]]) | {"lookup": True}
         final = list(more)
     speed = {t: table[t].get("final_speedup", table[t]["speedup"]) for t in final}
     best = max(speed, key=speed.get)
@@ -428,7 +442,8 @@ def _main(argv=None) -> int:
     print("|---|---|---|---|---|---|---|")
     for tree, r in sorted(entry["candidates"].items(), key=lambda kv: -kv[1]["speedup"]):
         fitted = f"{r['predicted_tau']:.3f} / {r['predicted_speedup']:.3f}" if r.get("fitted") else ""
-        final = r["final_speedup"] if "final_speedup" in r else (r["speedup"] if r.get("fitted") else "")
+        final = r["final_speedup"] if "final_speedup" in r else (r["speedup"] if r.get("fitted") or r.get("lookup")
+                                                                  else "")
         print(f"| {tree} | {get_tree(tree).num_nodes} | {r['tau']:.3f} | {r['speedup']:.3f} | "
               f"{r['tokens_per_second']:.1f} | {final} | {fitted} |")
     if entry.get("rank_acceptance"):

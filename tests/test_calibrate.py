@@ -39,12 +39,19 @@ def test_measure_tries_each_candidate_against_ar(tiny):
     loaded, head = tiny
     entry = calibrate.measure(loaded, head, prompts=PROMPTS, candidates=["chain-2", "dynamic-4", "clover2-26"],
                               max_new_tokens=8, fit=False)
-    assert set(entry["candidates"]) == {"chain-2", "dynamic-4", "clover2-26"}
+    lookups = {t for t, r in entry["candidates"].items() if r.get("lookup")}
+    assert set(entry["candidates"]) - lookups == {"chain-2", "dynamic-4", "clover2-26"}
+    # the final round: the two fastest again, and the faster static one with a prompt-lookup chain beside it
+    finalists = {t for t, r in entry["candidates"].items() if "final_speedup" in r}
+    assert len(finalists) == calibrate.FINALISTS and len(lookups) == 1
+    assert lookups <= {f"{t}+lookup-{calibrate.LOOKUP_LENGTH}" for t in finalists - {"dynamic-4"}}
     assert entry["greedy_mismatches"] == 0
     for r in entry["candidates"].values():
         assert r["tau"] >= 1.0 and r["speedup"] > 0 and r["tokens_per_second"] > 0
-    best = max(entry["candidates"], key=lambda t: entry["candidates"][t]["speedup"])
-    assert entry["best"] == (best if entry["candidates"][best]["speedup"] > 1.0 else "ar")
+    final = {t: entry["candidates"][t].get("final_speedup", entry["candidates"][t]["speedup"])
+             for t in finalists | lookups}
+    best = max(final, key=final.get)
+    assert entry["best"] == (best if final[best] > 1.0 else "ar")
 
 
 def test_candidates_fit_the_head(tiny):
@@ -117,7 +124,8 @@ def test_generate_auto_calibrates_when_nothing_is_saved(tiny, capsys, monkeypatc
     res = api.generate(loaded, [[5, 6, 7]], max_new_tokens=4, mode="speculative", head=head, tree="auto")
     err = capsys.readouterr().err
     assert "no calibration of this head" in err and "tree='auto' ->" in err
-    assert res.stats["tree"] in ("chain-2", "dynamic-4", "probe-2-2", "ar") or res.stats["tree"].startswith("fit-")
+    tree = res.stats["tree"].removesuffix(f"+lookup-{calibrate.LOOKUP_LENGTH}")
+    assert tree in ("chain-2", "dynamic-4", "probe-2-2", "ar") or tree.startswith("fit-")
     # remembered for this head object in this process: no second calibration
     api.generate(loaded, [[5, 6, 7]], max_new_tokens=4, mode="speculative", head=head, tree="auto")
     assert "no calibration" not in capsys.readouterr().err
@@ -152,11 +160,12 @@ def test_calibration_fits_the_tree_the_head_accepts(tmp_path, monkeypatch):
     assert "probe-8-6-4" in entry["candidates"]  # the probe as deep as the head's three heads
     # the final round: the first round's two fastest measured again beside the fitted trees; `best` is that
     # round's fastest (all of them against the same autoregressive runs)
-    first = {t: r for t, r in entry["candidates"].items() if not r.get("fitted")}
+    first = {t: r for t, r in entry["candidates"].items() if not r.get("fitted") and not r.get("lookup")}
     finalists = sorted(first, key=lambda t: -first[t]["speedup"])[:calibrate.FINALISTS]
     assert {t for t, r in first.items() if "final_speedup" in r} == set(finalists)
     final = {t: r.get("final_speedup", r["speedup"]) for t, r in entry["candidates"].items()
-             if r.get("fitted") or t in finalists}
+             if r.get("fitted") or r.get("lookup") or t in finalists}
+    assert any(r.get("lookup") for r in entry["candidates"].values())  # merged with a prompt-lookup chain
     top = max(final, key=final.get)
     assert entry["best"] == (top if final[top] > 1.0 else "ar")
 
