@@ -1,0 +1,54 @@
+"""`bench/simulate_lookup.py`: the tau it predicts without running the loop. Its lookup rule must be the drafter's
+(`lookup_chain`): on a tiny random model the simulated steps per row equal the loop's, exactly; on SmolLM2 with the
+shipped head, the predicted tau of a static tree with and without a chain is within a few per cent of the loop's."""
+
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from clover_jax.api import generate
+from clover_jax.models.config import LlamaConfig
+from clover_jax.models.llama import init_llama
+
+ROOT = Path(__file__).resolve().parents[1]
+spec = importlib.util.spec_from_file_location("simulate_lookup", ROOT / "bench" / "simulate_lookup.py")
+sim = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(sim)
+
+
+@pytest.mark.parametrize("k,max_ngram", [(3, 3), (5, 1)])
+def test_simulated_steps_equal_the_loop_lookup_alone(k, max_ngram):
+    cfg = LlamaConfig(vocab_size=16, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=8, eos_token_ids=(99,))
+    base = init_llama(cfg, seed=3)
+    rng = np.random.RandomState(0)
+    prompts = [rng.randint(3, 16, rng.randint(3, 12)).tolist() for _ in range(6)]
+    ar = generate(base, prompts, max_new_tokens=30, cache_size=128)
+    sp = generate(base, prompts, max_new_tokens=30, cache_size=128, mode="speculative",
+                  tree=f"lookup-{k}" + (f"-n{max_ngram}" if max_ngram != 3 else ""))
+    assert sp.token_ids == ar.token_ids
+    for p, g, steps in zip(prompts, ar.token_ids, sp.row_steps):
+        toks, sim_steps = sim.simulate(p + g, len(p), None, None, k, max_ngram)
+        assert (toks, sim_steps) == (len(g) - 1, steps)
+    assert sum(sp.row_steps) < sum(len(g) - 1 for g in ar.token_ids)  # chains were accepted
+
+
+@pytest.mark.slow
+def test_predicted_tau_is_close_to_the_loop(capsys, smollm, tmp_path):
+    from clover_jax.decoding.tree import TreeSpec
+
+    path = tmp_path / "fit5.json"
+    TreeSpec(choices=((0,), (1,), (2,), (0, 0)), top_k=3, name="fit5").to_json(str(path))
+    assert sim.main(["--questions", "mt_bench", "--limit", "8", "--max-new-tokens", "48", "--trees", str(path),
+                     "--lookup", "0", "4"]) == 0
+    rows = {line.split("|")[1].strip(): float(line.split("|")[2]) for line in capsys.readouterr().out.splitlines()
+            if line.startswith("| fit5") or line.startswith("| lookup")}
+    assert set(rows) == {"lookup-4", "fit5", "fit5+lookup-4"}
+    prompts = __import__("bench_spec").load_questions("mt_bench", 8, None)[0]
+    for name, tree in (("fit5", str(path)), ("fit5+lookup-4", f"{path}+lookup-4")):
+        res = generate(smollm, prompts, max_new_tokens=48, mode="speculative", head="smollm2-135m-instruct-clover2",
+                       tree=tree)
+        assert abs(rows[name] - res.stats["tau"]) < 0.05 * res.stats["tau"], (name, rows[name], res.stats["tau"])
+    assert rows["fit5+lookup-4"] > rows["fit5"]
