@@ -65,16 +65,17 @@ def draft_ranks(loaded, head, draft_vocab, seq: list[int], prompt_len: int, top_
 
 
 def lookup(ctx: list[int], max_ngram: int, k: int) -> list[int]:
-    """The chain `lookup_chain` proposes (without its padding): the k tokens after the latest earlier occurrence
-    of the longest suffix of ctx (ctx[-1] is the root)."""
+    """The chain `lookup_chain` proposes: the k tokens after the latest earlier occurrence of the longest suffix
+    of ctx (ctx[-1] is the root), cut at the root and padded with it; the root k times without a match."""
     for n in range(max_ngram, 0, -1):
         if len(ctx) <= n:
             continue
         suffix = ctx[-n:]
         for j in range(len(ctx) - 1, n - 1, -1):
             if ctx[j - n:j] == suffix:
-                return ctx[j:j + k]
-    return []
+                chain = ctx[j:j + k]
+                return chain + [ctx[-1]] * (k - len(chain))
+    return [ctx[-1]] * k
 
 
 def simulate(seq: list[int], prompt_len: int, ranks, tree: set | None, k: int, max_ngram: int) -> tuple[int, int]:

@@ -76,6 +76,7 @@ _STATE_RULES: dict[str, tuple] = {
     "node_hist": (BATCH_AXES, None),  # [B, U]
     "s0": (BATCH_AXES, None),  # Clover-2 drafter: the Augmenting Block's last output [B, D]
     "h": (BATCH_AXES, None),  # Medusa drafter: the last accepted token's normed hidden state [B, D]
+    "history": (BATCH_AXES, None),  # prompt-lookup drafter: each row's tokens [B, S]
 }
 
 

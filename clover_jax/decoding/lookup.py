@@ -56,7 +56,7 @@ def lookup_chain(history: jax.Array, length: jax.Array, k: int, max_ngram: int) 
     best_n = jnp.zeros((b, s), jnp.int32)
     for i in range(1, max_ngram + 1):
         want = jnp.take_along_axis(history, jnp.maximum(length - i, 0)[:, None], axis=1)  # [B, 1] suffix token i
-        prev = jnp.take_along_axis(history, jnp.broadcast_to(jnp.maximum(j - i, 0), (b, s)), axis=1)  # h[j - i]
+        prev = jnp.pad(history, ((0, 0), (i, 0)))[:, :s]  # [B, S] h[j - i] (0 for j < i, masked below)
         hit = hit & (prev == want) & (j - i >= 0) & (length[:, None] - i >= 0)
         best_n = jnp.where(hit, i, best_n)
     best_n = jnp.where(j < length[:, None], best_n, 0)  # the occurrence must end before the root's own slot
@@ -72,8 +72,8 @@ def lookup_chain(history: jax.Array, length: jax.Array, k: int, max_ngram: int) 
 @struct.dataclass
 class LookupState:
     inner: Any  # the inner drafter's state (None without one)
-    history: jax.Array  # [B, S] int32: each row's tokens (history[length - 1] is the root)
-    length: jax.Array  # [B] int32
+    history: jax.Array  # [B, S] int32: each row's tokens (history[lengths - 1] is the root)
+    lengths: jax.Array  # [B] int32
     topology: TreeTopology | None = None  # the merged tree when the inner one is static (else built per step)
 
 
@@ -158,7 +158,7 @@ class LookupDrafter:
             inner = (self.inner.init_state(head, base, batch, cache_size, arrays["inner"])
                      if arrays["inner"] is not None else self.inner.init_state(head, base, batch, cache_size))
         return LookupState(inner=inner, history=jnp.zeros((batch, cache_size), jnp.int32),
-                           length=jnp.zeros((batch,), jnp.int32), topology=arrays["topology"])
+                           lengths=jnp.zeros((batch,), jnp.int32), topology=arrays["topology"])
 
     def start(self, head, base, state: LookupState, f_prompt, y_prompt, lengths) -> LookupState:
         """The prompt: `y_prompt [B, T]` holds x_1 .. x_{P-1} and the root at P-1 (x_0, the first prompt token,
@@ -168,16 +168,16 @@ class LookupDrafter:
         s, t = state.history.shape[1], y_prompt.shape[1]
         valid = jnp.arange(t)[None, :] < lengths[:, None]
         history = state.history.at[:, :t].set(jnp.where(valid, y_prompt, 0).astype(jnp.int32)[:, :s], mode="drop")
-        return state.replace(inner=inner, history=history, length=lengths.astype(jnp.int32))
+        return state.replace(inner=inner, history=history, lengths=lengths.astype(jnp.int32))
 
     def commit(self, head, base, state: LookupState, f_new, y_new, num_new) -> LookupState:
         inner = state.inner if self.inner is None else self.inner.commit(head, base, state.inner, f_new, y_new,
                                                                          num_new)
         b, a = y_new.shape
         i = jnp.arange(a)[None, :]
-        at = jnp.where(i < num_new[:, None], state.length[:, None] + i, state.history.shape[1])  # [B, A]
+        at = jnp.where(i < num_new[:, None], state.lengths[:, None] + i, state.history.shape[1])  # [B, A]
         history = state.history.at[jnp.arange(b)[:, None], at].set(y_new.astype(jnp.int32), mode="drop")
-        return state.replace(inner=inner, history=history, length=state.length + num_new.astype(jnp.int32))
+        return state.replace(inner=inner, history=history, lengths=state.lengths + num_new.astype(jnp.int32))
 
     def propose(self, head, base, state: LookupState, root: jax.Array, key) -> Proposal:
         b = root.shape[0]
@@ -187,7 +187,7 @@ class LookupDrafter:
             prop = self.inner.propose(head, base, state.inner, root, key)
             tokens = prop.tokens
             parent, rank = prop.buffers.parent, prop.buffers.rank
-        chain, _ = lookup_chain(state.history, state.length, self.spec.length, self.spec.max_ngram)  # [B, K]
+        chain, _ = lookup_chain(state.history, state.lengths, self.spec.length, self.spec.max_ngram)  # [B, K]
         topo = state.topology
         if topo is None:  # the inner tree is built per step (and per row)
             parent, rank = (jnp.broadcast_to(x, (b, x.shape[-1])) for x in (parent, rank))

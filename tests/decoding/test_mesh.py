@@ -108,7 +108,8 @@ def test_tiny_sharded_equals_single_device(tiny, mesh):
     assert arm.token_ids == ar1.token_ids
     assert arm.row_steps == ar1.row_steps
     for head, tree in [(clover2, "clover2-26"), (clover2, "dynamic-10"), (medusa, "chain-3"), (redrafter, "beam-3x4"),
-                       (clover1, "dynamic-8-d3-k3-p0.8"), (eagle, "dynamic-10")]:
+                       (clover1, "dynamic-8-d3-k3-p0.8"), (eagle, "dynamic-10"), (clover2, "chain-3+lookup-4"),
+                       (None, "lookup-3")]:
         sp1 = api.generate(base, prompts, mode="speculative", head=head, tree=tree, **kw)
         spm = api.generate(base, prompts, mode="speculative", head=head, tree=tree, mesh=mesh, **kw)
         assert sp1.token_ids == ar1.token_ids, tree
