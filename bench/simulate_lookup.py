@@ -25,34 +25,39 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
-def draft_ranks(loaded, head, draft_vocab, seq: list[int], prompt_len: int, top_k: int) -> list[list[int]]:
-    """`ranks[i][h]`: rank of seq's token among head h's top-k (draft vocabulary) at decoding step position
-    `prompt_len - 1 + i` (the state after committing up to there, the root being the next token); top_k when
-    not among them."""
+def top_drafts(base, head, draft_vocab, top_k: int):
+    """A jitted `(tokens [1, T], valid [1, T]) -> [H, T, top_k]`: each head's top-k draft token ids at every
+    position, teacher-forced along the sequence (compiled once per padded length)."""
     import jax
     import jax.numpy as jnp
 
     from clover_jax.training.loss import base_features
 
-    base = loaded.model
-    t = len(seq)
-    pad = 1 << (t - 1).bit_length()
-    tokens = np.zeros((1, pad), np.int32)
-    tokens[0, :t] = seq
-    valid = np.zeros((1, pad), bool)
-    valid[0, :t] = True
     ids = jnp.asarray(draft_vocab, jnp.int32) if draft_vocab is not None else None
 
     @jax.jit
     def top(tokens, valid):
         f = base_features(base, tokens, valid)
         o = head.train_outputs(base, f, tokens, valid)[:, 0]  # [H, T, D]
-        rows = base.lm_head_rows(ids) if ids is not None else base.embed[...]
-        logits = jnp.einsum("htd,nd->htn", o, rows, preferred_element_type=jnp.float32)
+        rows = base.lm_head_rows(ids) if ids is not None else base.embed[...]  # [N, D]
+        logits = jnp.einsum("htd,nd->htn", o, rows, preferred_element_type=jnp.float32)  # [H, T, N]
         idx = jax.lax.top_k(logits, top_k)[1]
         return ids[idx] if ids is not None else idx  # [H, T, k] token ids
 
-    cand = np.asarray(top(jnp.asarray(tokens), jnp.asarray(valid)))
+    return top
+
+
+def draft_ranks(top, seq: list[int], prompt_len: int, top_k: int) -> list[list[int]]:
+    """`ranks[i][h]`: rank of seq's token among head h's top-k drafts (`top`, from `top_drafts`) at decoding step
+    position `prompt_len - 1 + i` (the state after committing up to there, the root being the next token); top_k
+    when not among them."""
+    t = len(seq)
+    pad = 1 << (t - 1).bit_length()
+    tokens = np.zeros((1, pad), np.int32)
+    tokens[0, :t] = seq
+    valid = np.zeros((1, pad), bool)
+    valid[0, :t] = True
+    cand = np.asarray(top(tokens, valid))
     out = []
     for pos in range(prompt_len - 1, t - 1):
         row = []
@@ -134,9 +139,10 @@ def main(argv=None) -> int:
     runs = [("lookup-%d" % k, None, k) for k in args.lookup if k] + [
         (name + (f"+lookup-{k}" if k else ""), tree, k) for name, tree in trees.items() for k in args.lookup]
     totals = collections.defaultdict(lambda: np.zeros(2))  # (run, category) -> tokens, steps
+    top = top_drafts(loaded.model, head, draft_vocab, top_k) if trees else None
     for (p, g), cat in zip(seqs, cats):
         seq = p + g
-        ranks = draft_ranks(loaded, head, draft_vocab, seq, len(p), top_k) if trees else None
+        ranks = draft_ranks(top, seq, len(p), top_k) if trees else None
         for name, tree, k in runs:
             toks, steps = simulate(seq, len(p), ranks, tree, k, args.max_ngram)
             totals[name, cat] += (toks, steps)
