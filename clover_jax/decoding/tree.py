@@ -452,9 +452,9 @@ class BeamTree:
 
 @dataclasses.dataclass(frozen=True)
 class LookupTree:
-    """A tree policy (`clover_jax.decoding.lookup`): `inner` (a head's static tree or per-step policy, or None: the root alone) plus a chain of
-    `length` tokens found by prompt lookup under the root. Names: `lookup-K[-nN]` (no head), `TREE+lookup-K[-nN]`
-    (N = `max_ngram`, default 3)."""
+    """A tree policy (`clover_jax.decoding.lookup`): `inner` (a head's static tree or per-step policy, or None: the
+    root alone) plus a chain of `length` tokens found by prompt lookup, under the root. Names: `lookup-K[-nN]` (no
+    head), `TREE+lookup-K[-nN]` (N = `max_ngram`, default 3)."""
 
     inner: Any  # TreeSpec, DynamicTree or BeamTree (a head drafts it), or None: the root alone
     length: int
@@ -509,8 +509,8 @@ def register_tree(spec: TreeSpec) -> TreeSpec:
     return spec
 
 
-def get_tree(name_or_path: str | os.PathLike | TreeSpec | DynamicTree | BeamTree
-             ) -> TreeSpec | DynamicTree | BeamTree:
+def get_tree(name_or_path: str | os.PathLike | TreeSpec | DynamicTree | BeamTree | LookupTree
+             ) -> TreeSpec | DynamicTree | BeamTree | LookupTree:
     """Resolve "clover2-26", "medusa-63", "chain-N", "dynamic-N[-dD][-kK]" (a `DynamicTree` policy),
     "beam-WxL[-uN]" (a `BeamTree` policy), "lookup-K[-nN]" or "TREE+lookup-K[-nN]" (a `LookupTree`: a prompt
     lookup chain alone or beside TREE), or a JSON file path (a policy object passes through)."""

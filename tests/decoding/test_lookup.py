@@ -102,6 +102,24 @@ def test_greedy_equals_autoregressive_tiny(tree):
     assert sp.steps < ar.steps  # a random model repeats itself: lookup chains are accepted
 
 
+@pytest.mark.parametrize("head_type,tree", [("medusa", "chain-3+lookup-3"), ("eagle", "dynamic-10+lookup-3"),
+                                            ("redrafter", "beam-2x3+lookup-3"), ("clover1", "dynamic-8-p0.8+lookup-2")])
+def test_every_head_type_drafts_beside_a_chain(head_type, tree):
+    """The chain joins any drafter's tree: static buffers (Medusa), per-row trees (EAGLE-2's dynamic trees,
+    ReDrafter's beams, Clover-1's top-p cut)."""
+    from clover_jax.heads import registry
+
+    base = init_llama(CFG, seed=0)
+    ht = registry.get(head_type)
+    head = ht.init_from_base(base, ht.config_cls(**({"num_heads": 3} if head_type == "medusa" else {})))
+    prompts = _prompts(4, seed=1)
+    ar = generate(base, prompts, max_new_tokens=32, cache_size=160)
+    sp = generate(base, prompts, max_new_tokens=32, cache_size=160, mode="speculative", head=head, tree=tree)
+    assert sp.token_ids == ar.token_ids
+    k = int(tree.rsplit("-", 1)[-1])
+    assert sp.stats["node_hist"][-k] > 0  # the chain's first node (the last k nodes are the chain) was accepted
+
+
 def test_lookup_needs_no_head_and_other_trees_do():
     base = init_llama(CFG, seed=0)
     with pytest.raises(InputError, match="lookup"):
