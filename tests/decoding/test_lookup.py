@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from clover_jax.api import generate
+from homogeneity import chi2_homogeneity
 from clover_jax.decoding.lookup import LookupDrafter, NoHead, lookup_chain
 from clover_jax.decoding.speculative import drafter_for
 from clover_jax.decoding.tree import LookupTree, TreeSpecError, get_tree
@@ -149,14 +150,7 @@ def test_sampling_is_lossless(tree, temperature):
     sp = np.array([t[:4] for t in res.token_ids])
     assert sum(res.stats["accept_hist"][1:]) > rows // 10, "too few drafts accepted"
     for pos in (1, 2, 3):
-        a = np.bincount(ar[:, pos], minlength=8)
-        s = np.bincount(sp[:, pos], minlength=8)
-        keep = (a + s) > 0
-        a, s = a[keep], s[keep]
-        exp_a = (a + s) * a.sum() / (a.sum() + s.sum())
-        exp_s = (a + s) * s.sum() / (a.sum() + s.sum())
-        chi2 = ((a - exp_a) ** 2 / exp_a).sum() + ((s - exp_s) ** 2 / exp_s).sum()
-        pval = float(jax.scipy.special.gammaincc((keep.sum() - 1) / 2, chi2 / 2))
+        chi2, _, pval, a, s = chi2_homogeneity(ar[:, pos], sp[:, pos], 8)
         assert pval > 1e-3, f"position {pos}: chi2={chi2:.1f} p={pval:.2e}\nar={a}\nsp={s}"
 
 

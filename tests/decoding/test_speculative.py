@@ -7,6 +7,7 @@ import pytest
 from flax import nnx
 
 from clover_jax.api import generate
+from homogeneity import chi2_homogeneity
 from clover_jax.decoding import speculative
 from clover_jax.decoding.tree import TreeSpecError
 from clover_jax.heads.clover2 import Clover2Config, init_from_base
@@ -132,15 +133,7 @@ def test_sampling_is_lossless(top_p, tree, temperature):
     sp = _first_tokens(sp_res, 3)
     assert sp_res.stats["accept_hist"][1] + sp_res.stats["accept_hist"][2] > rows // 10, "too few drafts accepted"
     for pos in (1, 2):
-        a = np.bincount(ar[:, pos], minlength=12)
-        s = np.bincount(sp[:, pos], minlength=12)
-        keep = (a + s) > 0
-        a, s = a[keep], s[keep]
-        exp_a = (a + s) * a.sum() / (a.sum() + s.sum())
-        exp_s = (a + s) * s.sum() / (a.sum() + s.sum())
-        chi2 = ((a - exp_a) ** 2 / exp_a).sum() + ((s - exp_s) ** 2 / exp_s).sum()
-        dof = keep.sum() - 1
-        pval = float(jax.scipy.special.gammaincc(dof / 2, chi2 / 2))
+        chi2, dof, pval, a, s = chi2_homogeneity(ar[:, pos], sp[:, pos], 12)
         assert pval > 1e-3, f"position {pos}: chi2={chi2:.1f} dof={dof} p={pval:.2e}\nar={a}\nsp={s}"
 
 
