@@ -44,7 +44,10 @@ def parse_args(argv=None):
     p.add_argument("--tree", default=None, help="clover2-26 | small-10 | medusa-63 | chain-N | dynamic-N | auto "
                    "(calibrated for this head and hardware, see python -m clover_jax.calibrate) | tree.json | "
                    "TREE+lookup-K (a prompt-lookup chain of K tokens beside the head's tree) | lookup-K (prompt lookup "
-                   "alone, no head) (default: the shipped head's tree, else clover2-26)")
+                   "alone, no head) | TREE+lookup-K-table, lookup-K-table (where lookup finds no match, an n-gram "
+                   "table's chain: --ngram-table) (default: the shipped head's tree, else clover2-26)")
+    p.add_argument("--ngram-table", help="n-gram table for trees named ...-table (python -m clover_jax.decoding.ngram); "
+                   "default: the one shipped beside the head, if any")
     p.add_argument("--draft-vocab", help="draft only from these token ids (JSON from python -m "
                    "clover_jax.heads.draft_vocab); output is unchanged, drafting is cheaper")
     p.add_argument("--mesh", default=None, help="decode on several devices: 'data=D,tp=T' (tensor parallel over T "
@@ -165,9 +168,12 @@ def _main(argv=None) -> int:
         draft_vocab = head_draft_vocab(args.head)  # the vocabulary the head was trained on, if any
         if draft_vocab is not None:
             print(f"drafting from the head's {len(draft_vocab)}-token training vocabulary", file=sys.stderr)
+    from clover_jax.decoding.ngram import resolve_ngram_table
+
+    ngram_table = resolve_ngram_table(args.ngram_table, args.head if head is not None else None)
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
               chat=not args.no_chat, system=args.system, cache_size=args.cache_size, mode=args.mode, head=head,
-              tree=args.tree, draft_vocab=draft_vocab, mesh=mesh, layers=args.layers)
+              tree=args.tree, draft_vocab=draft_vocab, mesh=mesh, layers=args.layers, ngram_table=ngram_table)
     total_tokens = total_seconds = 0.0
     hist = None  # speculative: steps that accepted n drafts, summed over batches
     compile_seconds = 0.0

@@ -101,6 +101,8 @@ def _main(argv=None):
     ap.add_argument("--trees", nargs="+", default=["clover2-26"],  # "auto": the calibrated tree (clover_jax.calibrate)
                     help="tree names; a name ending in +dv (chain-3+dv) also uses --draft-vocab")
     ap.add_argument("--draft-vocab", help="draft vocabulary JSON (python -m clover_jax.heads.draft_vocab)")
+    ap.add_argument("--ngram-table", help="n-gram table for trees named ...-table (python -m "
+                    "clover_jax.decoding.ngram); default: the one shipped beside the head")
     ap.add_argument("--batch-size", type=int, default=1)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--temperature", type=float, default=0.0)
@@ -140,12 +142,16 @@ def _main(argv=None):
 
     draft_vocab = load_draft_vocab(args.draft_vocab) if args.draft_vocab else None
     trained_on = head_draft_vocab(args.head)
+    from clover_jax.decoding.ngram import resolve_ngram_table
+
+    ngram_table = resolve_ngram_table(args.ngram_table, args.head)
     auto = None
     if "auto" in args.trees:  # the calibrated choice for this head on this hardware (calibrates if none is saved)
         from clover_jax.calibrate import AR, resolve_auto
 
         auto, _ = resolve_auto(loaded, head, args.head, batch_size=args.batch_size, mesh=mesh,
-                               draft_vocab=trained_on if draft_vocab is None else draft_vocab)
+                               draft_vocab=trained_on if draft_vocab is None else draft_vocab,
+                               ngram_table=ngram_table)
         print(f"tree auto -> {auto}" + (" (autoregressive decoding: the 'ar' row is auto's)" if auto == AR else ""))
         args.trees = [t for t in args.trees if t != "auto"] + ([auto] if auto != AR and auto not in args.trees else [])
     if trained_on is not None:  # a head trained on a draft vocabulary drafts from it in every run
@@ -154,7 +160,7 @@ def _main(argv=None):
         print(f"the head was trained on a {len(trained_on)}-token draft vocabulary: every tree drafts from it (+dv)")
     result = evaluate(loaded, head, prompts, trees=args.trees, batch_size=args.batch_size,
                       max_new_tokens=args.max_new_tokens, temperature=args.temperature, categories=cats,
-                      draft_vocab=draft_vocab, mesh=mesh, layers=args.layers)
+                      draft_vocab=draft_vocab, mesh=mesh, layers=args.layers, ngram_table=ngram_table)
     result["wall_seconds"] = round(time.time() - t0, 1)
     result["auto"] = auto
     result["args"] = vars(args)

@@ -190,7 +190,7 @@ def resolve_head(source, model, tree=None, draft_vocab=None):
     return head, tree, draft_vocab
 
 
-def _resolve_auto(model, tokenizer, head, head_source, batch_size: int, draft_vocab, mesh) -> str:
+def _resolve_auto(model, tokenizer, head, head_source, batch_size: int, draft_vocab, mesh, ngram_table=None) -> str:
     """`tree="auto"`: the calibrated best tree (or "ar") of `clover_jax.calibrate`, calibrating if needed."""
     from clover_jax import calibrate
     from clover_jax.io.loader import LoadedModel
@@ -201,7 +201,7 @@ def _resolve_auto(model, tokenizer, head, head_source, batch_size: int, draft_vo
                          "tokenizer (pass tokenizer=..., or run python -m clover_jax.calibrate first)")
     loaded = LoadedModel(model.config, model, tokenizer, "")
     best, _ = calibrate.resolve_auto(loaded, head, head_source, batch_size=batch_size, draft_vocab=draft_vocab,
-                                     mesh=mesh)
+                                     mesh=mesh, ngram_table=ngram_table)
     return best
 
 
@@ -256,7 +256,7 @@ def prepare_generate(model, prompts: Sequence[Any], *, tokenizer=None, max_new_t
                      temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0, chat: bool = True,
                      system: str | None = None, cache_size: int | None = None, mode: str = "ar", head=None,
                      tree=None, draft_vocab=None, decode_text: bool = True, check_free_memory: bool = True,
-                     mesh=None, layers: str = "auto") -> GenerationPlan:
+                     mesh=None, layers: str = "auto", ngram_table=None) -> GenerationPlan:
     """Checks every argument of `generate` (same signature) and resolves the head, tree and cache, without
     compiling anything. Errors (`clover_jax.validation.InputError`) name the argument, the value and the
     limit: types and ranges, finite sampling parameters, token ids within the vocabulary, prompt + new tokens
@@ -308,18 +308,22 @@ def prepare_generate(model, prompts: Sequence[Any], *, tokenizer=None, max_new_t
 
             register_saved_trees(head_source, tree)  # a calibration's fitted tree by name (fit-N-<hash>)
             head, tree, draft_vocab = resolve_head(head, model, tree, draft_vocab)
+        from clover_jax.decoding.ngram import resolve_ngram_table
+
+        ngram_table = resolve_ngram_table(ngram_table, head_source)
         if draft_vocab is not None:
             from clover_jax.heads.draft_vocab import check_draft_vocab
 
             draft_vocab = check_draft_vocab(draft_vocab, config.vocab_size)
         if isinstance(tree, str) and tree.strip().lower() == "auto":
-            tree = auto_choice = _resolve_auto(model, tokenizer, head, head_source, len(lens), draft_vocab, mesh)
+            tree = auto_choice = _resolve_auto(model, tokenizer, head, head_source, len(lens), draft_vocab, mesh,
+                                               ngram_table)
         if tree == "ar":  # the calibration found no tree that beats autoregressive decoding here
             mode = "ar"
         else:
             from clover_jax.heads import registry
 
-            drafter = drafter_for(type(head), tree or registry.of_head(head).default_tree, draft_vocab)
+            drafter = drafter_for(type(head), tree or registry.of_head(head).default_tree, draft_vocab, ngram_table)
             drafter.check(head, model)
     depth = drafter.max_depth if drafter is not None else 0
     check_context(lens, max_new_tokens, getattr(config, "max_position_embeddings", None), depth)
@@ -356,7 +360,7 @@ def prepare_generate(model, prompts: Sequence[Any], *, tokenizer=None, max_new_t
 def generate(model, prompts: Sequence[Any], *, tokenizer=None, max_new_tokens: int = 128, temperature: float = 0.0,
              top_k: int = 0, top_p: float = 1.0, seed: int = 0, chat: bool = True, system: str | None = None,
              cache_size: int | None = None, mode: str = "ar", head=None, tree=None, draft_vocab=None,
-             decode_text: bool = True, mesh=None, layers: str = "auto") -> GenerationResult:
+             decode_text: bool = True, mesh=None, layers: str = "auto", ngram_table=None) -> GenerationResult:
     """Generates for a batch of prompts.
 
     Args:
@@ -370,6 +374,8 @@ def generate(model, prompts: Sequence[Any], *, tokenizer=None, max_new_tokens: i
         and saves it when none is saved), or plain autoregressive decoding when no tree pays.
       draft_vocab: token ids the drafts are drawn from (`clover_jax.heads.draft_vocab`); None: all, or, for
         a head given by name or path, the vocabulary it was trained on (if any).
+      ngram_table: for trees named `...lookup-K-table`: an n-gram table (`clover_jax.decoding.ngram`) or its
+        path; None: the one shipped beside a head given by name or path (`ngram_table.npz`), if any.
       mesh: decode on several devices: a `jax.sharding.Mesh` of `clover_jax.parallel.make_mesh`, or a string
         like "data=2,tp=4" (`parallel.parse_mesh`). The base model is tensor-parallel over `tp` (attention
         heads, MLP, vocabulary), rows split over `data`; the head's weights and both KV caches are sharded to
@@ -385,7 +391,7 @@ def generate(model, prompts: Sequence[Any], *, tokenizer=None, max_new_tokens: i
     plan = prepare_generate(model, prompts, tokenizer=tokenizer, max_new_tokens=max_new_tokens,
                             temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, chat=chat, system=system,
                             cache_size=cache_size, mode=mode, head=head, tree=tree, draft_vocab=draft_vocab,
-                            decode_text=decode_text, mesh=mesh, layers=layers)
+                            decode_text=decode_text, mesh=mesh, layers=layers, ngram_table=ngram_table)
     return run_plan(plan, decode_text=decode_text)
 
 

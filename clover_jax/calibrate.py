@@ -201,7 +201,8 @@ def _row(run: dict) -> dict:
             "accept_rate_per_depth": run["accept_rate_per_depth"]}
 
 
-def candidate_trees(head, base, draft_vocab=None, candidates: Sequence[str] | None = None) -> list[str]:
+def candidate_trees(head, base, draft_vocab=None, candidates: Sequence[str] | None = None,
+                    ngram_table=None) -> list[str]:
     """The candidate trees this head can draft (depth within its heads, tree kind supported by its drafter)."""
     from clover_jax.decoding.speculative import drafter_for
     from clover_jax.validation import InputError
@@ -210,7 +211,7 @@ def candidate_trees(head, base, draft_vocab=None, candidates: Sequence[str] | No
     ok = []
     for name in names:
         try:
-            drafter_for(type(head), name, draft_vocab).check(head, base)
+            drafter_for(type(head), name, draft_vocab, ngram_table).check(head, base)
         except (InputError, ValueError):
             continue
         ok.append(name)
@@ -227,9 +228,12 @@ def max_candidate_nodes() -> int:
     return max(sizes + [probe_tree(PROBE_WIDTHS).num_nodes]) + LOOKUP_LENGTH
 
 
-def _lookup_variants(head, base, draft_vocab, trees: Sequence[str]) -> list[str]:
-    """`TREE+lookup-LOOKUP_LENGTH` for each of `trees` (distinct) the head can draft."""
-    return candidate_trees(head, base, draft_vocab, [f"{t}+lookup-{LOOKUP_LENGTH}" for t in dict.fromkeys(trees)])
+def _lookup_variants(head, base, draft_vocab, trees: Sequence[str], ngram_table=None) -> list[str]:
+    """`TREE+lookup-LOOKUP_LENGTH` for each of `trees` (distinct) the head can draft, and with an n-gram table
+    also `TREE+lookup-LOOKUP_LENGTH-table` (`clover_jax.decoding.ngram`)."""
+    ends = [""] + (["-table"] if ngram_table is not None else [])
+    return candidate_trees(head, base, draft_vocab, [f"{t}+lookup-{LOOKUP_LENGTH}{e}" for t in dict.fromkeys(trees)
+                                                     for e in ends], ngram_table)
 
 
 def probe_for(head, base, draft_vocab=None):
@@ -304,16 +308,17 @@ def default_prompts() -> list[str]:
 
 def measure(loaded, head, *, prompts: Sequence[str] | None = None, candidates: Sequence[str] | None = None,
             batch_size: int = 1, max_new_tokens: int = 64, draft_vocab=None, mesh=None, fit: bool = True,
-            progress: bool = False) -> dict[str, Any]:
+            progress: bool = False, ngram_table=None) -> dict[str, Any]:
     """Runs the calibration (see the module docstring); returns the entry to save, with `best` the tree name
-    or "ar". `fit=False` measures the candidates only (no probe, no fitted trees)."""
+    or "ar". `fit=False` measures the candidates only (no probe, no fitted trees). `ngram_table`: the head's
+    n-gram table (`clover_jax.decoding.ngram`), for the final round's `...-table` lookup variants."""
     import jax
 
     from clover_jax.decoding.tree import TreeSpec, get_tree, register_tree
     from clover_jax.evaluation import DV, evaluate
 
     prompts = list(prompts) if prompts else default_prompts()
-    trees = candidate_trees(head, loaded.model, draft_vocab, candidates)
+    trees = candidate_trees(head, loaded.model, draft_vocab, candidates, ngram_table)
     if not trees:
         raise CalibrationError(f"no candidate tree fits this head (tried {list(candidates or ())})")
     probe = probe_for(head, loaded.model, draft_vocab) if fit else None
@@ -323,7 +328,8 @@ def measure(loaded, head, *, prompts: Sequence[str] | None = None, candidates: S
     names = {t: t + dv for t in trees}
     t0 = time.perf_counter()
     res = evaluate(loaded, head, prompts, trees=list(names.values()), batch_size=batch_size,
-                   max_new_tokens=max_new_tokens, draft_vocab=draft_vocab, progress=progress, mesh=mesh)
+                   max_new_tokens=max_new_tokens, draft_vocab=draft_vocab, progress=progress, mesh=mesh,
+                   ngram_table=ngram_table)
     runs = res["runs"]
     mismatches = res["greedy_mismatches"]
     table = {t: _row(runs[names[t]]) for t in trees}
@@ -335,7 +341,7 @@ def measure(loaded, head, *, prompts: Sequence[str] | None = None, candidates: S
     final = list(table)  # the runs `best` is chosen from: the first round's, or the final round's
     finalists = sorted(table, key=lambda t: -table[t]["speedup"])[:FINALISTS]
     lookups = _lookup_variants(head, loaded.model, draft_vocab, [spec.name for spec, _, _ in fitted[:1]] + [
-        t for t in finalists if isinstance(get_tree(t), TreeSpec)][:1])
+        t for t in finalists if isinstance(get_tree(t), TreeSpec)][:1], ngram_table)
     if fitted or lookups:
         # The final round measures the fitted trees beside the first round's fastest candidates, against the same
         # autoregressive runs: a speed-up measured in another round meets another baseline (the machine's speed
@@ -344,7 +350,8 @@ def measure(loaded, head, *, prompts: Sequence[str] | None = None, candidates: S
         more = {spec.name: spec.name + dv for spec, _, _ in fitted} | {t: names[t] for t in finalists} | {
             t: t + dv for t in lookups}
         res2 = evaluate(loaded, head, prompts, trees=list(more.values()), batch_size=batch_size,
-                        max_new_tokens=max_new_tokens, draft_vocab=draft_vocab, progress=progress, mesh=mesh)
+                        max_new_tokens=max_new_tokens, draft_vocab=draft_vocab, progress=progress, mesh=mesh,
+                        ngram_table=ngram_table)
         mismatches += res2["greedy_mismatches"]
         for spec, tau, speed in fitted:
             table[spec.name] = _row(res2["runs"][more[spec.name]]) | {
@@ -368,10 +375,13 @@ def measure(loaded, head, *, prompts: Sequence[str] | None = None, candidates: S
 
 
 def resolve_auto(loaded, head, head_source=None, *, batch_size: int = 1, draft_vocab=None, mesh=None,
-                 recalibrate: bool = False, **measure_kw) -> tuple[str, dict]:
+                 recalibrate: bool = False, ngram_table=None, **measure_kw) -> tuple[str, dict]:
     """(tree name or "ar", calibration entry) for `tree="auto"`: the saved calibration of this head for this
-    hardware, dtype and batch size, else a new one (logged, and saved where `save_entry` can)."""
+    hardware, dtype and batch size, else a new one (logged, and saved where `save_entry` can). `ngram_table`:
+    None takes the one shipped beside the head named by `head_source`, if any."""
     import jax.numpy as jnp
+
+    from clover_jax.decoding.ngram import resolve_ngram_table
 
     model = loaded.model if hasattr(loaded, "model") else loaded
     key = entry_key(hardware_key(mesh), jnp.dtype(model.dtype).name, batch_size)
@@ -381,7 +391,8 @@ def resolve_auto(loaded, head, head_source=None, *, batch_size: int = 1, draft_v
         msg = (f"tree='auto': no calibration of this head for {key}; calibrating now (autoregressive vs each "
                f"candidate tree on a few prompts)")
         print(msg, file=sys.stderr)
-        entry = measure(loaded, head, batch_size=batch_size, draft_vocab=draft_vocab, mesh=mesh, **measure_kw)
+        entry = measure(loaded, head, batch_size=batch_size, draft_vocab=draft_vocab, mesh=mesh,
+                        ngram_table=resolve_ngram_table(ngram_table, head_source), **measure_kw)
         where = save_entry(head_source, key, entry)
         print(f"tree='auto' -> {entry['best']}" + (f" (saved in {where})" if where else ""), file=sys.stderr)
     register_trees(entry)

@@ -62,9 +62,10 @@ DV = "+dv"  # tree-name suffix: run that tree with the draft vocabulary
 def evaluate(loaded, head, prompts: Sequence[str], *, trees: Sequence[str] = ("clover2-26",), batch_size: int = 1,
              max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
              categories: Sequence[str] | None = None, progress: bool = True, draft_vocab=None, mesh=None,
-             layers: str = "auto") -> dict[str, Any]:
+             layers: str = "auto", ngram_table=None) -> dict[str, Any]:
     """Runs AR and speculative decoding (one run per tree) on the prompts; returns stats and mismatches.
-    `mesh`: decode on a device mesh; `layers`: how the decoding loops run the layers (both as in `generate`).
+    `mesh`: decode on a device mesh; `layers`: how the decoding loops run the layers; `ngram_table`: for trees
+    named `...-table` (all three as in `generate`).
 
     A tree name ending in `+dv` (e.g. "chain-3+dv") runs that tree with the draft vocabulary `draft_vocab`
     (token ids, `clover_jax.heads.draft_vocab`), so both can be compared in one run."""
@@ -90,7 +91,7 @@ def evaluate(loaded, head, prompts: Sequence[str], *, trees: Sequence[str] = ("c
         for name, run in runs.items():
             kw = dict(common, mode="ar") if name == "ar" else dict(
                 common, mode="speculative", head=head, tree=name.removesuffix(DV),
-                draft_vocab=draft_vocab if name.endswith(DV) else None)
+                draft_vocab=draft_vocab if name.endswith(DV) else None, ngram_table=ngram_table)
             key = (name, len(chunk), bucket)
             if key not in warmed:
                 t0 = time.perf_counter()

@@ -77,6 +77,8 @@ _STATE_RULES: dict[str, tuple] = {
     "s0": (BATCH_AXES, None),  # Clover-2 drafter: the Augmenting Block's last output [B, D]
     "h": (BATCH_AXES, None),  # Medusa drafter: the last accepted token's normed hidden state [B, D]
     "history": (BATCH_AXES, None),  # prompt-lookup drafter: each row's tokens [B, S]
+    "ngram_keys": (None,),  # prompt-lookup drafter's n-gram table [M], replicated (a few MB)
+    "ngram_tokens": (None,),  # [M]
 }
 
 

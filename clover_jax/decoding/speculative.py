@@ -163,15 +163,20 @@ def jitted_loop(base, head, drafter, cache_size: int, greedy: bool, mesh=None, l
                    products_precision(base.dtype))
 
 
-def drafter_for(head_type: type, tree_key, draft_vocab=None) -> object:
-    """The (cached) drafter of a head type for a tree and an optional draft vocabulary (token ids): equal
+def drafter_for(head_type: type, tree_key, draft_vocab=None, ngram_table=None) -> object:
+    """The (cached) drafter of a head type for a tree, an optional draft vocabulary (token ids) and, for trees
+    named `...-table`, an n-gram table (`clover_jax.decoding.ngram.NgramTable`; ignored by other trees): equal
     arguments give the same drafter object, so the jitted loop is reused."""
+    from clover_jax.decoding.tree import LookupTree, get_tree
+
     vocab = None if draft_vocab is None else tuple(int(i) for i in draft_vocab)
-    return _drafter_for(head_type, tree_key, vocab)
+    spec = get_tree(tree_key)
+    table = ngram_table if isinstance(spec, LookupTree) and spec.table else None
+    return _drafter_for(head_type, tree_key, vocab, table)
 
 
 @functools.lru_cache(maxsize=32)
-def _drafter_for(head_type: type, tree_key, draft_vocab) -> object:
+def _drafter_for(head_type: type, tree_key, draft_vocab, ngram_table) -> object:
     from clover_jax.decoding.tree import LookupTree, get_tree
     from clover_jax.heads import registry
     from clover_jax.validation import InputError
@@ -183,14 +188,18 @@ def _drafter_for(head_type: type, tree_key, draft_vocab) -> object:
         if spec.inner is not None and issubclass(head_type, NoHead):
             raise InputError(f"tree {spec.name!r} drafts {spec.inner.name!r} with a head: give head=..., or "
                              f"use {spec.name.rsplit('+', 1)[-1]!r} (prompt lookup alone)")
+        if spec.table and ngram_table is None:
+            raise InputError(f"tree {spec.name!r} falls back to an n-gram table, and none was given: use a head "
+                             f"that ships one (ngram_table.npz beside it), pass ngram_table=..., build one with "
+                             f"python -m clover_jax.decoding.ngram, or drop '-table' from the tree name")
         inner = None if spec.inner is None else registry.of_head(head_type).make_drafter(spec.inner, draft_vocab)
-        return LookupDrafter(inner, spec)
+        return LookupDrafter(inner, spec, ngram_table)
     return registry.of_head(head_type).make_drafter(spec, draft_vocab)
 
 
 def spec_generate(base, head, prompt, prompt_lengths, *, max_new_tokens, cache_size: int | None,
                   sampling: SamplingParams, key, tree=None, eos_ids=None, drafter=None, draft_vocab=None, mesh=None,
-                  stat_rows: int | None = None, layers: str | None = None):
+                  stat_rows: int | None = None, layers: str | None = None, ngram_table=None):
     """Runs the jitted speculative loop; returns (DecodeOutput, stats dict, seconds).
 
     `max_new_tokens`: one number or one per row. With a `mesh` (`clover_jax.parallel`) the base and head
@@ -201,7 +210,7 @@ def spec_generate(base, head, prompt, prompt_lengths, *, max_new_tokens, cache_s
 
     from clover_jax.api import plan_cache
 
-    drafter = drafter or drafter_for(type(head), tree or "clover2-26", draft_vocab)
+    drafter = drafter or drafter_for(type(head), tree or "clover2-26", draft_vocab, ngram_table)
     drafter.check(head, base)
     lens = np.asarray(prompt_lengths)
     cache_size = plan_cache(lens, int(np.max(max_new_tokens)), drafter.num_nodes, cache_size, None)

@@ -453,13 +453,15 @@ class BeamTree:
 @dataclasses.dataclass(frozen=True)
 class LookupTree:
     """A tree policy (`clover_jax.decoding.lookup`): `inner` (a head's static tree or per-step policy, or None: the
-    root alone) plus a chain of `length` tokens found by prompt lookup, under the root. Names: `lookup-K[-nN]` (no
-    head), `TREE+lookup-K[-nN]` (N = `max_ngram`, default 3)."""
+    root alone) plus a chain of `length` tokens found by prompt lookup, under the root. Names: `lookup-K[-nN][-table]`
+    (no head), `TREE+lookup-K[-nN][-table]` (N = `max_ngram`, default 3; `-table`: where the sequence has no match,
+    the chain comes from an n-gram table of the base model's replies, `clover_jax.decoding.ngram`)."""
 
     inner: Any  # TreeSpec, DynamicTree or BeamTree (a head drafts it), or None: the root alone
     length: int
     max_ngram: int = 3
     name: str = dataclasses.field(default="", compare=False)
+    table: bool = False  # fall back to an n-gram table (the drafter is given one) where lookup finds no match
 
     def __post_init__(self):
         for field, lo in (("length", 1), ("max_ngram", 1)):
@@ -473,7 +475,7 @@ class LookupTree:
         if not self.name:
             n = "" if self.max_ngram == 3 else f"-n{self.max_ngram}"
             inner = "" if self.inner is None else f"{self.inner.name}+"
-            object.__setattr__(self, "name", f"{inner}lookup-{self.length}{n}")
+            object.__setattr__(self, "name", f"{inner}lookup-{self.length}{n}{'-table' if self.table else ''}")
 
     @property
     def num_nodes(self) -> int:
@@ -512,15 +514,17 @@ def register_tree(spec: TreeSpec) -> TreeSpec:
 def get_tree(name_or_path: str | os.PathLike | TreeSpec | DynamicTree | BeamTree | LookupTree
              ) -> TreeSpec | DynamicTree | BeamTree | LookupTree:
     """Resolve "clover2-26", "medusa-63", "chain-N", "dynamic-N[-dD][-kK]" (a `DynamicTree` policy),
-    "beam-WxL[-uN]" (a `BeamTree` policy), "lookup-K[-nN]" or "TREE+lookup-K[-nN]" (a `LookupTree`: a prompt
-    lookup chain alone or beside TREE), or a JSON file path (a policy object passes through)."""
+    "beam-WxL[-uN]" (a `BeamTree` policy), "lookup-K[-nN][-table]" or "TREE+lookup-K[-nN][-table]" (a
+    `LookupTree`: a prompt lookup chain alone or beside TREE, with an n-gram table's chain where lookup finds no
+    match), or a JSON file path (a policy object passes through)."""
     if isinstance(name_or_path, TreePolicy):
         return name_or_path
     key = os.fspath(name_or_path)
-    m = re.fullmatch(r"(?:(.+)\+)?lookup-(\d+)(?:-n(\d+))?", key)
+    m = re.fullmatch(r"(?:(.+)\+)?lookup-(\d+)(?:-n(\d+))?(-table)?", key)
     if m and key not in _REGISTERED:
-        inner, k, n = m.groups()
-        return LookupTree(None if inner is None else get_tree(inner), int(k), int(n) if n else 3, name=key)
+        inner, k, n, table = m.groups()
+        return LookupTree(None if inner is None else get_tree(inner), int(k), int(n) if n else 3, name=key,
+                          table=bool(table))
     if key in PRESETS:
         return PRESETS[key]()
     if key in _REGISTERED:

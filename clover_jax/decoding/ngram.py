@@ -1,0 +1,282 @@
+"""An n-gram draft table: what the base model usually writes next, learnt from its own replies.
+
+Prompt lookup (`clover_jax.decoding.lookup`) copies tokens from the sequence itself and has nothing to offer
+where the sequence's last token never occurred before in it. Retrieval drafting (REST, He et al. 2024, arXiv
+2311.08252) looks the last tokens up in a datastore of other text instead. This module keeps the datastore small
+and jittable: a back-off n-gram model over the base model's own replies (the self-distilled training data of
+its head), stored as one sorted array of 32-bit context hashes and the most frequent next token of each context.
+A chain is drafted greedily from it: at each of `k` steps the longest context of up to `max_order` tokens found
+in the table gives the next token.
+
+Only contexts seen at least `min_count` times are kept, and a context whose most frequent next token equals the
+one its shorter suffix context predicts is left out (the back-off then gives the same token), so the table of
+SmolLM2-135M-Instruct's 27k replies holds about half a million entries (4 MB).
+
+Hash collisions are possible (two contexts, one 32-bit hash): they can only propose a wrong token, which
+verification rejects, so output is unaffected, as for every draft.
+
+    table = build_ngram_table(token_lists, vocab_size=49152)       # from the base model's replies
+    save_ngram_table(table, "head_dir/ngram_table.npz")
+    generate(model, prompts, mode="speculative", head="head_dir", tree="fit-5-411aab+lookup-4-table")
+
+CLI: `python -m clover_jax.decoding.ngram --model smollm2-135m-instruct --data replies.jsonl.gz --out DIR`.
+
+Axis alphabet: B batch, S token slots, K chain length, M table entries, N context order.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import os
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from clover_jax.validation import InputError
+
+NGRAM_FILE = "ngram_table.npz"  # its name in an exported head folder
+MAX_ORDER = 4
+MIN_COUNT = 2
+_FNV_OFFSET = 0x811C9DC5
+_FNV_PRIME = 0x01000193
+_ORDER_SALT = 0x9E3779B9
+
+
+def context_hash(xp, ctx, order: int):
+    """32-bit hash of the `order` tokens `ctx [..., order]` (oldest first), salted by the order: FNV-1a over
+    token ids, then MurmurHash3's finaliser. `xp` is numpy or jax.numpy; both give the same bits."""
+    u32 = xp.uint32
+    h = xp.full(ctx.shape[:-1], (_FNV_OFFSET ^ (order * _ORDER_SALT)) & 0xFFFFFFFF, u32)  # [...]
+    for i in range(order):
+        h = (h ^ ctx[..., i].astype(u32)) * u32(_FNV_PRIME)
+    h = h ^ (h >> u32(16))
+    h = h * u32(0x85EBCA6B)
+    h = h ^ (h >> u32(13))
+    h = h * u32(0xC2B2AE35)
+    return h ^ (h >> u32(16))
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class NgramTable:
+    """`keys [M]` uint32 sorted context hashes, `tokens [M]` int32 the next token of each; hashable by identity
+    (a drafter holding it is cached per table object)."""
+
+    keys: np.ndarray
+    tokens: np.ndarray
+    max_order: int
+    vocab_size: int  # the tokenizer's vocabulary the table was built with
+    source: str = ""
+
+    def __post_init__(self):
+        if self.keys.ndim != 1 or self.keys.shape != self.tokens.shape or self.keys.size == 0:
+            raise InputError(f"n-gram table: keys {self.keys.shape} and tokens {self.tokens.shape} must be the "
+                             f"same non-empty 1-D length")
+        if not 1 <= self.max_order <= 8:
+            raise InputError(f"n-gram table: max_order must be in [1, 8], got {self.max_order}")
+
+    @property
+    def size(self) -> int:
+        return int(self.keys.size)
+
+
+def _positions(sequences: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """All sequences end to end `[T]` int64, and each token's index within its sequence `[T]`."""
+    lens = np.asarray([len(s) for s in sequences], np.int64)
+    flat = np.concatenate([np.asarray(s, np.int64) for s in sequences]) if len(sequences) else np.zeros(0, np.int64)
+    starts = np.repeat(np.cumsum(lens) - lens, lens)
+    return flat, np.arange(flat.size, dtype=np.int64) - starts
+
+
+def _order_hashes(flat: np.ndarray, pos: np.ndarray, order: int) -> tuple[np.ndarray, np.ndarray]:
+    """Positions `[T_n]` whose `order` preceding tokens lie in their own sequence, and those contexts' hashes."""
+    at = np.flatnonzero(pos >= order)
+    ctx = np.stack([flat[at - order + j] for j in range(order)], axis=-1)  # [T_n, N]
+    return at, context_hash(np, ctx, order)
+
+
+def build_ngram_table(sequences: Iterable[Sequence[int]], vocab_size: int, max_order: int = MAX_ORDER,
+                      min_count: int = MIN_COUNT, source: str = "") -> NgramTable:
+    """The back-off n-gram table of `sequences` (token id lists; see the module docstring)."""
+    seqs = [list(s) for s in sequences]
+    if min_count < 1:
+        raise InputError(f"n-gram table: min_count must be >= 1, got {min_count}")
+    flat, pos = _positions(seqs)
+    if flat.size and (flat.min() < 0 or flat.max() >= vocab_size):
+        raise InputError(f"n-gram table: token id {int(flat.max())} outside the vocabulary [0, {vocab_size})")
+    per_order = {}  # order -> (keys [M_n] sorted, tokens [M_n], representative position [M_n])
+    hashes = {}  # order -> (positions [T_n], context hashes [T_n])
+    for n in range(1, max_order + 1):
+        at, h = hashes[n] = _order_hashes(flat, pos, n)
+        if at.size == 0:
+            break
+        nxt = flat[at]
+        pair = (h.astype(np.uint64) << np.uint64(32)) | nxt.astype(np.uint64)
+        uniq, first, counts = np.unique(pair, return_index=True, return_counts=True)  # sorted by (hash, token)
+        uh = (uniq >> np.uint64(32)).astype(np.uint32)
+        ut = (uniq & np.uint64(0xFFFFFFFF)).astype(np.int64)
+        starts = np.flatnonzero(np.r_[True, uh[1:] != uh[:-1]])  # each context's first pair
+        total = np.add.reduceat(counts, starts)
+        best = np.lexsort((ut, -counts, uh))  # by context, most frequent next token first, then smaller id
+        head = best[np.r_[True, uh[best][1:] != uh[best][:-1]]]  # [contexts] the winning pair of each context
+        keep = total >= min_count
+        per_order[n] = (uh[head][keep], ut[head][keep].astype(np.int32), at[first[head]][keep])
+    keys, tokens = [per_order[1][0]], [per_order[1][1]]
+    for n in range(2, max(per_order) + 1 if per_order else 1):
+        k, t, rep = per_order[n]
+        lk, lt, _ = per_order[n - 1]
+        at_lower, lower = hashes[n - 1]  # [T_{n-1}] by position
+        suffix = lower[np.searchsorted(at_lower, rep)]  # the shorter context at the same position
+        i = np.clip(np.searchsorted(lk, suffix), 0, max(lk.size - 1, 0))
+        same = (lk.size > 0) & (lk[i] == suffix) & (lt[i] == t)
+        keys.append(k[~same])
+        tokens.append(t[~same])
+    keys, tokens = np.concatenate(keys), np.concatenate(tokens)
+    order = np.argsort(keys, kind="stable")
+    keys, tokens = keys[order], tokens[order]
+    dup = np.r_[False, keys[1:] == keys[:-1]]  # a hash shared by two orders: keep one
+    if not keys.size:
+        raise InputError(f"n-gram table: no context occurs {min_count} times in {len(seqs)} sequences")
+    return NgramTable(keys[~dup], tokens[~dup], max_order, int(vocab_size), source)
+
+
+def save_ngram_table(table: NgramTable, path: str | os.PathLike) -> Path:
+    path = Path(path)
+    if path.suffix != ".npz":
+        path = path / NGRAM_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tok_dtype = np.uint16 if table.vocab_size <= 1 << 16 else np.int32
+    with open(path, "wb") as f:
+        np.savez_compressed(f, keys=table.keys, tokens=table.tokens.astype(tok_dtype),
+                            max_order=np.int32(table.max_order), vocab_size=np.int64(table.vocab_size),
+                            source=np.asarray(table.source))
+    return path
+
+
+@functools.lru_cache(maxsize=8)
+def _load(path: str, mtime: float) -> NgramTable:
+    try:
+        with np.load(path) as z:
+            return NgramTable(np.asarray(z["keys"], np.uint32), np.asarray(z["tokens"], np.int32),
+                              int(z["max_order"]), int(z["vocab_size"]), str(z["source"]))
+    except (OSError, KeyError, ValueError) as e:
+        raise InputError(f"n-gram table {path}: not a table written by save_ngram_table ({e})") from None
+
+
+def load_ngram_table(path: str | os.PathLike) -> NgramTable:
+    """A table file (or a folder holding `ngram_table.npz`); the same object while the file is unchanged."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / NGRAM_FILE
+    if not path.is_file():
+        raise InputError(f"n-gram table: no file {path}")
+    return _load(str(path.resolve()), path.stat().st_mtime)
+
+
+def head_ngram_table(head_path) -> NgramTable | None:
+    """The n-gram table shipped beside a head (a registered name or a folder holding `ngram_table.npz`), or None."""
+    from clover_jax import pretrained
+
+    try:
+        path = pretrained.head_path(head_path) / NGRAM_FILE
+    except (InputError, TypeError):
+        return None
+    return load_ngram_table(path) if path.is_file() else None
+
+
+def resolve_ngram_table(table, head_source=None) -> NgramTable | None:
+    """`table` (an `NgramTable`, or a path), else the table shipped beside the head named by `head_source`."""
+    if isinstance(table, NgramTable):
+        return table
+    if table is not None:
+        return load_ngram_table(table)
+    return head_ngram_table(head_source) if head_source is not None else None
+
+
+def ngram_chain(keys: jax.Array, tokens: jax.Array, history: jax.Array, length: jax.Array, k: int,
+                max_order: int) -> tuple[jax.Array, jax.Array]:
+    """`k` tokens drafted greedily from the table after each row's last tokens.
+
+    Args:
+      keys: `[M]` uint32 sorted context hashes; tokens: `[M]` int32 their next tokens.
+      history: `[B, S]` int32 tokens; length: `[B]` how many are valid (the last one is the root).
+      k: chain length; max_order: the longest context tried.
+    Returns:
+      `(chain [B, K] int32, found [B] bool)`: `found` is False where not even the root alone is in the table;
+      from the first step with no context found on, the chain repeats the root (verified and rejected).
+    """
+    b, s = history.shape
+    m = keys.shape[0]
+    length = length.astype(jnp.int32)
+    rows = jnp.arange(b)[:, None]
+    at = length[:, None] - max_order + jnp.arange(max_order, dtype=jnp.int32)[None, :]  # [B, N] the last N slots
+    window = jnp.where(at >= 0, history[rows, jnp.clip(at, 0, s - 1)], 0)  # [B, N]
+    root = history[jnp.arange(b), jnp.clip(length - 1, 0, s - 1)]  # [B]
+    buf = jnp.concatenate([window, jnp.zeros((b, k), jnp.int32)], axis=1)  # [B, N + K]
+    alive = jnp.ones((b,), bool)
+    found = None
+    for step in range(k):
+        best = jnp.full((b,), -1, jnp.int32)
+        for n in range(1, max_order + 1):  # longer contexts overwrite shorter ones
+            q = context_hash(jnp, buf[:, max_order + step - n:max_order + step], n)  # [B]
+            i = jnp.clip(jnp.searchsorted(keys, q), 0, m - 1)  # [B] (searchsorted may return M: clipped)
+            hit = (keys[i] == q) & (length + step >= n)
+            best = jnp.where(hit, tokens[i], best)
+        alive = alive & (best >= 0)
+        found = alive if found is None else found
+        buf = buf.at[:, max_order + step].set(jnp.where(alive, best, root))
+    return buf[:, max_order:], found
+
+
+def _reply_tokens(tokenizer, path, header: Sequence[int]) -> Iterable[list[int]]:
+    """Each assistant turn of a chat file, tokenised, after the chat template's last tokens before a reply."""
+    from clover_jax.training.sources import read_chat_file
+
+    for conv in read_chat_file(path):
+        for msg in conv.messages:
+            if msg["role"] == "assistant" and msg["content"]:
+                yield list(header) + tokenizer.encode(msg["content"], add_special_tokens=False)
+
+
+def reply_header(tokenizer, size: int = MAX_ORDER) -> list[int]:
+    """The chat template's last `size` tokens before an assistant reply ("<|im_start|>assistant\\n", say): the
+    context a reply's first tokens are drafted after."""
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "x"}], add_generation_prompt=True,
+                                        tokenize=True)
+    ids = ids["input_ids"] if hasattr(ids, "keys") else ids  # a BatchEncoding in recent transformers
+    return [int(i) for i in ids[-size:]]
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description="Build the n-gram draft table of a base model's replies.")
+    ap.add_argument("--model", required=True, help="the base model whose tokenizer reads the replies")
+    ap.add_argument("--data", nargs="+", required=True, help="chat files (.jsonl, .jsonl.gz, .json): their "
+                    "assistant turns, ideally the base model's own replies (self-distillation data)")
+    ap.add_argument("--out", required=True, help="a folder (a head's, say) or a .npz path")
+    ap.add_argument("--max-order", type=int, default=MAX_ORDER)
+    ap.add_argument("--min-count", type=int, default=MIN_COUNT)
+    args = ap.parse_args(argv)
+    import time
+
+    from clover_jax.io.loader import load_model
+
+    t0 = time.time()
+    loaded = load_model(args.model)
+    tok = loaded.tokenizer
+    header = reply_header(tok, args.max_order)
+    seqs = [s for path in args.data for s in _reply_tokens(tok, path, header)]
+    vocab = int(loaded.config.vocab_size)
+    table = build_ngram_table(seqs, vocab, args.max_order, args.min_count,
+                              source=", ".join(Path(p).name for p in args.data))
+    out = save_ngram_table(table, args.out)
+    print(f"{len(seqs)} replies, {sum(map(len, seqs)) - len(seqs) * len(header)} tokens -> {table.size} entries "
+          f"(orders 1-{args.max_order}, contexts seen >= {args.min_count} times) in {time.time() - t0:.0f} s: {out} "
+          f"({out.stat().st_size / 1e6:.1f} MB)")
+
+
+if __name__ == "__main__":
+    main()
