@@ -13,6 +13,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from clover_jax import api, parallel, validation
 from clover_jax.decoding import autoregressive, speculative
+from clover_jax.decoding.ngram import build_ngram_table
 from clover_jax.decoding.sampling import SamplingParams
 from clover_jax.heads.clover2 import Clover2Config, init_from_base
 from clover_jax.heads.clover1 import Clover1Config, init_from_base as clover1_from_base
@@ -107,11 +108,12 @@ def test_tiny_sharded_equals_single_device(tiny, mesh):
     arm = api.generate(base, prompts, mesh=mesh, **kw)
     assert arm.token_ids == ar1.token_ids
     assert arm.row_steps == ar1.row_steps
+    table = build_ngram_table([p + t for p, t in zip(prompts, ar1.token_ids)], base.config.vocab_size, min_count=1)
     for head, tree in [(clover2, "clover2-26"), (clover2, "dynamic-10"), (medusa, "chain-3"), (redrafter, "beam-3x4"),
                        (clover1, "dynamic-8-d3-k3-p0.8"), (eagle, "dynamic-10"), (clover2, "chain-3+lookup-4"),
-                       (None, "lookup-3")]:
-        sp1 = api.generate(base, prompts, mode="speculative", head=head, tree=tree, **kw)
-        spm = api.generate(base, prompts, mode="speculative", head=head, tree=tree, mesh=mesh, **kw)
+                       (None, "lookup-3"), (clover2, "chain-2+lookup-3-table")]:
+        sp1 = api.generate(base, prompts, mode="speculative", head=head, tree=tree, ngram_table=table, **kw)
+        spm = api.generate(base, prompts, mode="speculative", head=head, tree=tree, mesh=mesh, ngram_table=table, **kw)
         assert sp1.token_ids == ar1.token_ids, tree
         assert spm.token_ids == ar1.token_ids, (mesh, tree)
         assert spm.stats["accept_hist"] == sp1.stats["accept_hist"], (mesh, tree)
