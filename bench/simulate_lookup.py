@@ -11,6 +11,8 @@ path). A step then accepts the longest tree path whose ranks match, or the longe
 `--max-ngram` tokens), whichever is longer, and the next step starts after it. tau = generated tokens / steps.
 The loop's own tau for the same tree agrees (shipped head, `fit-5-411aab`, MT-Bench 80: 1.732 predicted, 1.741
 measured), so this explores tree and chain shapes in minutes; speed still has to be measured (`bench_spec.py`).
+`--table` also runs each chain as `...-table` (`clover_jax.decoding.ngram`): where lookup finds no match, the head's
+n-gram table drafts the chain (`NgramTable.chain`, the host twin of the drafter's `ngram_chain`).
 """
 
 from __future__ import annotations
@@ -69,9 +71,10 @@ def draft_ranks(top, seq: list[int], prompt_len: int, top_k: int) -> list[list[i
     return out
 
 
-def lookup(ctx: list[int], max_ngram: int, k: int) -> list[int]:
+def lookup(ctx: list[int], max_ngram: int, k: int, table=None) -> list[int]:
     """The chain `lookup_chain` proposes: the k tokens after the latest earlier occurrence of the longest suffix
-    of ctx (ctx[-1] is the root), cut at the root and padded with it; the root k times without a match."""
+    of ctx (ctx[-1] is the root), cut at the root and padded with it; without a match, the n-gram `table`'s chain
+    if one is given, else the root k times."""
     for n in range(max_ngram, 0, -1):
         if len(ctx) <= n:
             continue
@@ -80,12 +83,13 @@ def lookup(ctx: list[int], max_ngram: int, k: int) -> list[int]:
             if ctx[j - n:j] == suffix:
                 chain = ctx[j:j + k]
                 return chain + [ctx[-1]] * (k - len(chain))
-    return [ctx[-1]] * k
+    return table.chain(ctx, k)[0] if table is not None else [ctx[-1]] * k
 
 
-def simulate(seq: list[int], prompt_len: int, ranks, tree: set | None, k: int, max_ngram: int) -> tuple[int, int]:
+def simulate(seq: list[int], prompt_len: int, ranks, tree: set | None, k: int, max_ngram: int,
+             table=None) -> tuple[int, int]:
     """(tokens, steps) of speculative decoding along `seq`'s reply with tree `tree` (a set of rank paths) and a
-    lookup chain of k tokens."""
+    lookup chain of k tokens (falling back to the n-gram `table`, if given)."""
     c, steps, toks, t = prompt_len + 1, 0, 0, len(seq)  # the root (the first reply token) is committed
     while c < t:
         ah = 0
@@ -95,7 +99,7 @@ def simulate(seq: list[int], prompt_len: int, ranks, tree: set | None, k: int, m
                 ah += 1
         ap = 0
         if k:
-            for a, b in zip(lookup(seq[1:c], max_ngram, k), seq[c:]):  # seq[0] is not in the drafter's history
+            for a, b in zip(lookup(seq[1:c], max_ngram, k, table), seq[c:]):  # seq[0]: not in the drafter's history
                 if a != b:
                     break
                 ap += 1
@@ -119,6 +123,8 @@ def main(argv=None) -> int:
     ap.add_argument("--trees", nargs="+", default=["chain-3", "small-10"], help="static trees (names or JSON)")
     ap.add_argument("--lookup", nargs="+", type=int, default=[0, 4, 6], help="lookup chain lengths (0: none)")
     ap.add_argument("--max-ngram", type=int, default=3)
+    ap.add_argument("--table", action="store_true", help="also run each chain with the head's n-gram table "
+                    "(`TREE+lookup-K-table`)")
     args = ap.parse_args(argv)
 
     loaded = clover_jax.load_model(args.model)
@@ -136,22 +142,29 @@ def main(argv=None) -> int:
     for i in range(0, len(prompts), 8):
         res = clover_jax.generate(loaded, prompts[i:i + 8], max_new_tokens=args.max_new_tokens, decode_text=False)
         seqs += [(list(p), list(g)) for p, g in zip(ids[i:i + 8], res.token_ids)]
-    runs = [("lookup-%d" % k, None, k) for k in args.lookup if k] + [
-        (name + (f"+lookup-{k}" if k else ""), tree, k) for name, tree in trees.items() for k in args.lookup]
+    from clover_jax.decoding.ngram import head_ngram_table
+
+    table = head_ngram_table(args.head) if args.table else None
+    if args.table and table is None:
+        raise SystemExit(f"--table: the head {args.head} ships no n-gram table (python -m clover_jax.decoding.ngram)")
+    ends = [("", None)] + ([("-table", table)] if table is not None else [])
+    runs = [(f"lookup-{k}{e}", None, k, t) for k in args.lookup if k for e, t in ends] + [
+        (name + (f"+lookup-{k}{e}" if k else ""), tree, k, t) for name, tree in trees.items() for k in args.lookup
+        for e, t in (ends if k else ends[:1])]
     totals = collections.defaultdict(lambda: np.zeros(2))  # (run, category) -> tokens, steps
     top = top_drafts(loaded.model, head, draft_vocab, top_k) if trees else None
     for (p, g), cat in zip(seqs, cats):
         seq = p + g
         ranks = draft_ranks(top, seq, len(p), top_k) if trees else None
-        for name, tree, k in runs:
-            toks, steps = simulate(seq, len(p), ranks, tree, k, args.max_ngram)
+        for name, tree, k, tab in runs:
+            toks, steps = simulate(seq, len(p), ranks, tree, k, args.max_ngram, tab)
             totals[name, cat] += (toks, steps)
             totals[name, "all"] += (toks, steps)
     categories = ["all"] + sorted(set(cats))
     print(f"{len(seqs)} prompts ({args.questions}), greedy, {args.max_new_tokens} new tokens; predicted tau")
     print("\n| run | " + " | ".join(categories) + " |")
     print("|---" * (len(categories) + 1) + "|")
-    for name, _, _ in runs:
+    for name, *_ in runs:
         print(f"| {name} | " + " | ".join(f"{totals[name, c][0] / max(totals[name, c][1], 1):.3f}"
                                           for c in categories) + " |")
     return 0

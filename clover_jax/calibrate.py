@@ -230,10 +230,12 @@ def max_candidate_nodes() -> int:
 
 def _lookup_variants(head, base, draft_vocab, trees: Sequence[str], ngram_table=None) -> list[str]:
     """`TREE+lookup-LOOKUP_LENGTH` for each of `trees` (distinct) the head can draft, and with an n-gram table
-    also `TREE+lookup-LOOKUP_LENGTH-table` (`clover_jax.decoding.ngram`)."""
+    also `TREE+lookup-LOOKUP_LENGTH-table` and the chain alone, `lookup-LOOKUP_LENGTH-table` (no head: the
+    table and prompt lookup draft without the head's cost; `clover_jax.decoding.ngram`)."""
     ends = [""] + (["-table"] if ngram_table is not None else [])
+    alone = [f"lookup-{LOOKUP_LENGTH}-table"] if ngram_table is not None else []
     return candidate_trees(head, base, draft_vocab, [f"{t}+lookup-{LOOKUP_LENGTH}{e}" for t in dict.fromkeys(trees)
-                                                     for e in ends], ngram_table)
+                                                     for e in ends] + alone, ngram_table)
 
 
 def probe_for(head, base, draft_vocab=None):

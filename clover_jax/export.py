@@ -14,6 +14,7 @@ import socket
 import sys
 from pathlib import Path
 
+from clover_jax.decoding.ngram import NGRAM_FILE
 from clover_jax.heads.draft_vocab import DRAFT_VOCAB_FILE
 from clover_jax.io.export import HEAD_CONFIG_KEYS, ExportError, export_base, export_head
 
@@ -59,6 +60,8 @@ def export_head_from_folder(folder, out, *, model=None, include_embedding=True, 
     for name in ("training_config.json", "training_config.yaml", DRAFT_VOCAB_FILE):
         if (src / name).is_file():
             (out / name).write_text((src / name).read_text())
+    if (src / NGRAM_FILE).is_file():  # the n-gram draft table travels with the head (`clover_jax.decoding.ngram`)
+        (out / NGRAM_FILE).write_bytes((src / NGRAM_FILE).read_bytes())
     return out
 
 

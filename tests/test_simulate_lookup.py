@@ -18,19 +18,26 @@ sim = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(sim)
 
 
-@pytest.mark.parametrize("k,max_ngram", [(3, 3), (5, 1)])
-def test_simulated_steps_equal_the_loop_lookup_alone(k, max_ngram):
+@pytest.mark.parametrize("k,max_ngram,with_table", [(3, 3, False), (5, 1, False), (3, 3, True)])
+def test_simulated_steps_equal_the_loop_lookup_alone(k, max_ngram, with_table):
+    from clover_jax.decoding.ngram import build_ngram_table
+
     cfg = LlamaConfig(vocab_size=16, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, head_dim=8, eos_token_ids=(99,))
     base = init_llama(cfg, seed=3)
     rng = np.random.RandomState(0)
     prompts = [rng.randint(3, 16, rng.randint(3, 12)).tolist() for _ in range(6)]
+    table = None
+    if with_table:  # the model's own replies to other prompts
+        other = [rng.permutation(np.arange(3, 16))[:4].tolist() for _ in range(40)]
+        table = build_ngram_table([p + g for p, g in zip(other, generate(base, other, max_new_tokens=16).token_ids)],
+                                  vocab_size=16)
     ar = generate(base, prompts, max_new_tokens=30, cache_size=128)
-    sp = generate(base, prompts, max_new_tokens=30, cache_size=128, mode="speculative",
-                  tree=f"lookup-{k}" + (f"-n{max_ngram}" if max_ngram != 3 else ""))
+    sp = generate(base, prompts, max_new_tokens=30, cache_size=128, mode="speculative", ngram_table=table,
+                  tree=f"lookup-{k}" + (f"-n{max_ngram}" if max_ngram != 3 else "") + ("-table" if with_table else ""))
     assert sp.token_ids == ar.token_ids
     for p, g, steps in zip(prompts, ar.token_ids, sp.row_steps):
-        toks, sim_steps = sim.simulate(p + g, len(p), None, None, k, max_ngram)
+        toks, sim_steps = sim.simulate(p + g, len(p), None, None, k, max_ngram, table)
         assert (toks, sim_steps) == (len(g) - 1, steps)
     assert sum(sp.row_steps) < sum(len(g) - 1 for g in ar.token_ids)  # chains were accepted
 

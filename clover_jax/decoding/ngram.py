@@ -83,6 +83,23 @@ class NgramTable:
     def size(self) -> int:
         return int(self.keys.size)
 
+    def chain(self, ctx: Sequence[int], k: int) -> tuple[list[int], bool]:
+        """`ngram_chain` for one row on the host (numpy): `(k tokens, found)` after the tokens `ctx` (root last)."""
+        ctx, root, out = [int(t) for t in ctx], int(ctx[-1]), []
+        for _ in range(k):
+            nxt = None
+            for n in range(min(self.max_order, len(ctx)), 0, -1):
+                q = context_hash(np, np.asarray([ctx[-n:]], np.uint32), n)[0]
+                i = min(int(np.searchsorted(self.keys, q)), self.size - 1)
+                if self.keys[i] == q:
+                    nxt = int(self.tokens[i])
+                    break
+            if nxt is None:
+                break
+            out.append(nxt)
+            ctx.append(nxt)
+        return out + [root] * (k - len(out)), bool(out)
+
 
 def _positions(sequences: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
     """All sequences end to end `[T]` int64, and each token's index within its sequence `[T]`."""

@@ -89,6 +89,7 @@ def test_chain_matches_a_python_back_off_model(vocab, max_order, min_count, k):
         want, ok = oracle.chain(history[r, :length[r]].tolist(), k)
         assert np.asarray(chain[r]).tolist() == want, f"row {r}: {history[r, :length[r]].tolist()}"
         assert bool(found[r]) == ok, f"row {r}"
+        assert table.chain(history[r, :length[r]].tolist(), k) == (want, ok)  # the host twin
         hits += ok
     assert 0 < hits < b  # both cases were exercised
 
