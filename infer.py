@@ -46,8 +46,8 @@ def parse_args(argv=None):
                    "TREE+lookup-K (a prompt-lookup chain of K tokens beside the head's tree) | lookup-K (prompt lookup "
                    "alone, no head) | TREE+lookup-K-table, lookup-K-table (where lookup finds no match, an n-gram "
                    "table's chain: --ngram-table) (default: the shipped head's tree, else clover2-26)")
-    p.add_argument("--ngram-table", help="n-gram table for trees named ...-table (python -m clover_jax.decoding.ngram); "
-                   "default: the one shipped beside the head, if any")
+    p.add_argument("--ngram-table", help="n-gram table for trees named ...-table (python -m "
+                   "clover_jax.decoding.ngram); default: the one shipped beside the head, if any")
     p.add_argument("--draft-vocab", help="draft only from these token ids (JSON from python -m "
                    "clover_jax.heads.draft_vocab); output is unchanged, drafting is cheaper")
     p.add_argument("--mesh", default=None, help="decode on several devices: 'data=D,tp=T' (tensor parallel over T "

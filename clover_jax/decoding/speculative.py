@@ -190,8 +190,8 @@ def _drafter_for(head_type: type, tree_key, draft_vocab, ngram_table) -> object:
                              f"use {spec.name.rsplit('+', 1)[-1]!r} (prompt lookup alone)")
         if spec.table and ngram_table is None:
             raise InputError(f"tree {spec.name!r} falls back to an n-gram table, and none was given: use a head "
-                             f"that ships one (ngram_table.npz beside it), pass ngram_table=..., build one with "
-                             f"python -m clover_jax.decoding.ngram, or drop '-table' from the tree name")
+                             f"that ships one (ngram_table.npz beside it), pass ngram_table=... (--ngram-table), "
+                             f"build one with python -m clover_jax.decoding.ngram, or drop '-table' from the tree name")
         inner = None if spec.inner is None else registry.of_head(head_type).make_drafter(spec.inner, draft_vocab)
         return LookupDrafter(inner, spec, ngram_table)
     return registry.of_head(head_type).make_drafter(spec, draft_vocab)
