@@ -170,7 +170,14 @@ def _main(argv=None) -> int:
             print(f"drafting from the head's {len(draft_vocab)}-token training vocabulary", file=sys.stderr)
     from clover_jax.decoding.ngram import resolve_ngram_table
 
-    ngram_table = resolve_ngram_table(args.ngram_table, args.head if head is not None else None)
+    table_of = args.head if head is not None else None
+    if lookup_only and get_tree(args.tree).table and not args.ngram_table:
+        from clover_jax import pretrained
+
+        table_of = pretrained.default_head(args.model)  # the model's shipped head's table, if it has one
+        if table_of:
+            print(f"n-gram table of the shipped head {table_of}", file=sys.stderr)
+    ngram_table = resolve_ngram_table(args.ngram_table, table_of)
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
               chat=not args.no_chat, system=args.system, cache_size=args.cache_size, mode=args.mode, head=head,
               tree=args.tree, draft_vocab=draft_vocab, mesh=mesh, layers=args.layers, ngram_table=ngram_table)

@@ -40,6 +40,18 @@ def test_infer_speculative_uses_the_shipped_head(capsys):
     assert "Paris" in captured.out and "tau = " in captured.out
 
 
+@pytest.mark.slow
+def test_infer_lookup_table_without_a_head(capsys):
+    """`--tree lookup-4-table` with no head drafts from the model's shipped head's n-gram table, exactly."""
+    argv = ["--prompt", "List three prime numbers.", "--max-new-tokens", "32"]
+    assert infer.main(argv) == 0
+    ar = capsys.readouterr().out.split("### prompt 0:")[1].split("\nar: ")[0].strip()
+    assert infer.main(argv + ["--mode", "speculative", "--tree", "lookup-4-table"]) == 0
+    out, err = capsys.readouterr()
+    assert "n-gram table of the shipped head smollm2-135m-instruct-clover2" in err
+    assert out.split("### prompt 0:")[1].split("\n[tau")[0].strip() == ar and len(ar) > 40
+
+
 def test_infer_on_a_mesh_answers_as_on_one_device(capsys):
     """The README's example prompt: `--mesh tp=8` (8 simulated devices) prints the `--mesh tp=1` answer."""
     argv = ["--prompt", "What is the capital of France?", "--max-new-tokens", "24", "--mode", "speculative"]
