@@ -49,12 +49,12 @@ def test_predicted_tau_is_close_to_the_loop(capsys, smollm, tmp_path):
     path = tmp_path / "fit5.json"
     TreeSpec(choices=((0,), (1,), (2,), (0, 0)), top_k=3, name="fit5").to_json(str(path))
     name = get_tree(str(path)).name  # a JSON tree is named by its file
-    assert sim.main(["--questions", "mt_bench", "--limit", "8", "--max-new-tokens", "48", "--trees", str(path),
+    assert sim.main(["--questions", "mt_bench", "--limit", "4", "--max-new-tokens", "48", "--trees", str(path),
                      "--lookup", "0", "4"]) == 0
     rows = {line.split("|")[1].strip(): float(line.split("|")[2]) for line in capsys.readouterr().out.splitlines()
             if line.startswith(f"| {name}") or line.startswith("| lookup")}
     assert set(rows) == {"lookup-4", name, f"{name}+lookup-4"}
-    prompts = __import__("bench_spec").load_questions("mt_bench", 8, None)[0]
+    prompts = __import__("bench_spec").load_questions("mt_bench", 4, None)[0]
     for row, tree in ((name, str(path)), (f"{name}+lookup-4", f"{path}+lookup-4")):
         res = generate(smollm, prompts, max_new_tokens=48, mode="speculative", head="smollm2-135m-instruct-clover2",
                        tree=tree)

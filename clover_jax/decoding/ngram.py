@@ -10,7 +10,7 @@ in the table gives the next token.
 
 Only contexts seen at least `min_count` times are kept, and a context whose most frequent next token equals the
 one its shorter suffix context predicts is left out (the back-off then gives the same token), so the table of
-SmolLM2-135M-Instruct's 27k replies holds about half a million entries (4 MB).
+SmolLM2-135M-Instruct's 27k replies holds about half a million entries (3.8 MB on device, 2.4 MB compressed).
 
 Hash collisions are possible (two contexts, one 32-bit hash): they can only propose a wrong token, which
 verification rejects, so output is unaffected, as for every draft.
