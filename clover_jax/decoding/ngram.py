@@ -124,7 +124,10 @@ def build_ngram_table(sequences: Iterable[Sequence[int]], vocab_size: int, max_o
         raise InputError(f"n-gram table: min_count must be >= 1, got {min_count}")
     flat, pos = _positions(seqs)
     if flat.size and (flat.min() < 0 or flat.max() >= vocab_size):
-        raise InputError(f"n-gram table: token id {int(flat.max())} outside the vocabulary [0, {vocab_size})")
+        bad = int(flat.min()) if flat.min() < 0 else int(flat.max())
+        raise InputError(f"n-gram table: token id {bad} outside the vocabulary [0, {vocab_size})")
+    if not np.any(pos >= 1):
+        raise InputError(f"n-gram table: the {len(seqs)} sequences hold no pair of consecutive tokens")
     per_order = {}  # order -> (keys [M_n] sorted, tokens [M_n], representative position [M_n])
     hashes = {}  # order -> (positions [T_n], context hashes [T_n])
     for n in range(1, max_order + 1):

@@ -118,6 +118,10 @@ def test_file_round_trip_and_errors(tmp_path):
         load_ngram_table(tmp_path / "missing.npz")
     with pytest.raises(InputError, match="outside the vocabulary"):
         build_ngram_table([[1, 12]], vocab_size=10)
+    with pytest.raises(InputError, match="token id -1 outside"):
+        build_ngram_table([[1, -1]], vocab_size=10)
+    with pytest.raises(InputError, match="no pair of consecutive tokens"):
+        build_ngram_table([[], [3]], vocab_size=10)
     with pytest.raises(InputError, match="no context occurs"):
         build_ngram_table([[1, 2, 3]], vocab_size=10, min_count=5)
 
