@@ -124,6 +124,7 @@ def parts_ms(args, config, base, head, drafter, prompt, lens) -> dict[str, float
     from flax import nnx
 
     from clover_jax.decoding import verify
+    from clover_jax.decoding.speculative import head_layers
     from clover_jax.decoding.autoregressive import prefill
     from clover_jax.models.cache import KVCache, prefix_mask
 
@@ -149,7 +150,8 @@ def parts_ms(args, config, base, head, drafter, prompt, lens) -> dict[str, float
                              per_layer=lw is not None)
         _, hidden, cache = prefill(base_, prompt, lens, cache, layer_weights=lw)
         y = jnp.concatenate([prompt[:, 1:], prompt[:, :1]], axis=1)
-        hs = drafter.start(head_, base_, drafter.init_state(head_, base_, b, s, arrays), hidden, y, lens)
+        hs = drafter.start(head_, base_, drafter.init_state(head_, base_, b, s, arrays, layers=head_layers(None)),
+                           hidden, y, lens)
         return cache, hs
 
     cache, hs = setup(bs, lw, hp, arrays, prompt, lens)  # laid out for the speculative parts
@@ -226,6 +228,9 @@ def parts_ms(args, config, base, head, drafter, prompt, lens) -> dict[str, float
     return out
 
 
+_SHIPPED_HEAD = "smollm2-135m-instruct-clover2"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", choices=sorted(SHAPES), default="smollm2-135m")
@@ -245,6 +250,9 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", default="auto", choices=["auto", "unrolled", "scan"],
                     help="how the base model's layers run while decoding (auto: see clover_jax.decoding.autoregressive."
                     "decode_layers; unrolled for every loop on a GPU, for one-token float32 loops on a CPU)")
+    ap.add_argument("--ngram-table", default=None,
+                    help="an n-gram table (.npz or a head folder) for trees named ...-table; default: the shipped "
+                    "SmolLM2 head's table when --shape smollm2-135m")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
 
@@ -253,7 +261,9 @@ def main(argv=None) -> int:
     import numpy as np
 
     from clover_jax.decoding.autoregressive import decode_layers
+    from clover_jax.decoding.ngram import resolve_ngram_table
     from clover_jax.decoding.speculative import drafter_for
+    from clover_jax.decoding.tree import LookupTree, get_tree
 
     if args.context + args.loop_tokens[1] + 64 > args.cache_size:
         raise SystemExit(f"--cache-size {args.cache_size} cannot hold --context {args.context} + "
@@ -287,13 +297,21 @@ def main(argv=None) -> int:
           + (f", mesh {args.mesh}" if args.mesh else "") + f", --layers {args.layers}")
     sizes = {}
     for tree in args.trees:
-        drafter = drafter_for(type(head), tree, vocab)
+        spec = get_tree(tree)
+        table = None
+        if isinstance(spec, LookupTree) and spec.table:
+            table = resolve_ngram_table(args.ngram_table, None if args.ngram_table else _SHIPPED_HEAD)
+            if table.vocab_size != config.vocab_size:
+                raise SystemExit(f"--ngram-table was built for a vocabulary of {table.vocab_size}, the "
+                                 f"--shape {args.shape} model has {config.vocab_size}")
+        drafter = drafter_for(type(head), tree, vocab, table)
+        parts = not args.no_parts and not isinstance(spec, LookupTree)  # parts: head trees only
         # the AR loop's choice; with --layers auto the speculative loop makes its own (scan on a CPU)
         args.layers = decode_layers(layers_asked, args.mesh_obj, model=base)
         args.spec_layers = decode_layers(layers_asked, args.mesh_obj, tokens_per_step=drafter.num_nodes, model=base)
         ar_ms, spec_ms = loop_ms_per_step(args, base, head, drafter, prompt, lens)
         rows = {"loop: AR step": ar_ms, "loop: speculative step": spec_ms}
-        if not args.no_parts:
+        if parts:
             rows |= parts_ms(args, config, base, head, drafter, prompt, lens)
         report["trees"][tree] = rows
         report["layers"][tree] = {"ar": args.layers, "speculative": args.spec_layers}
@@ -304,7 +322,7 @@ def main(argv=None) -> int:
         print("|---|---|---|")
         for name, ms in rows.items():
             print(f"| {name} | {ms:.2f} | {ms / ar_ms:.2f} |")
-        if not args.no_parts:
+        if parts:
             spec_sum = sum(v for k, v in rows.items() if k.startswith("spec:"))
             ar_sum = sum(v for k, v in rows.items() if k.startswith("ar:"))
             print(f"| sum of spec parts | {spec_sum:.2f} | {spec_sum / ar_ms:.2f} |")
@@ -315,6 +333,8 @@ def main(argv=None) -> int:
         print("|---|---|---|---|---|---|")
         summary = {}
         for tree, rows in report["trees"].items():
+            if "ar: forward + KV append" not in rows:
+                continue
             ar_f = rows["ar: forward + KV append"]
             ver, dr = rows["spec: verify forward + KV write"], rows["spec: draft"]
             summary[tree] = {"U": sizes[tree], "ratio": (ver + dr) / ar_f}

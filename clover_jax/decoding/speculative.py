@@ -50,6 +50,18 @@ class _SpecState:
     key: jax.Array
 
 
+def head_layers(mesh=None) -> str:
+    """How the draft head's own stacked decoder layers (Clover-2's Augmenting Block) run in the speculative loop:
+    `"unrolled"` (per-layer weights taken once before the loop) without a mesh on a CPU or GPU, `"scan"` with a
+    mesh (the sharding rules are for stacked layers) or on a TPU (not measured). Unlike the base model's layers
+    (`decode_layers`) the choice cannot change an output, only drafts: the head's rounding never reaches
+    verification. On a 2-core CPU, SmolLM2's 2-layer block commits 5 tokens in 1.4 ms unrolled against 2.3 ms
+    scanned (docs/benchmarks.md)."""
+    if mesh is not None or jax.default_backend() not in ("cpu", "gpu"):
+        return "scan"
+    return "unrolled"
+
+
 def _accept(proposal, logits, key, sampling, greedy: bool, sampled_drafts: bool):
     if greedy:
         return verify.greedy_accept(proposal.tokens, logits, proposal.buffers)
@@ -79,8 +91,7 @@ def _spec_generate(base_graph, base_state, head_graph, head_state_params, drafte
     y_prompt = jnp.concatenate([prompt[:, 1:], jnp.zeros((b, 1), prompt.dtype)], axis=1)
     y_prompt = y_prompt.at[rows, prompt_lengths - 1].set(root)
     # the drafter's arrays (tree buffers, draft vocabulary) come in as an argument, not as program constants
-    hs0 = (drafter.init_state(head, base, b, cache_size, drafter_arrays) if drafter_arrays is not None
-           else drafter.init_state(head, base, b, cache_size))
+    hs0 = drafter.init_state(head, base, b, cache_size, drafter_arrays, layers=head_layers(mesh))
     hs = drafter.start(head, base, shard(hs0), hidden, y_prompt, prompt_lengths)
 
     tokens = jnp.zeros((b, cache_size), jnp.int32).at[:, :t].set(prompt, mode="drop")

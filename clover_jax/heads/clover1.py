@@ -126,9 +126,10 @@ class Clover1Head(nnx.Module):
         y = s.astype(dt) @ self.fc_w[i].astype(dt) + self.fc_b[i].astype(dt)
         return s, rms_norm(y, self.head_norm[...], self.eps)
 
-    def _aug(self, f, positions, self_mask, cache=None, cache_mask=None, cache_extent=None):
+    def _aug(self, f, positions, self_mask, cache=None, cache_mask=None, cache_extent=None, layer_weights=None):
         ck, cv = (None, None) if cache is None else (cache.k, cache.v)
-        y, new_k, new_v = self.aug(f, positions, self_mask, ck, cv, cache_mask, cache_extent=cache_extent)
+        y, new_k, new_v = self.aug(f, positions, self_mask, ck, cv, cache_mask, cache_extent=cache_extent,
+                                   layer_weights=layer_weights)
         return rms_norm(y, self.aug_norm[...], self.eps), new_k, new_v
 
     # ------------------------------------------------------------ the interface Clover-2's drafters use
@@ -153,18 +154,19 @@ class Clover1Head(nnx.Module):
                             dtype or self.cfg.dtype)
 
     def commit(self, base: Llama, cache: KVCache, f_new: jax.Array, y_new: jax.Array,
-               num_valid: jax.Array, fresh: bool = False, cache_extent: jax.Array | None = None
-               ) -> tuple[jax.Array, KVCache]:
+               num_valid: jax.Array, fresh: bool = False, cache_extent: jax.Array | None = None,
+               layer_weights: tuple[dict[str, jax.Array], ...] | None = None) -> tuple[jax.Array, KVCache]:
         """Feeds new accepted positions `f_new [B, A, D]` through the Augmenting Block (cache appended by
         `num_valid [B]`) and returns s^0 `[B, D]` = AD_0(E[root], a_last), the root being the token after the
-        last valid position (`y_new [B, A]`); `fresh`, `cache_extent`: see Clover2Head.commit."""
+        last valid position (`y_new [B, A]`); `fresh`, `cache_extent`, `layer_weights`: see Clover2Head.commit."""
         b, a = y_new.shape
         num_valid = num_valid.astype(jnp.int32)
         check_room(cache.lengths + num_valid, 0, cache.size, what="Clover-1 head commit")
         valid = jnp.arange(a)[None, :] < num_valid[:, None]  # [B, A]
         f = jnp.where(valid[..., None], f_new, 0).astype(self.cfg.dtype)
         positions = cache.lengths[:, None] + jnp.arange(a, dtype=jnp.int32)[None, :]
-        s, new_k, new_v = self._aug(f, positions, causal_mask(valid), *attended_cache(cache, a, fresh), cache_extent)
+        s, new_k, new_v = self._aug(f, positions, causal_mask(valid), *attended_cache(cache, a, fresh), cache_extent,
+                                    layer_weights)
         last = jnp.maximum(num_valid - 1, 0)
         a_last = jnp.take_along_axis(s, last[:, None, None], axis=1)[:, 0]  # [B, D]
         root = jnp.take_along_axis(jnp.where(valid, y_new, 0), last[:, None], axis=1)[:, 0]  # [B]

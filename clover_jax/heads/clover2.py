@@ -198,9 +198,10 @@ class Clover2Head(nnx.Module):
         y = x.astype(dt) @ w[...].astype(dt) + b[...].astype(dt)
         return rms_norm(y, self.head_norm[...], self.eps)
 
-    def _aug_block(self, g, positions, self_mask, cache=None, cache_mask=None, cache_extent=None):
+    def _aug_block(self, g, positions, self_mask, cache=None, cache_mask=None, cache_extent=None, layer_weights=None):
         ck, cv = (None, None) if cache is None else (cache.k, cache.v)
-        y, new_k, new_v = self.aug(g, positions, self_mask, ck, cv, cache_mask, cache_extent=cache_extent)
+        y, new_k, new_v = self.aug(g, positions, self_mask, ck, cv, cache_mask, cache_extent=cache_extent,
+                                   layer_weights=layer_weights)
         return rms_norm(y, self.aug_norm[...], self.eps), new_k, new_v
 
     # ------------------------------------------------------------------ per-depth pieces
@@ -267,8 +268,8 @@ class Clover2Head(nnx.Module):
                             dtype or self.cfg.dtype)
 
     def commit(self, base: Llama, cache: KVCache, f_new: jax.Array, y_new: jax.Array,
-               num_valid: jax.Array, fresh: bool = False, cache_extent: jax.Array | None = None
-               ) -> tuple[jax.Array, KVCache]:
+               num_valid: jax.Array, fresh: bool = False, cache_extent: jax.Array | None = None,
+               layer_weights: tuple[dict[str, jax.Array], ...] | None = None) -> tuple[jax.Array, KVCache]:
         """Feeds newly accepted positions through AD1 + the Augmenting Block; returns s^0.
 
         Args:
@@ -280,6 +281,8 @@ class Clover2Head(nnx.Module):
           fresh: the cache is known to be empty (the prompt's commit): its slots are not attended to at all.
           cache_extent: optional `[]` int, at least every row's `cache.lengths`: the cache is then read in blocks
             up to it only (a block of a long prompt, `commit_prompt`), not over all its slots.
+          layer_weights: optional `self.aug.per_layer_weights()`, taken before a decoding loop: the block's layers
+            then run unrolled, reading their weights in place (see `Clover2Drafter.init_state`).
 
         Returns:
           `(state [B, D], cache')`: the Augmenting-Block output (after aug_norm) at the last valid new
@@ -299,7 +302,7 @@ class Clover2Head(nnx.Module):
         positions = cache.lengths[:, None] + jnp.arange(a, dtype=jnp.int32)[None, :]  # [B, A]
         self_mask = causal_mask(valid)  # [B, A, A]
         old, cache_mask = attended_cache(cache, a, fresh)  # cache_mask [B, A, S] or None
-        s, new_k, new_v = self._aug_block(g, positions, self_mask, old, cache_mask, cache_extent)
+        s, new_k, new_v = self._aug_block(g, positions, self_mask, old, cache_mask, cache_extent, layer_weights)
         last = jnp.maximum(num_valid - 1, 0)
         state = jnp.take_along_axis(s, last[:, None, None], axis=1)[:, 0]  # [B, D]
         return state, cache.append(new_k, new_v, num_valid)

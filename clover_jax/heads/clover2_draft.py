@@ -35,6 +35,8 @@ class Clover2State:
     vocab_rows: jax.Array | None = None  # [N, D] W_lm^T rows of the draft vocabulary (None: all V)
     vocab_ids: jax.Array | None = None  # [N] int32 the draft vocabulary's token ids (None: all V)
     buffers: TreeBuffers | None = None  # the tree's index arrays (None: the drafter's own, as constants)
+    # the Augmenting Block's per-layer weights, taken once before the loop (None: its layers run as a scan)
+    layer_weights: tuple[dict[str, jax.Array], ...] | None = None
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -61,26 +63,45 @@ class Clover2Drafter(TreeDrafterBase):
         return cached_arrays(self, lambda: {"buffers": jax.tree.map(jnp.asarray, self.buffers),
                                             "vocab_ids": vocab_ids(self.draft_vocab)})
 
-    def init_state(self, head: Clover2Head, base, batch: int, cache_size: int, arrays: dict | None = None
-                   ) -> Clover2State:
-        """The drafting state of a fresh batch; `arrays` is `self.arrays()` (passed into the jitted loop)."""
+    def init_state(self, head: Clover2Head, base, batch: int, cache_size: int, arrays: dict | None = None,
+                   layers: str = "scan") -> Clover2State:
+        """The drafting state of a fresh batch; `arrays` is `self.arrays()` (passed into the jitted loop).
+        `layers="unrolled"`: the Augmenting Block's per-layer weights are taken here, once, and every commit runs
+        its layers unrolled on them; a scan over the stacked weights copies each layer's slice at every step
+        (SmolLM2's 2-layer block on a 2-core CPU: a 5-token commit 1.4 ms unrolled against 2.3 ms scanned)."""
         arrays = self.arrays() if arrays is None else arrays
         rows = None
         if arrays["vocab_ids"] is not None:
             rows = base.lm_head_rows(arrays["vocab_ids"]).astype(head.cfg.dtype)
+        lw = self._layer_weights(head) if layers == "unrolled" else None
         return Clover2State(cache=head.init_cache(batch, cache_size),
                             s0=jnp.zeros((batch, base.config.hidden_size), head.cfg.dtype), vocab_rows=rows,
-                            vocab_ids=arrays["vocab_ids"], buffers=arrays["buffers"])
+                            vocab_ids=arrays["vocab_ids"], buffers=arrays["buffers"], layer_weights=lw)
+
+    def _layer_weights(self, head):
+        """The head's decoder layers, one weight dict per layer, for `init_state(layers="unrolled")` (None: the
+        head keeps its scan)."""
+        return head.aug.per_layer_weights()
+
+    def layer_copy_bytes(self, head) -> int:
+        """Bytes `init_state(layers="unrolled")` holds besides the head's own weights (the per-layer copy)."""
+        return 0 if self._layer_weights(head) is None else int(
+            sum(x.nbytes for x in jax.tree.leaves(head.aug.layer_params())))
+
+    def _commit_kwargs(self, state: Clover2State) -> dict:
+        return {} if state.layer_weights is None else {"layer_weights": state.layer_weights}
 
     def start(self, head, base, state: Clover2State, f_prompt, y_prompt, lengths) -> Clover2State:
+        kw = self._commit_kwargs(state)
+
         def commit(cache, f, y, num, fresh, extent):
-            return head.commit(base, cache, f, y, num, fresh=fresh, cache_extent=extent)
+            return head.commit(base, cache, f, y, num, fresh=fresh, cache_extent=extent, **kw)
 
         s0, cache = commit_prompt(commit, state.cache, f_prompt, y_prompt, lengths)  # init_state's empty cache
         return state.replace(cache=cache, s0=s0)
 
     def commit(self, head, base, state: Clover2State, f_new, y_new, num_new) -> Clover2State:
-        s0, cache = head.commit(base, state.cache, f_new, y_new, num_new)
+        s0, cache = head.commit(base, state.cache, f_new, y_new, num_new, **self._commit_kwargs(state))
         active = num_new > 0
         return state.replace(cache=cache, s0=jnp.where(active[:, None], s0, state.s0))
 

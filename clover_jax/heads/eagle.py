@@ -248,6 +248,9 @@ class _EagleNodes:
     """EAGLE's node step for Clover-2's tree drafters: a node's state is its output and its ancestors' keys and
     values, `{"f": [B, E, D], "k", "v": [B, E, L, P, K, H]}`; the draft cache is the drafter state's `cache`."""
 
+    def _layer_weights(self, head):  # EAGLE's one draft layer keeps its scan (not measured unrolled)
+        return None
+
     def check(self, head: EagleHead, base) -> None:
         check_compatible(head, base.config)
         self.check_tree(self.max_depth, base.config.vocab_size, what="the EAGLE head")  # any depth drafts

@@ -1,12 +1,14 @@
 """Speculative decoding: exactness (greedy), losslessness (sampling), compilation, bad input."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
-from clover_jax.api import generate
+from clover_jax.api import generate, prepare_generate
 from homogeneity import chi2_homogeneity
 from clover_jax.decoding import speculative
 from clover_jax.decoding.tree import TreeSpecError
@@ -67,6 +69,51 @@ def test_unrolled_layers_equal_the_scan(tiny, tree):
     for r, p in enumerate(prompts):
         got = np.asarray(unrolled.tokens[r, len(p):int(unrolled.lengths[r])]).tolist()
         assert got == ar.token_ids[r]
+
+
+@pytest.mark.parametrize("head_type", ["clover2", "clover1", "eagle"])
+def test_head_layers_unrolled_draft_what_the_scan_drafts(head_type):
+    """The loop runs a Clover head's Augmenting Block unrolled (`head_layers`: per-layer weights taken once in
+    `init_state`) on a CPU or GPU without a mesh: the drafts equal those of the scanned block, after the prompt
+    and after a commit. EAGLE's draft layer keeps its scan."""
+    from clover_jax.heads import registry
+    from clover_jax.parallel import make_mesh
+
+    assert speculative.head_layers() == "unrolled"  # this CPU
+    assert speculative.head_layers(make_mesh(data=1, tp=1, devices=jax.devices()[:1])) == "scan"
+    base = init_llama(CFG, seed=0)
+    ht = registry.get(head_type)
+    head = ht.module_cls(CFG, ht.config_cls(), rngs=nnx.Rngs(3))
+    head = jax.tree.map(lambda x: x + 0.05 * jax.random.normal(jax.random.key(4), x.shape, x.dtype), head)
+    drafter = speculative.drafter_for(type(head), "small-10")
+    b, t = 2, 9
+    rng = np.random.RandomState(5)
+    f = jnp.asarray(rng.randn(b, t, CFG.hidden_size), jnp.float32)
+    y = jnp.asarray(rng.randint(3, 64, (b, t)), jnp.int32)
+    lens = jnp.asarray([9, 6])
+    root = jnp.asarray([7, 11])
+
+    unrolled_state = []
+
+    @functools.partial(jax.jit, static_argnums=2)
+    def run(head, base, layers):
+        st = drafter.start(head, base, drafter.init_state(head, base, b, 32, layers=layers), f, y, lens)
+        unrolled_state.append(st.layer_weights is not None)
+        first = drafter.propose(head, base, st, root, jax.random.key(0)).tokens  # [B, U]
+        st = drafter.commit(head, base, st, f[:, :3], y[:, :3], jnp.asarray([3, 2]))
+        return first, drafter.propose(head, base, st, root, jax.random.key(0)).tokens
+
+    scan = run(head, base, "scan")
+    unrolled = run(head, base, "unrolled")
+    assert unrolled_state == [False, head_type != "eagle"]
+    for a, c in zip(scan, unrolled):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(c))
+    assert len(set(np.asarray(scan[0]).ravel().tolist())) > 2  # real drafts, not one repeated id
+    # the per-layer copy is counted in the memory plan (Clover heads)
+    plan = prepare_generate(base, _prompts(2), max_new_tokens=4, cache_size=64, mode="speculative", head=head,
+                            tree="small-10")
+    copy = plan.memory.get("per-layer copy of the draft head's layers", 0)
+    assert copy == (0 if head_type == "eagle" else sum(x.nbytes for x in jax.tree.leaves(head.aug.layer_params())))
 
 
 def test_greedy_equals_autoregressive_up_to_cache_end(tiny):

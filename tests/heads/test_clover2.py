@@ -266,3 +266,25 @@ def test_blockwise_top_k_equals_lax_top_k():
     for v, k in [(49152, 10), (1000, 10), (50, 10), (300, 1), (129, 4)]:
         x = jax.random.normal(jax.random.key(v), (3, 2, v))
         np.testing.assert_array_equal(np.asarray(top_k_ids(x, k)), np.asarray(jax.lax.top_k(x, k)[1]))
+
+
+def test_commit_with_unrolled_layers_equals_the_scan(base, head):
+    """The decoding loop runs the Augmenting Block unrolled on per-layer weights taken once before it
+    (`Clover2Drafter.init_state(layers="unrolled")`): the same state and cache as the scan over stacked layers."""
+    b, size = 2, 16
+    f, _, y = _data(b, 5, 3)
+    num = jnp.asarray([5, 3])
+    lw = head.aug.per_layer_weights()
+    assert len(lw) == HCFG.num_aug_layers
+    unrolled = jax.jit(lambda h, b_, c, f, y, n, lw: h.commit(b_, c, f, y, n, layer_weights=lw))
+    s_scan, c_scan = _commit(head, base, head.init_cache(b, size), f, y, num)
+    s_unr, c_unr = unrolled(head, base, head.init_cache(b, size), f, y, num, lw)
+    np.testing.assert_allclose(np.asarray(s_unr), np.asarray(s_scan), atol=1e-5, rtol=1e-5)
+    # a second commit reads the first one's cache
+    s_scan, c_scan = _commit(head, base, c_scan, f[:, :2], y[:, :2], jnp.asarray([2, 1]))
+    s_unr, c_unr = unrolled(head, base, c_unr, f[:, :2], y[:, :2], jnp.asarray([2, 1]), lw)
+    np.testing.assert_allclose(np.asarray(s_unr), np.asarray(s_scan), atol=1e-5, rtol=1e-5)
+    assert np.asarray(c_unr.lengths).tolist() == np.asarray(c_scan.lengths).tolist() == [7, 4]
+    for kv in ("k", "v"):
+        np.testing.assert_allclose(np.asarray(getattr(c_unr, kv)[:, 0, :, :7]),
+                                   np.asarray(getattr(c_scan, kv)[:, 0, :, :7]), atol=1e-5)
