@@ -150,8 +150,10 @@ def parts_ms(args, config, base, head, drafter, prompt, lens) -> dict[str, float
                              per_layer=lw is not None)
         _, hidden, cache = prefill(base_, prompt, lens, cache, layer_weights=lw)
         y = jnp.concatenate([prompt[:, 1:], prompt[:, :1]], axis=1)
-        hs = drafter.start(head_, base_, drafter.init_state(head_, base_, b, s, arrays, layers=head_layers(None)),
-                           hidden, y, lens)
+        hs = drafter.init_state(head_, base_, b, s, arrays)
+        if head_layers(None) == "unrolled" and hasattr(drafter, "unroll_layers"):  # as the loop does
+            hs = drafter.unroll_layers(head_, hs)
+        hs = drafter.start(head_, base_, hs, hidden, y, lens)
         return cache, hs
 
     cache, hs = setup(bs, lw, hp, arrays, prompt, lens)  # laid out for the speculative parts

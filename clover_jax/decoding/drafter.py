@@ -16,8 +16,11 @@ Per decoding step the loop calls:
 Before the loop, `start(...)` consumes the prompt the same way `commit` consumes accepted tokens (a head that
 caches the prompt does it in blocks, `commit_prompt`, as the base model's prefill).
 A drafter with arrays (tree buffers, a draft vocabulary) may expose them as `arrays()`: the loop then passes
-them into the jitted call as an argument and on to `init_state(head, base, batch, cache_size, arrays, layers)`, so
-they are not baked into the compiled program as constants.
+them into the jitted call as an argument and on to `init_state(head, base, batch, cache_size, arrays)`, so they
+are not baked into the compiled program as constants.
+A drafter whose head has its own stacked decoder layers may expose `unroll_layers(head, state) -> state`: the loop
+calls it once before its steps where the layers should run unrolled (`clover_jax.decoding.speculative.head_layers`),
+so the per-layer weights are taken once per call and no step copies a layer's slice.
 """
 
 from __future__ import annotations
@@ -48,11 +51,7 @@ class Drafter(Protocol):
     max_depth: int  # deepest draft, static
     sampled_drafts: bool  # True: drafts sampled from draft_probs (acceptance rule (a)); False: top-k
 
-    def init_state(self, head: Any, base: Any, batch: int, cache_size: int, arrays: dict | None = None,
-                   layers: str = "scan") -> Any:
-        """The drafting state of a fresh batch. `layers`: how a head with its own stacked decoder layers runs
-        them in the loop, `"scan"` or `"unrolled"` (their per-layer weights taken here, once per call, so no
-        step copies a layer's slice; `clover_jax.decoding.speculative.head_layers` picks); others ignore it."""
+    def init_state(self, head: Any, base: Any, batch: int, cache_size: int) -> Any: ...
 
     def start(self, head, base, state, f_prompt: jax.Array, y_prompt: jax.Array, lengths: jax.Array) -> Any: ...
 

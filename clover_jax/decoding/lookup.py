@@ -171,12 +171,18 @@ class LookupDrafter:
     def layer_copy_bytes(self, head) -> int:
         return getattr(self.inner, "layer_copy_bytes", lambda h: 0)(head) if self.inner is not None else 0
 
-    def init_state(self, head, base, batch: int, cache_size: int, arrays: dict | None = None,
-                   layers: str = "scan") -> LookupState:
+    def unroll_layers(self, head, state: LookupState) -> LookupState:
+        """The inner drafter's `unroll_layers`, where it has one (see `clover_jax.decoding.drafter`)."""
+        if self.inner is None or not hasattr(self.inner, "unroll_layers"):
+            return state
+        return state.replace(inner=self.inner.unroll_layers(head, state.inner))
+
+    def init_state(self, head, base, batch: int, cache_size: int, arrays: dict | None = None) -> LookupState:
         arrays = self.arrays() if arrays is None else arrays
         inner = None
         if self.inner is not None:
-            inner = self.inner.init_state(head, base, batch, cache_size, arrays["inner"], layers=layers)
+            inner = (self.inner.init_state(head, base, batch, cache_size, arrays["inner"])
+                     if arrays["inner"] is not None else self.inner.init_state(head, base, batch, cache_size))
         return LookupState(inner=inner, history=jnp.zeros((batch, cache_size), jnp.int32),
                            lengths=jnp.zeros((batch,), jnp.int32), topology=arrays["topology"],
                            ngram_keys=arrays.get("ngram_keys"), ngram_tokens=arrays.get("ngram_tokens"))

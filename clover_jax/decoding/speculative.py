@@ -91,7 +91,10 @@ def _spec_generate(base_graph, base_state, head_graph, head_state_params, drafte
     y_prompt = jnp.concatenate([prompt[:, 1:], jnp.zeros((b, 1), prompt.dtype)], axis=1)
     y_prompt = y_prompt.at[rows, prompt_lengths - 1].set(root)
     # the drafter's arrays (tree buffers, draft vocabulary) come in as an argument, not as program constants
-    hs0 = drafter.init_state(head, base, b, cache_size, drafter_arrays, layers=head_layers(mesh))
+    hs0 = (drafter.init_state(head, base, b, cache_size, drafter_arrays) if drafter_arrays is not None
+           else drafter.init_state(head, base, b, cache_size))
+    if head_layers(mesh) == "unrolled" and hasattr(drafter, "unroll_layers"):  # a head with stacked layers
+        hs0 = drafter.unroll_layers(head, hs0)
     hs = drafter.start(head, base, shard(hs0), hidden, y_prompt, prompt_lengths)
 
     tokens = jnp.zeros((b, cache_size), jnp.int32).at[:, :t].set(prompt, mode="drop")

@@ -63,28 +63,31 @@ class Clover2Drafter(TreeDrafterBase):
         return cached_arrays(self, lambda: {"buffers": jax.tree.map(jnp.asarray, self.buffers),
                                             "vocab_ids": vocab_ids(self.draft_vocab)})
 
-    def init_state(self, head: Clover2Head, base, batch: int, cache_size: int, arrays: dict | None = None,
-                   layers: str = "scan") -> Clover2State:
-        """The drafting state of a fresh batch; `arrays` is `self.arrays()` (passed into the jitted loop).
-        `layers="unrolled"`: the Augmenting Block's per-layer weights are taken here, once, and every commit runs
-        its layers unrolled on them; a scan over the stacked weights copies each layer's slice at every step
-        (SmolLM2's 2-layer block on a 2-core CPU: a 5-token commit 1.4 ms unrolled against 2.3 ms scanned)."""
+    def init_state(self, head: Clover2Head, base, batch: int, cache_size: int, arrays: dict | None = None
+                   ) -> Clover2State:
+        """The drafting state of a fresh batch; `arrays` is `self.arrays()` (passed into the jitted loop)."""
         arrays = self.arrays() if arrays is None else arrays
         rows = None
         if arrays["vocab_ids"] is not None:
             rows = base.lm_head_rows(arrays["vocab_ids"]).astype(head.cfg.dtype)
-        lw = self._layer_weights(head) if layers == "unrolled" else None
         return Clover2State(cache=head.init_cache(batch, cache_size),
                             s0=jnp.zeros((batch, base.config.hidden_size), head.cfg.dtype), vocab_rows=rows,
-                            vocab_ids=arrays["vocab_ids"], buffers=arrays["buffers"], layer_weights=lw)
+                            vocab_ids=arrays["vocab_ids"], buffers=arrays["buffers"])
+
+    def unroll_layers(self, head, state: Clover2State) -> Clover2State:
+        """`state` with the Augmenting Block's per-layer weights, taken once (before the loop): every commit then
+        runs the block's layers unrolled on them, where a scan over the stacked weights copies each layer's slice
+        at every step (SmolLM2's 2-layer block on a 2-core CPU: a 5-token commit 1.4 ms unrolled against 2.3 ms
+        scanned). The loop calls it where `clover_jax.decoding.speculative.head_layers` says so."""
+        lw = self._layer_weights(head)
+        return state if lw is None else state.replace(layer_weights=lw)
 
     def _layer_weights(self, head):
-        """The head's decoder layers, one weight dict per layer, for `init_state(layers="unrolled")` (None: the
-        head keeps its scan)."""
+        """The head's decoder layers, one weight dict per layer (None: the head keeps its scan)."""
         return head.aug.per_layer_weights()
 
     def layer_copy_bytes(self, head) -> int:
-        """Bytes `init_state(layers="unrolled")` holds besides the head's own weights (the per-layer copy)."""
+        """Bytes `unroll_layers` holds besides the head's own weights (the per-layer copy)."""
         return 0 if self._layer_weights(head) is None else int(
             sum(x.nbytes for x in jax.tree.leaves(head.aug.layer_params())))
 

@@ -183,8 +183,8 @@ class MedusaDrafter(TreeDrafterBase):
                                             "vocab_ids": vocab_ids(self.draft_vocab),
                                             "node_index": jnp.asarray(node_index(self.buffers, self.spec.top_k))})
 
-    def init_state(self, head: MedusaHead, base, batch: int, cache_size: int, arrays: dict | None = None,
-                   layers: str = "scan") -> MedusaState:
+    def init_state(self, head: MedusaHead, base, batch: int, cache_size: int, arrays: dict | None = None
+                   ) -> MedusaState:
         arrays = self.arrays() if arrays is None else arrays
         return MedusaState(h=jnp.zeros((batch, base.config.hidden_size), head.cfg.dtype),
                            proj=head.projection(arrays["vocab_ids"], num=self.max_depth),

@@ -257,8 +257,8 @@ class BeamDrafter(TreeDrafterBase):
     def arrays(self) -> dict:
         return cached_arrays(self, lambda: {"vocab_ids": vocab_ids(self.draft_vocab)})
 
-    def init_state(self, head: ReDrafterHead, base, batch: int, cache_size: int, arrays: dict | None = None,
-                   layers: str = "scan") -> ReDrafterState:
+    def init_state(self, head: ReDrafterHead, base, batch: int, cache_size: int, arrays: dict | None = None
+                   ) -> ReDrafterState:
         arrays = self.arrays() if arrays is None else arrays
         return ReDrafterState(h=jnp.zeros((batch, base.config.hidden_size), head.cfg.dtype),
                               proj=head.projection(arrays["vocab_ids"]), vocab_ids=arrays["vocab_ids"])

@@ -73,8 +73,8 @@ def test_unrolled_layers_equal_the_scan(tiny, tree):
 
 @pytest.mark.parametrize("head_type", ["clover2", "clover1", "eagle"])
 def test_head_layers_unrolled_draft_what_the_scan_drafts(head_type):
-    """The loop runs a Clover head's Augmenting Block unrolled (`head_layers`: per-layer weights taken once in
-    `init_state`) on a CPU or GPU without a mesh: the drafts equal those of the scanned block, after the prompt
+    """The loop runs a Clover head's Augmenting Block unrolled (`head_layers`: per-layer weights taken once by
+    `unroll_layers`) on a CPU or GPU without a mesh: the drafts equal those of the scanned block, after the prompt
     and after a commit. EAGLE's draft layer keeps its scan."""
     from clover_jax.heads import registry
     from clover_jax.parallel import make_mesh
@@ -96,15 +96,16 @@ def test_head_layers_unrolled_draft_what_the_scan_drafts(head_type):
     unrolled_state = []
 
     @functools.partial(jax.jit, static_argnums=2)
-    def run(head, base, layers):
-        st = drafter.start(head, base, drafter.init_state(head, base, b, 32, layers=layers), f, y, lens)
+    def run(head, base, unroll):
+        st = drafter.init_state(head, base, b, 32)
+        st = drafter.start(head, base, drafter.unroll_layers(head, st) if unroll else st, f, y, lens)
         unrolled_state.append(st.layer_weights is not None)
         first = drafter.propose(head, base, st, root, jax.random.key(0)).tokens  # [B, U]
         st = drafter.commit(head, base, st, f[:, :3], y[:, :3], jnp.asarray([3, 2]))
         return first, drafter.propose(head, base, st, root, jax.random.key(0)).tokens
 
-    scan = run(head, base, "scan")
-    unrolled = run(head, base, "unrolled")
+    scan = run(head, base, False)
+    unrolled = run(head, base, True)
     assert unrolled_state == [False, head_type != "eagle"]
     for a, c in zip(scan, unrolled):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(c))
