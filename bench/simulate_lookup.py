@@ -32,21 +32,24 @@ def top_drafts(base, head, draft_vocab, top_k: int):
     position, teacher-forced along the sequence (compiled once per padded length)."""
     import jax
     import jax.numpy as jnp
+    from flax import nnx
 
     from clover_jax.training.loss import base_features
 
     ids = jnp.asarray(draft_vocab, jnp.int32) if draft_vocab is not None else None
+    (bg, bs), (hg, hs) = nnx.split(base), nnx.split(head)
 
     @jax.jit
-    def top(tokens, valid):
-        f = base_features(base, tokens, valid)
-        o = head.train_outputs(base, f, tokens, valid)[:, 0]  # [H, T, D]
-        rows = base.lm_head_rows(ids) if ids is not None else base.embed[...]  # [N, D]
+    def top(bs, hs, tokens, valid):  # the weights are arguments, not constants baked into the program
+        base_, head_ = nnx.merge(bg, bs), nnx.merge(hg, hs)
+        f = base_features(base_, tokens, valid)
+        o = head_.train_outputs(base_, f, tokens, valid)[:, 0]  # [H, T, D]
+        rows = base_.lm_head_rows(ids) if ids is not None else base_.embed[...]  # [N, D]
         logits = jnp.einsum("htd,nd->htn", o, rows, preferred_element_type=jnp.float32)  # [H, T, N]
         idx = jax.lax.top_k(logits, top_k)[1]
         return ids[idx] if ids is not None else idx  # [H, T, k] token ids
 
-    return top
+    return lambda tokens, valid: top(bs, hs, tokens, valid)
 
 
 def draft_ranks(top, seq: list[int], prompt_len: int, top_k: int) -> list[list[int]]:
