@@ -306,8 +306,8 @@ def prepare_generate(model, prompts: Sequence[Any], *, tokenizer=None, max_new_t
         if head_source is not None:
             from clover_jax.calibrate import register_saved_trees
 
-            register_saved_trees(head_source, tree)  # a calibration's fitted tree by name (fit-N-<hash>)
             head, tree, draft_vocab = resolve_head(head, model, tree, draft_vocab)
+            register_saved_trees(head_source, tree)  # a calibration's fitted tree by name (fit-N-<hash>)
         from clover_jax.decoding.ngram import resolve_ngram_table
 
         ngram_table = resolve_ngram_table(ngram_table, head_source)

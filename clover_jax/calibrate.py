@@ -60,6 +60,10 @@ PROBE_WIDTHS = (8, 6, 4, 3, 3)  # child ranks measured per depth by the probe tr
 FITTED_TO_MEASURE = 2  # fitted trees measured per calibration (the best predicted ones)
 FINALISTS = 2  # the first round's fastest candidates, measured again beside the fitted trees
 LOOKUP_LENGTH = 4  # the final round also runs its best static tree and best fitted tree with a lookup chain this long
+# What a calibration tries. An entry saved by an older version never measured candidates the current one would
+# try, so `auto` calibrates again rather than trust its answer: 1 the presets and dynamic trees; 2 also the probe,
+# the fitted trees and a final round with prompt-lookup chains; 3 also the n-gram table's chains (`...-table`).
+VERSION = 3
 # Spec-Bench categories other than MT-Bench's, so a calibration does not see the usual evaluation prompts
 DEFAULT_PROMPTS = (("spec_bench", "translation", 3), ("spec_bench", "qa", 3), ("spec_bench", "math_reasoning", 2))
 
@@ -153,16 +157,25 @@ def _read(path: Path) -> dict:
         return {}
 
 
-def load_entry(head_source, key: str) -> dict | None:
+def is_stale(entry: dict) -> bool:
+    """An entry made by an older calibration (`VERSION`): it never measured some of today's candidates."""
+    return int(entry.get("version", 1)) < VERSION
+
+
+def load_entry(head_source, key: str, stale: list | None = None) -> dict | None:
     """The saved calibration entry for `key`; else one of the same hardware and dtype at the nearest batch
     size (a step's cost changes slowly with the batch); else None. Entries measured on other weights (their
-    `weights` digest differs from the head's, `weights_digest`) are skipped."""
+    `weights` digest differs from the head's, `weights_digest`) are skipped, and so are stale ones (`is_stale`):
+    their keys are appended to `stale` when it is given."""
     hardware, dtype, batch = key.split(" | ")
     nearest = None
     digest = weights_digest(head_source)
     for path in calibration_files(head_source):
         entries = {k: e for k, e in _read(path).get("entries", {}).items()
                    if not (digest and e.get("weights") and e["weights"] != digest)}
+        if stale is not None:
+            stale += [k for k, e in entries.items() if is_stale(e) and k.split(" | ")[:2] == [hardware, dtype]]
+        entries = {k: e for k, e in entries.items() if not is_stale(e)}
         if entries.get(key):
             return entries[key]
         for k, entry in entries.items():
@@ -373,7 +386,7 @@ def measure(loaded, head, *, prompts: Sequence[str] | None = None, candidates: S
     return {"best": best, "ar_tokens_per_second": runs["ar"]["tokens_per_second"], "candidates": table,
             "trees": trees_out, **fit_info, "greedy_mismatches": mismatches, "prompts": len(prompts),
             "batch_size": batch_size, "max_new_tokens": max_new_tokens, "seconds": round(time.perf_counter() - t0, 1),
-            "date": time.strftime("%Y-%m-%d"), "backend": jax.default_backend()}
+            "date": time.strftime("%Y-%m-%d"), "backend": jax.default_backend(), "version": VERSION}
 
 
 def resolve_auto(loaded, head, head_source=None, *, batch_size: int = 1, draft_vocab=None, mesh=None,
@@ -388,10 +401,12 @@ def resolve_auto(loaded, head, head_source=None, *, batch_size: int = 1, draft_v
     model = loaded.model if hasattr(loaded, "model") else loaded
     key = entry_key(hardware_key(mesh), jnp.dtype(model.dtype).name, batch_size)
     memo = (str(head_source) if head_source is not None else id(head), key)
-    entry = None if recalibrate else (_MEMO.get(memo) or load_entry(head_source, key))
+    stale: list[str] = []
+    entry = None if recalibrate else (_MEMO.get(memo) or load_entry(head_source, key, stale))
     if entry is None:
-        msg = (f"tree='auto': no calibration of this head for {key}; calibrating now (autoregressive vs each "
-               f"candidate tree on a few prompts)")
+        why = (f"the saved one ({stale[0]}) predates candidates this version tries (calibration version "
+               f"{VERSION})" if stale else f"no calibration of this head for {key}")
+        msg = (f"tree='auto': {why}; calibrating now (autoregressive vs each candidate tree on a few prompts)")
         print(msg, file=sys.stderr)
         entry = measure(loaded, head, batch_size=batch_size, draft_vocab=draft_vocab, mesh=mesh,
                         ngram_table=resolve_ngram_table(ngram_table, head_source), **measure_kw)

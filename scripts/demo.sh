@@ -13,7 +13,8 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 source scripts/env.sh
 HEAD=smollm2-135m-instruct-clover2
-TREES=(chain-3)
+TREES=(fit-5-411aab+lookup-4-table)  # the shipped head's default tree (its fitted tree beside lookup / its n-gram table)
+INFER_TREE=()
 if [ "${1:-}" = "--train" ]; then
   shift
   RUN="${CLOVER_DEMO_RUN:-runs/smollm2-135m-clover2}"
@@ -27,9 +28,10 @@ if [ "${1:-}" = "--train" ]; then
   fi
   HEAD="$RUN"
   TREES=(chain-3 small-10)
+  INFER_TREE=(--tree chain-3)
 fi
 echo "[demo] speculative decoding with $HEAD, 2 MT-Bench questions:"
-python infer.py --model smollm2-135m-instruct --head "$HEAD" --mode speculative --tree chain-3 \
+python infer.py --model smollm2-135m-instruct --head "$HEAD" --mode speculative "${INFER_TREE[@]}" \
   --prompts-file mt_bench --limit 2 --max-new-tokens 128
 echo "[demo] autoregressive vs speculative on 8 MT-Bench first turns (one per category, same run):"
 python bench/bench_spec.py --head "$HEAD" --questions mt_bench --limit 8 --trees "${TREES[@]}" \

@@ -45,7 +45,7 @@ def test_measure_tries_each_candidate_against_ar(tiny):
     finalists = {t for t, r in entry["candidates"].items() if "final_speedup" in r}
     assert len(finalists) == calibrate.FINALISTS and len(lookups) == 1
     assert lookups <= {f"{t}+lookup-{calibrate.LOOKUP_LENGTH}" for t in finalists - {"dynamic-4"}}
-    assert entry["greedy_mismatches"] == 0
+    assert entry["greedy_mismatches"] == 0 and entry["version"] == calibrate.VERSION
     for r in entry["candidates"].values():
         assert r["tau"] >= 1.0 and r["speedup"] > 0 and r["tokens_per_second"] > 0
     final = {t: entry["candidates"][t].get("final_speedup", entry["candidates"][t]["speedup"])
@@ -64,8 +64,9 @@ def test_candidates_fit_the_head(tiny):
         calibrate.measure(loaded, medusa, prompts=PROMPTS, candidates=["chain-4"], max_new_tokens=4)
 
 
-def _entry(best):
-    return {"best": best, "ar_tokens_per_second": 1.0, "candidates": {}, "prompts": 1}
+def _entry(best, version=calibrate.VERSION):
+    return {"best": best, "ar_tokens_per_second": 1.0, "candidates": {}, "prompts": 1} | (
+        {"version": version} if version else {})
 
 
 def test_saved_beside_the_head_and_reused(tmp_path, monkeypatch):
@@ -89,9 +90,15 @@ def test_saved_beside_the_head_and_reused(tmp_path, monkeypatch):
     assert calibrate.load_entry(str(folder), key) is None
     (folder / "model.safetensors").write_bytes(b"0")  # the same contents again (dates differ, as after a clone)
     assert calibrate.load_entry(str(folder), key)["best"] == "chain-3"
+    # an entry of an older calibration (it never tried some of today's candidates) is not used, and is reported
+    for old in (None, calibrate.VERSION - 1):
+        calibrate.save_entry(str(folder), key, _entry("chain-2", version=old))
+        stale = []
+        assert calibrate.load_entry(str(folder), key, stale) is None and stale == [key]
+        assert calibrate.load_entry(str(folder), calibrate.entry_key("cpu: test x2", "float32", 8)) is None
 
 
-def test_generate_auto_uses_the_saved_choice(tiny, tmp_path, monkeypatch):
+def test_generate_auto_uses_the_saved_choice(tiny, tmp_path, monkeypatch, capsys):
     """A saved choice of "ar" runs autoregressive decoding; a tree name runs that tree; both exact."""
     loaded, head = tiny
     folder = tmp_path / "head"
@@ -110,6 +117,14 @@ def test_generate_auto_uses_the_saved_choice(tiny, tmp_path, monkeypatch):
     res = api.generate(loaded.model, ids, max_new_tokens=10, mode="speculative", head=str(folder), tree="auto")
     assert res.stats["tree"] == "chain-2" and res.token_ids == ar.token_ids
     assert len(res.stats["accept_hist"]) == 3  # a chain-2 tree: 0, 1 or 2 drafts accepted
+    # a stale entry (an older calibration's) is measured again, and the reason is printed
+    calibrate._MEMO.clear()
+    calibrate.save_entry(str(folder), key, _entry("chain-2", version=None))
+    monkeypatch.setattr(calibrate, "measure", lambda *a, **k: _entry("chain-3"))
+    res = api.generate(loaded, ids, max_new_tokens=10, mode="speculative", head=str(folder), tree="auto")
+    assert res.stats["tree"] == "chain-3" and res.token_ids == ar.token_ids
+    assert "predates candidates this version tries" in capsys.readouterr().err
+    assert calibrate.load_entry(str(folder), key)["best"] == "chain-3"  # saved over the stale one
 
 
 def test_generate_auto_calibrates_when_nothing_is_saved(tiny, capsys, monkeypatch):
@@ -141,7 +156,7 @@ def test_calibration_fits_the_tree_the_head_accepts(tmp_path, monkeypatch):
     loaded = LoadedModel(CFG, base, WordTokenizer(), "tiny")
     entry = calibrate.measure(loaded, head, prompts=PROMPTS, candidates=["chain-2", "clover2-26"],
                               max_new_tokens=12)
-    assert entry["greedy_mismatches"] == 0
+    assert entry["greedy_mismatches"] == 0 and entry["version"] == calibrate.VERSION
     assert entry["rank_acceptance"][2][3] == 1.0 and sum(map(sum, entry["rank_acceptance"])) == 3.0
     fitted = {t: r for t, r in entry["candidates"].items() if r.get("fitted")}
     target = [[0], [0, 0], [0, 0, 3]]

@@ -32,7 +32,10 @@ class PretrainedHead:
 
 HEADS: dict[str, PretrainedHead] = {
     h.name: h for h in (
-        PretrainedHead("smollm2-135m-instruct-clover2", base_model="smollm2-135m-instruct", default_tree="chain-3"),
+        # the default tree: the head's fitted 5-node tree (its calibration.json holds the shape) beside a 4-token
+        # chain of prompt lookup, or of the n-gram table shipped with the head where lookup finds nothing
+        PretrainedHead("smollm2-135m-instruct-clover2", base_model="smollm2-135m-instruct",
+                       default_tree="fit-5-411aab+lookup-4-table"),
     )
 }
 
