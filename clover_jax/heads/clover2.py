@@ -282,7 +282,7 @@ class Clover2Head(nnx.Module):
           cache_extent: optional `[]` int, at least every row's `cache.lengths`: the cache is then read in blocks
             up to it only (a block of a long prompt, `commit_prompt`), not over all its slots.
           layer_weights: optional `self.aug.per_layer_weights()`, taken before a decoding loop: the block's layers
-            then run unrolled, reading their weights in place (see `Clover2Drafter.init_state`).
+            then run unrolled, reading their weights in place (see `Clover2Drafter.unroll_layers`).
 
         Returns:
           `(state [B, D], cache')`: the Augmenting-Block output (after aug_norm) at the last valid new
