@@ -248,8 +248,13 @@ class _EagleNodes:
     """EAGLE's node step for Clover-2's tree drafters: a node's state is its output and its ancestors' keys and
     values, `{"f": [B, E, D], "k", "v": [B, E, L, P, K, H]}`; the draft cache is the drafter state's `cache`."""
 
-    def _layer_weights(self, head):  # EAGLE's one draft layer keeps its scan (not measured unrolled)
-        return None
+    # EAGLE's one draft layer keeps its scan: unrolled (per-layer weights passed to every draft depth and commit) it
+    # ran no faster on a 2-core CPU (chain-4 and dynamic-10 steps within noise; docs/benchmarks.md)
+    def unroll_layers(self, head, state: Clover2State) -> Clover2State:
+        return state
+
+    def layer_copy_bytes(self, head) -> int:
+        return 0
 
     def check(self, head: EagleHead, base) -> None:
         check_compatible(head, base.config)
