@@ -124,7 +124,7 @@ def parts_ms(args, config, base, head, drafter, prompt, lens) -> dict[str, float
     from flax import nnx
 
     from clover_jax.decoding import verify
-    from clover_jax.decoding.speculative import head_layers
+    from clover_jax.decoding.speculative import unroll_head_layers
     from clover_jax.decoding.autoregressive import prefill
     from clover_jax.models.cache import KVCache, prefix_mask
 
@@ -150,9 +150,7 @@ def parts_ms(args, config, base, head, drafter, prompt, lens) -> dict[str, float
                              per_layer=lw is not None)
         _, hidden, cache = prefill(base_, prompt, lens, cache, layer_weights=lw)
         y = jnp.concatenate([prompt[:, 1:], prompt[:, :1]], axis=1)
-        hs = drafter.init_state(head_, base_, b, s, arrays)
-        if head_layers(None) == "unrolled" and hasattr(drafter, "unroll_layers"):  # as the loop does
-            hs = drafter.unroll_layers(head_, hs)
+        hs = unroll_head_layers(drafter, head_, drafter.init_state(head_, base_, b, s, arrays))  # as the loop does
         hs = drafter.start(head_, base_, hs, hidden, y, lens)
         return cache, hs
 
@@ -230,9 +228,6 @@ def parts_ms(args, config, base, head, drafter, prompt, lens) -> dict[str, float
     return out
 
 
-_SHIPPED_HEAD = "smollm2-135m-instruct-clover2"
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", choices=sorted(SHAPES), default="smollm2-135m")
@@ -263,6 +258,7 @@ def main(argv=None) -> int:
     import numpy as np
 
     from clover_jax.decoding.autoregressive import decode_layers
+    from clover_jax import pretrained
     from clover_jax.decoding.ngram import resolve_ngram_table
     from clover_jax.decoding.speculative import drafter_for
     from clover_jax.decoding.tree import LookupTree, get_tree
@@ -302,7 +298,8 @@ def main(argv=None) -> int:
         spec = get_tree(tree)
         table = None
         if isinstance(spec, LookupTree) and spec.table:
-            table = resolve_ngram_table(args.ngram_table, None if args.ngram_table else _SHIPPED_HEAD)
+            table = resolve_ngram_table(args.ngram_table, None if args.ngram_table else
+                                        pretrained.default_head("smollm2-135m-instruct"))
             if table.vocab_size != config.vocab_size:
                 raise SystemExit(f"--ngram-table was built for a vocabulary of {table.vocab_size}, the "
                                  f"--shape {args.shape} model has {config.vocab_size}")

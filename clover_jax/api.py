@@ -338,12 +338,11 @@ def prepare_generate(model, prompts: Sequence[Any], *, tokenizer=None, max_new_t
     layers = decode_layers(layers, mesh, tokens_per_step=tokens_per_step, model=model)
     if layers == "unrolled":
         memory["per-layer copy of the layer weights"] = layer_weight_bytes(model)
-    from clover_jax.decoding.speculative import head_layers
+    from clover_jax.decoding.speculative import head_layer_copy_bytes
 
-    if drafter is not None and head_layers(mesh) == "unrolled":
-        head_copy = getattr(drafter, "layer_copy_bytes", lambda h: 0)(head)
-        if head_copy:
-            memory["per-layer copy of the draft head's layers"] = head_copy
+    head_copy = head_layer_copy_bytes(drafter, head, mesh)
+    if head_copy:
+        memory["per-layer copy of the draft head's layers"] = head_copy
     what = f"generate(batch={len(ids)} prompts, cache_size={cache_size}, mode={mode!r})"
     if mesh is not None:
         memory = split_over_mesh(memory, config, dict(mesh.shape))

@@ -62,6 +62,21 @@ def head_layers(mesh=None) -> str:
     return "unrolled"
 
 
+def unroll_head_layers(drafter, head, state, mesh=None):
+    """The drafter's state before the loop's steps: with the head's own layers' per-layer weights taken once
+    (`unroll_layers`, an optional drafter hook) where `head_layers` says so, else `state` unchanged."""
+    if head_layers(mesh) == "unrolled" and hasattr(drafter, "unroll_layers"):
+        return drafter.unroll_layers(head, state)
+    return state
+
+
+def head_layer_copy_bytes(drafter, head, mesh=None) -> int:
+    """Bytes `unroll_head_layers` adds (the per-layer copy of the head's own layers), for the memory plan."""
+    if drafter is None or head_layers(mesh) != "unrolled":
+        return 0
+    return int(getattr(drafter, "layer_copy_bytes", lambda h: 0)(head))
+
+
 def _accept(proposal, logits, key, sampling, greedy: bool, sampled_drafts: bool):
     if greedy:
         return verify.greedy_accept(proposal.tokens, logits, proposal.buffers)
@@ -93,8 +108,7 @@ def _spec_generate(base_graph, base_state, head_graph, head_state_params, drafte
     # the drafter's arrays (tree buffers, draft vocabulary) come in as an argument, not as program constants
     hs0 = (drafter.init_state(head, base, b, cache_size, drafter_arrays) if drafter_arrays is not None
            else drafter.init_state(head, base, b, cache_size))
-    if head_layers(mesh) == "unrolled" and hasattr(drafter, "unroll_layers"):  # a head with stacked layers
-        hs0 = drafter.unroll_layers(head, hs0)
+    hs0 = unroll_head_layers(drafter, head, hs0, mesh)  # a head with its own stacked layers: unrolled
     hs = drafter.start(head, base, shard(hs0), hidden, y_prompt, prompt_lengths)
 
     tokens = jnp.zeros((b, cache_size), jnp.int32).at[:, :t].set(prompt, mode="drop")
