@@ -40,12 +40,13 @@ def training_cost(run: Path) -> dict:
     return out
 
 
-def supported(head_type, tree: str) -> bool:
-    from clover_jax.decoding.tree import get_tree
+def supported(head_type, tree: str, ngram_table=None) -> bool:
+    """Whether a head of this type drafts `tree` (merged `...+lookup-K[-table]` names included)."""
+    from clover_jax.decoding.speculative import drafter_for
     from clover_jax.validation import InputError
 
     try:
-        head_type.make_drafter(get_tree(tree))
+        drafter_for(head_type.module_cls, tree, None, ngram_table)
     except InputError:
         return False
     return True
@@ -72,6 +73,8 @@ def _main(argv=None):
 
     from bench_spec import load_questions
 
+    from clover_jax.calibrate import register_saved_trees
+    from clover_jax.decoding.ngram import resolve_ngram_table
     from clover_jax.evaluation import DV, evaluate
     from clover_jax.heads import registry
     from clover_jax.heads.draft_vocab import head_draft_vocab
@@ -86,7 +89,11 @@ def _main(argv=None):
         where = Path(args.runs) / f"{args.prefix}{spec}" if args.runs and spec in registry.names() else spec
         head = load_head(str(where), loaded.model)
         ht = registry.of_head(head)
-        trees = [t for t in args.trees if supported(ht, t)]
+        register_saved_trees(str(where), args.trees)  # fit-N-<hash>: a tree this head's calibration fitted
+        table = resolve_ngram_table(None, str(where)) if any(t.endswith("-table") for t in args.trees) else None
+        trees = [t for t in args.trees if supported(ht, t, table)]
+        if skipped := [t for t in args.trees if t not in trees]:
+            print(f"{spec}: skipping {skipped} (not drafted by a {ht.name} head, or not known for this head)")
         trees += [ht.default_tree] if ht.default_tree not in trees and not args.no_default_tree else []
         if not trees:
             raise SystemExit(f"{spec}: none of --trees {args.trees} fits a {ht.name} head (and --no-default-tree)")
@@ -94,7 +101,8 @@ def _main(argv=None):
         names = [t + DV if vocab is not None else t for t in trees]
         t0 = time.time()
         res = evaluate(loaded, head, prompts, trees=names, batch_size=args.batch_size,
-                       max_new_tokens=args.max_new_tokens, categories=cats, draft_vocab=vocab, progress=False)
+                       max_new_tokens=args.max_new_tokens, categories=cats, draft_vocab=vocab, progress=False,
+                       ngram_table=table)
         import jax
         from flax import nnx
 
