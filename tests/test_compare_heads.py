@@ -26,6 +26,25 @@ def test_supported_trees_per_head_type():
     assert not mod.supported(registry.get("medusa"), "dynamic-10")
 
 
+def test_supported_takes_merged_fitted_and_table_trees():
+    """The shipped head's default tree (a fitted tree with a table-filled lookup chain) runs in a comparison: it
+    was dropped without a word when only plain tree names were understood."""
+    from clover_jax.calibrate import register_saved_trees
+    from clover_jax.decoding.ngram import resolve_ngram_table
+    from clover_jax.heads import registry
+    from clover_jax import pretrained
+
+    mod = _module()
+    clover2 = registry.get("clover2")
+    assert mod.supported(clover2, "chain-3+lookup-4")
+    assert not mod.supported(clover2, "chain-3+lookup-4-table")  # a table tree needs its table
+    name = "smollm2-135m-instruct-clover2"
+    tree = pretrained.default_tree(name)
+    assert tree.startswith("fit-") and tree.endswith("-table"), tree
+    register_saved_trees(name, [tree])
+    assert mod.supported(clover2, tree, resolve_ngram_table(None, name))
+
+
 def test_training_cost_from_a_run_folder(tmp_path):
     mod = _module()
     assert mod.training_cost(tmp_path) == {}
