@@ -259,6 +259,7 @@ def main(argv=None) -> int:
 
     from clover_jax.decoding.autoregressive import decode_layers
     from clover_jax import pretrained
+    from clover_jax.calibrate import register_saved_trees
     from clover_jax.decoding.ngram import resolve_ngram_table
     from clover_jax.decoding.speculative import drafter_for
     from clover_jax.decoding.tree import LookupTree, get_tree
@@ -294,6 +295,8 @@ def main(argv=None) -> int:
           f"draft vocabulary {args.draft_vocab or 'full'}, backend {report['backend']} ({report['device']})"
           + (f", mesh {args.mesh}" if args.mesh else "") + f", --layers {args.layers}")
     sizes = {}
+    for name in pretrained.HEADS:  # --trees fit-N-<hash>: a tree fitted by a shipped head's calibration
+        register_saved_trees(name, args.trees)
     for tree in args.trees:
         spec = get_tree(tree)
         table = None

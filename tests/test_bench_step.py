@@ -41,3 +41,19 @@ def test_bench_step_runs_on_a_mesh(capsys):
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert report["mesh"] == "tp=2"
     assert set(report["trees"]["chain-2"]) == {"loop: AR step", "loop: speculative step"}
+
+
+def test_bench_step_knows_the_shipped_heads_fitted_trees(capsys):
+    """`--trees fit-N-<hash>` names a tree a shipped head's calibration fitted (it was an unknown name here)."""
+    from clover_jax import pretrained
+
+    fitted = pretrained.default_tree("smollm2-135m-instruct-clover2").split("+")[0]
+    assert fitted.startswith("fit-"), fitted
+    spec = importlib.util.spec_from_file_location("bench_step", ROOT / "bench" / "bench_step.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.main(["--shape", "tiny", "--trees", fitted, "--draft-vocab", "64", "--context", "12",
+                     "--cache-size", "128", "--loop-tokens", "2", "6", "--loop-repeat", "1", "--no-parts",
+                     "--json"]) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert set(report["trees"][fitted]) == {"loop: AR step", "loop: speculative step"}
