@@ -13,6 +13,8 @@
 # on the four files (3,000 steps in 228 s), the sampled file's ids suffixed by hand as --id-suffix now does.
 # Stage 9 (2026-11-26, one NVIDIA H100) ran this script as it is: PROMPTS / PROMPTS_ALL = the stage-8 prompt files,
 # GEN1=25 GEN2=50 GEN3=75 TRAIN=330, MODEL = the GGUF's path there (docs/benchmarks.md).
+# Stage 10 (2026-11-27, one NVIDIA H200; not shipped, no better): GEN1=35 GEN2=50 GEN3=60 TRAIN=190. On a fresh
+# machine the generator's first batch took 59 s (loading, compiling): caps under a minute generate nothing.
 set -uo pipefail
 MODEL=${1:-smollm2-135m-instruct}
 OUT=${2:-runs/gpu_head}
