@@ -82,10 +82,23 @@ def sample_with_uniform(u: jax.Array, probs: jax.Array) -> jax.Array:
     return jnp.minimum(idx, last_nonzero).astype(jnp.int32)
 
 
+def argmax_last(x: jax.Array) -> jax.Array:
+    """`jnp.argmax(x, axis=-1)` as int32, computed as the first index holding the maximum.
+
+    The same index wherever the row holds no NaN (ties: the first); in a row holding a NaN, the first index that
+    holds a NaN or the largest number (jnp.argmax: the first NaN). Two plain reductions instead of one variadic
+    (value, index) reduction, which XLA:CPU does not vectorise: over `[9, 49152]` float32 logits 1.03 ms against
+    0.17 ms on 2 CPU cores, and the speculative loop takes it over every verified node's logits at every step.
+    """
+    m = jnp.max(x, axis=-1, keepdims=True)  # [..., 1]
+    idx = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)  # [..., V]
+    return jnp.min(jnp.where((x == m) | jnp.isnan(x), idx, x.shape[-1]), axis=-1)
+
+
 def next_token(key: jax.Array, logits: jax.Array, params: dict[str, jax.Array] | None, greedy: bool) -> jax.Array:
     """Greedy argmax, or a sample from the warped distribution."""
     if greedy:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        return argmax_last(logits)
     probs = warp_probs(logits, params["temperature"], params["top_k"], params["top_p"])
     return sample_from_probs(key, probs)
 
@@ -101,7 +114,7 @@ def top_k_ids(logits: jax.Array, k: int, block: int = 128) -> jax.Array:
     *lead, v = logits.shape
     flat = logits.reshape(-1, v)
     if k == 1:
-        return jnp.argmax(flat, axis=-1).astype(jnp.int32).reshape(*lead, 1)
+        return argmax_last(flat).reshape(*lead, 1)
     nblk = -(-v // block)
     if nblk <= k:
         return jax.lax.top_k(flat, k)[1].astype(jnp.int32).reshape(*lead, k)

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from clover_jax.decoding.sampling import sample_with_uniform
+from clover_jax.decoding.sampling import argmax_last, sample_with_uniform
 from clover_jax.decoding.tree import TreeBuffers
 
 _TINY = 1e-30  # guards a division by a sum that rounding drove to zero
@@ -68,7 +68,7 @@ def greedy_accept(tree_tokens: jax.Array, target_logits: jax.Array, buffers: Tre
     paths = _rows(buffers.paths, 2, b)  # [B, P, Dmax+1]
     _, p, d1 = paths.shape
     safe = jnp.maximum(paths, 0).reshape(b, p * d1)
-    target = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)  # [B, U]
+    target = argmax_last(target_logits)  # [B, U]
     drafted = jnp.take_along_axis(tree_tokens, safe, axis=1).reshape(b, p, d1)  # [B, P, Dmax+1]
     wanted = jnp.take_along_axis(target, safe, axis=1).reshape(b, p, d1)
     match = (drafted[:, :, 1:] == wanted[:, :, :-1]) & (paths[:, :, 1:] >= 0)  # [B, P, Dmax]

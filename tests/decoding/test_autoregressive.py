@@ -8,7 +8,7 @@ import pytest
 
 from clover_jax.api import generate
 from clover_jax.decoding import autoregressive
-from clover_jax.decoding.sampling import sample_with_uniform, warp_probs
+from clover_jax.decoding.sampling import argmax_last, sample_with_uniform, warp_probs
 from clover_jax.models.config import LlamaConfig
 from clover_jax.models.llama import init_llama
 
@@ -19,6 +19,28 @@ CFG = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidde
 @pytest.fixture(scope="module")
 def tiny():
     return init_llama(CFG, seed=0)
+
+
+def test_argmax_last_is_jnp_argmax():
+    """Greedy decoding and greedy verification take `argmax_last` (two plain reductions, faster on XLA:CPU): the
+    index of `jnp.argmax` on logits of every shape the loops use, ties to the first index, all -inf rows, and
+    bfloat16; a row holding a NaN gives a NaN's index or the maximum's, never an index out of the vocabulary."""
+    f = jax.jit(argmax_last)
+    rng = np.random.default_rng(0)
+    for shape in [(1, 1), (3, 7), (2, 9, 49152), (4, 1, 300)]:
+        x = rng.standard_normal(shape).astype(np.float32)
+        x[..., shape[-1] // 2] = x.max(-1)  # a tie: the first index wins
+        x[0, ...] = -np.inf
+        for dt in (jnp.float32, jnp.bfloat16):
+            y = jnp.asarray(x, dt)
+            np.testing.assert_array_equal(np.asarray(f(y)), np.asarray(jnp.argmax(y, -1)))
+            assert f(y).dtype == jnp.int32
+    x = rng.standard_normal((3, 50)).astype(np.float32)
+    x[0, 40] = np.nan
+    x[1, 3] = np.nan
+    got = np.asarray(f(jnp.asarray(x)))
+    assert got[0] in (40, int(np.nanargmax(x[0]))) and got[1] in (3, int(np.nanargmax(x[1])))
+    assert got[2] == int(np.argmax(x[2]))
 
 
 def _prompts(n, rng=np.random.RandomState(0)):
