@@ -3,6 +3,7 @@
   python infer.py --model smollm2-135m-instruct --prompt "What is the capital of France?"
   python infer.py --model smollm2-135m-instruct --prompts-file mt_bench --limit 8
   python infer.py --mode speculative --prompt "..."     # SmolLM2 with its shipped head, smollm2-135m-instruct-clover2
+  python infer.py --mode speculative --stream --prompt "Tell me a story."   # print the reply as it is generated
   python infer.py --model smollm2-135m-instruct --head runs/smollm2-clover2 --mode speculative --prompt "..."
   python infer.py --model path/to/any-llama --mode speculative --tree lookup-4 --prompt "..."   # no head: prompt lookup
 """
@@ -14,7 +15,7 @@ import sys
 
 import jax.numpy as jnp
 
-from clover_jax.api import bucket_length, encode_prompts, prepare_generate, round_up, run_plan
+from clover_jax.api import bucket_length, encode_prompts, prepare_generate, round_up, run_plan, stream_text
 from clover_jax.cli import add_debug_argument, run_cli
 from clover_jax.io.loader import load_model
 from clover_jax.io.prompts import read_prompts
@@ -56,6 +57,8 @@ def parse_args(argv=None):
     p.add_argument("--layers", default="auto", choices=["auto", "unrolled", "scan"],
                    help="how the decoding loop runs the base model's layers: unrolled (fastest one-token steps, "
                    "a second copy of the layer weights), scan (no copy), auto (by backend, dtype and free memory)")
+    p.add_argument("--stream", action="store_true", help="print each reply as it is generated (prompts one at a "
+                   "time: --batch-size 1; one device)")
     p.add_argument("--quiet", action="store_true", help="print only the summary")
     add_debug_argument(p)
     return p.parse_args(argv)
@@ -73,6 +76,10 @@ def check_args(args) -> None:
     for i, text in enumerate(args.prompt):
         if not text.strip():
             raise InputError(f"--prompt: prompt {i} is empty")
+    if args.stream and args.batch_size != 1:
+        raise InputError(f"--stream: prints one reply at a time; use --batch-size 1 (got {args.batch_size})")
+    if args.stream and args.quiet:
+        raise InputError("--stream: prints the replies, --quiet does not: give one of them")
     if args.limit and not args.prompts_file:
         raise InputError(f"--limit: {args.limit} applies to --prompts-file, which is not given")
 
@@ -91,6 +98,17 @@ def _head_type_default_tree(head: str) -> str:
         return registry.get(head_type).default_tree
     except (OSError, ValueError, registry.InputError):
         return "clover2-26"
+
+
+def _print_stream(pieces):
+    """Prints a `stream_text` generator's pieces as they come; returns its `GenerationResult`."""
+    while True:
+        try:
+            piece = next(pieces)
+        except StopIteration as stop:
+            print(flush=True)
+            return stop.value
+        print(piece, end="", flush=True)
 
 
 def main(argv=None) -> int:
@@ -196,18 +214,23 @@ def _main(argv=None) -> int:
         if plan.auto_choice is not None and start == 0:
             print(f"tree auto -> {plan.auto_choice}" + (" (autoregressive: no tree beats it on this hardware)"
                                                          if plan.auto_choice == "ar" else ""), file=sys.stderr)
+        quiet_sink = {"stream": (lambda row, ids: None)} if args.stream else {}
         if shape_key not in seen_shapes:  # compile outside the timed call (max_new_tokens is traced)
             warm = run_plan(prepare_generate(loaded, batch, **{**kw, "max_new_tokens": 1}, seed=args.seed,
-                                             check_free_memory=False))
+                                             check_free_memory=False, **quiet_sink))
             compile_seconds += warm.seconds
             seen_shapes.add(shape_key)
-        res = run_plan(plan)
+        if args.stream:
+            print(f"\n### prompt {start}: {texts[0][:100]!r}")
+            res = _print_stream(stream_text(loaded, batch[0], **kw, seed=args.seed + start))
+        else:
+            res = run_plan(plan)
         total_tokens += res.num_generated
         total_seconds += res.seconds
         if res.stats.get("accept_hist") is not None:
             h = res.stats["accept_hist"]
             hist = h if hist is None else [a + b for a, b in zip(hist, h)]
-        if not args.quiet:
+        if not args.quiet and not args.stream:
             for i, text in enumerate(res.texts):
                 print(f"\n### prompt {start + i}: {texts[i][:100]!r}\n{text}")
         if res.stats.get("tau") is not None and not args.quiet:

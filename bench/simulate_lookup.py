@@ -12,7 +12,9 @@ path). A step then accepts the longest tree path whose ranks match, or the longe
 The loop's own tau for the same tree agrees (shipped head, `fit-5-411aab`, MT-Bench 80: 1.732 predicted, 1.741
 measured), so this explores tree and chain shapes in minutes; speed still has to be measured (`bench_spec.py`).
 `--table` also runs each chain as `...-table` (`clover_jax.decoding.ngram`): where lookup finds no match, the head's
-n-gram table drafts the chain (`NgramTable.chain`, the host twin of the drafter's `ngram_chain`).
+n-gram table (or `--ngram-table`'s) drafts the chain (`NgramTable.chain`, the host twin of the drafter's
+`ngram_chain`). `--anchor-depth D` asks a question no drafter implements: the chain hung under the head's top-1 path
+of depth D (drafted after the head's D tokens) instead of under the root.
 """
 
 from __future__ import annotations
@@ -27,9 +29,10 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
-def top_drafts(base, head, draft_vocab, top_k: int):
+def top_drafts(base, head, draft_vocab, top_k: int, with_logp: bool = False):
     """A jitted `(tokens [1, T], valid [1, T]) -> [H, T, top_k]`: each head's top-k draft token ids at every
-    position, teacher-forced along the sequence (compiled once per padded length)."""
+    position, teacher-forced along the sequence (compiled once per padded length); with `with_logp`, also their
+    log-probabilities under the head (over the draft vocabulary when there is one), as a pair."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -46,8 +49,9 @@ def top_drafts(base, head, draft_vocab, top_k: int):
         o = head_.train_outputs(base_, f, tokens, valid)[:, 0]  # [H, T, D]
         rows = base_.lm_head_rows(ids) if ids is not None else base_.embed[...]  # [N, D]
         logits = jnp.einsum("htd,nd->htn", o, rows, preferred_element_type=jnp.float32)  # [H, T, N]
-        idx = jax.lax.top_k(logits, top_k)[1]
-        return ids[idx] if ids is not None else idx  # [H, T, k] token ids
+        logp, idx = jax.lax.top_k(jax.nn.log_softmax(logits, axis=-1), top_k)
+        tok = ids[idx] if ids is not None else idx  # [H, T, k] token ids
+        return (tok, logp) if with_logp else tok
 
     return lambda tokens, valid: top(bs, hs, tokens, valid)
 
@@ -90,9 +94,10 @@ def lookup(ctx: list[int], max_ngram: int, k: int, table=None) -> list[int]:
 
 
 def simulate(seq: list[int], prompt_len: int, ranks, tree: set | None, k: int, max_ngram: int,
-             table=None) -> tuple[int, int]:
+             table=None, anchor: int = 0) -> tuple[int, int]:
     """(tokens, steps) of speculative decoding along `seq`'s reply with tree `tree` (a set of rank paths) and a
-    lookup chain of k tokens (falling back to the n-gram `table`, if given)."""
+    lookup chain of k tokens (falling back to the n-gram `table`, if given), under the root, or with `anchor` > 0
+    under the head's top-1 path of that depth (then counted only where that path was accepted)."""
     c, steps, toks, t = prompt_len + 1, 0, 0, len(seq)  # the root (the first reply token) is committed
     while c < t:
         ah = 0
@@ -101,9 +106,11 @@ def simulate(seq: list[int], prompt_len: int, ranks, tree: set | None, k: int, m
             while ah < len(r) and tuple(r[:ah + 1]) in tree:
                 ah += 1
         ap = 0
-        if k:
-            for a, b in zip(lookup(seq[1:c], max_ngram, k, table), seq[c:]):  # seq[0]: not in the drafter's history
-                if a != b:
+        on_path = anchor == 0 or (tree and list(ranks[c - prompt_len - 1][:anchor]) == [0] * anchor)
+        if k and on_path and c + anchor < t:
+            ap = anchor  # the head's top-1 path below the chain
+            for a, b in zip(lookup(seq[1:c + anchor], max_ngram, k, table), seq[c + anchor:]):  # seq[0]: not in
+                if a != b:  # the drafter's history
                     break
                 ap += 1
         n = min(max(ah, ap) + 1, t - c)
@@ -111,10 +118,23 @@ def simulate(seq: list[int], prompt_len: int, ranks, tree: set | None, k: int, m
     return toks, steps
 
 
+def greedy_replies(loaded, prompts, max_new_tokens: int) -> list[tuple[list[int], list[int]]]:
+    """`(prompt ids, greedy reply ids)` per prompt (chat template applied), from our autoregressive loop."""
+    import clover_jax
+    from clover_jax.api import encode_prompts
+
+    ids = encode_prompts(loaded.tokenizer, prompts)
+    seqs = []
+    for i in range(0, len(prompts), 8):
+        res = clover_jax.generate(loaded, prompts[i:i + 8], max_new_tokens=max_new_tokens, decode_text=False)
+        seqs += [(list(p), list(g)) for p, g in zip(ids[i:i + 8], res.token_ids)]
+    return seqs
+
+
 def main(argv=None) -> int:
     import clover_jax
     from bench_spec import load_questions
-    from clover_jax.api import encode_prompts, resolve_head
+    from clover_jax.api import resolve_head
     from clover_jax.decoding.tree import TreeSpec, get_tree
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -128,6 +148,9 @@ def main(argv=None) -> int:
     ap.add_argument("--max-ngram", type=int, default=3)
     ap.add_argument("--table", action="store_true", help="also run each chain with the head's n-gram table "
                     "(`TREE+lookup-K-table`)")
+    ap.add_argument("--ngram-table", help="with --table: this table (.npz or a folder) instead of the head's")
+    ap.add_argument("--anchor-depth", type=int, default=0, help="hang the chain beside a tree under the head's "
+                    "top-1 path of this depth instead of under the root (simulated only; no drafter does this)")
     args = ap.parse_args(argv)
 
     loaded = clover_jax.load_model(args.model)
@@ -138,21 +161,25 @@ def main(argv=None) -> int:
         if not isinstance(spec, TreeSpec):
             raise SystemExit(f"{name}: only static trees can be simulated")
         trees[spec.name] = set(spec.choices)
+        if args.anchor_depth and (0,) * args.anchor_depth not in trees[spec.name]:
+            raise SystemExit(f"--anchor-depth {args.anchor_depth}: tree {name} has no top-1 path that deep")
     top_k = max([max(max(c) for c in t) + 1 for t in trees.values()] + [1])
     prompts, cats = load_questions(args.questions, args.limit, None)
-    ids = encode_prompts(loaded.tokenizer, prompts)
-    seqs = []
-    for i in range(0, len(prompts), 8):
-        res = clover_jax.generate(loaded, prompts[i:i + 8], max_new_tokens=args.max_new_tokens, decode_text=False)
-        seqs += [(list(p), list(g)) for p, g in zip(ids[i:i + 8], res.token_ids)]
+    seqs = greedy_replies(loaded, prompts, args.max_new_tokens)
     from clover_jax.decoding.ngram import head_ngram_table
 
-    table = head_ngram_table(args.head) if args.table else None
+    from clover_jax.decoding.ngram import load_ngram_table
+
+    if args.anchor_depth < 0:
+        raise SystemExit(f"--anchor-depth must be >= 0, got {args.anchor_depth}")
+    table = (load_ngram_table(args.ngram_table) if args.ngram_table else head_ngram_table(args.head)) if args.table \
+        else None
     if args.table and table is None:
         raise SystemExit(f"--table: the head {args.head} ships no n-gram table (python -m clover_jax.decoding.ngram)")
     ends = [("", None)] + ([("-table", table)] if table is not None else [])
+    at = f"@d{args.anchor_depth}" if args.anchor_depth else ""
     runs = [(f"lookup-{k}{e}", None, k, t) for k in args.lookup if k for e, t in ends] + [
-        (name + (f"+lookup-{k}{e}" if k else ""), tree, k, t) for name, tree in trees.items() for k in args.lookup
+        (name + (f"+lookup-{k}{e}{at}" if k else ""), tree, k, t) for name, tree in trees.items() for k in args.lookup
         for e, t in (ends if k else ends[:1])]
     totals = collections.defaultdict(lambda: np.zeros(2))  # (run, category) -> tokens, steps
     top = top_drafts(loaded.model, head, draft_vocab, top_k) if trees else None
@@ -160,7 +187,7 @@ def main(argv=None) -> int:
         seq = p + g
         ranks = draft_ranks(top, seq, len(p), top_k) if trees else None
         for name, tree, k, tab in runs:
-            toks, steps = simulate(seq, len(p), ranks, tree, k, args.max_ngram, tab)
+            toks, steps = simulate(seq, len(p), ranks, tree, k, args.max_ngram, tab, args.anchor_depth if tree else 0)
             totals[name, cat] += (toks, steps)
             totals[name, "all"] += (toks, steps)
     categories = ["all"] + sorted(set(cats))

@@ -12,7 +12,7 @@ import numbers
 import os
 import time
 import weakref
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import jax
 import numpy as np
@@ -20,6 +20,7 @@ from flax import nnx
 
 from clover_jax.decoding.autoregressive import ar_generate, check_layers, decode_layers, layer_weight_bytes
 from clover_jax.decoding.sampling import SamplingParams
+from clover_jax.decoding.streaming import streaming_to
 from clover_jax.models.cache import CacheOverflowError
 from clover_jax import parallel
 from clover_jax.validation import (InputError, check_bool, check_choice, check_float, check_int, check_memory,
@@ -225,6 +226,7 @@ class GenerationPlan:
     mesh: Any = None  # jax.sharding.Mesh the loop runs on (None: one device)
     auto_choice: str | None = None  # what tree="auto" resolved to (a tree name, or "ar"), else None
     layers: str = "scan"  # how the decoding loop runs the base model's layers ("unrolled" or "scan")
+    stream: Any = None  # sink(row, token_ids) called as each row's tokens are accepted, or None
 
     @property
     def row_new_tokens(self) -> np.ndarray:
@@ -256,7 +258,7 @@ def prepare_generate(model, prompts: Sequence[Any], *, tokenizer=None, max_new_t
                      temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0, chat: bool = True,
                      system: str | None = None, cache_size: int | None = None, mode: str = "ar", head=None,
                      tree=None, draft_vocab=None, decode_text: bool = True, check_free_memory: bool = True,
-                     mesh=None, layers: str = "auto", ngram_table=None) -> GenerationPlan:
+                     mesh=None, layers: str = "auto", ngram_table=None, stream=None) -> GenerationPlan:
     """Checks every argument of `generate` (same signature) and resolves the head, tree and cache, without
     compiling anything. Errors (`clover_jax.validation.InputError`) name the argument, the value and the
     limit: types and ranges, finite sampling parameters, token ids within the vocabulary, prompt + new tokens
@@ -293,6 +295,10 @@ def prepare_generate(model, prompts: Sequence[Any], *, tokenizer=None, max_new_t
     sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
     mesh = parallel.parse_mesh(mesh)
     check_layers(layers, mesh)
+    if stream is not None and not callable(stream):
+        raise InputError(f"stream: expected a callable sink(row, token_ids) or None, got {type(stream).__name__}")
+    if stream is not None and mesh is not None:
+        raise InputError(f"stream: streaming runs on one device; drop mesh={dict(mesh.shape)} or stream")
     ids = encode_prompts(tokenizer, prompts, chat=chat, system=system, vocab_size=config.vocab_size)
     pad_id = config.pad_token_id if config.pad_token_id is not None else 0
     # on a mesh the rows split over its batch shards: pad the batch to a multiple with copies of prompt 0
@@ -359,13 +365,14 @@ def prepare_generate(model, prompts: Sequence[Any], *, tokenizer=None, max_new_t
     return GenerationPlan(model=model, tokenizer=tokenizer, ids=ids, prompt=arr, prompt_lengths=lens,
                           max_new_tokens=max_new_tokens, sampling=sampling, seed=seed, cache_size=cache_size,
                           mode=mode, head=head, drafter=drafter, memory=memory, mesh=mesh, auto_choice=auto_choice,
-                          layers=layers)
+                          layers=layers, stream=stream)
 
 
 def generate(model, prompts: Sequence[Any], *, tokenizer=None, max_new_tokens: int = 128, temperature: float = 0.0,
              top_k: int = 0, top_p: float = 1.0, seed: int = 0, chat: bool = True, system: str | None = None,
              cache_size: int | None = None, mode: str = "ar", head=None, tree=None, draft_vocab=None,
-             decode_text: bool = True, mesh=None, layers: str = "auto", ngram_table=None) -> GenerationResult:
+             decode_text: bool = True, mesh=None, layers: str = "auto", ngram_table=None,
+             stream=None) -> GenerationResult:
     """Generates for a batch of prompts.
 
     Args:
@@ -389,6 +396,9 @@ def generate(model, prompts: Sequence[Any], *, tokenizer=None, max_new_tokens: i
       layers: how the loop runs the base model's layers: "unrolled" (fastest for one-token steps; holds a
         second copy of the layer weights during the call), "scan" (no copy), or "auto" (measured choice per
         backend, dtype and free memory: `clover_jax.decoding.autoregressive.decode_layers`).
+      stream: a callable `sink(row, token_ids)`, called while the loop runs with each prompt's new tokens in order
+        (row = the prompt's index; the first token, then what every step accepts), or None. One device only;
+        `stream_text` yields a single prompt's text this way.
 
     Every argument is checked before anything compiles (`prepare_generate`); a bad one raises an
     `InputError` naming it, its value and the limit.
@@ -396,7 +406,8 @@ def generate(model, prompts: Sequence[Any], *, tokenizer=None, max_new_tokens: i
     plan = prepare_generate(model, prompts, tokenizer=tokenizer, max_new_tokens=max_new_tokens,
                             temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, chat=chat, system=system,
                             cache_size=cache_size, mode=mode, head=head, tree=tree, draft_vocab=draft_vocab,
-                            decode_text=decode_text, mesh=mesh, layers=layers, ngram_table=ngram_table)
+                            decode_text=decode_text, mesh=mesh, layers=layers, ngram_table=ngram_table,
+                            stream=stream)
     return run_plan(plan, decode_text=decode_text)
 
 
@@ -404,20 +415,24 @@ def run_plan(plan: GenerationPlan, decode_text: bool = True) -> GenerationResult
     """Runs a checked `GenerationPlan` (the jitted loop compiles on its first shapes)."""
     model, lens, tokenizer = plan.model, plan.prompt_lengths, plan.tokenizer
     key = jax.random.key(plan.seed)
-    if plan.mode == "ar":
-        t0 = time.perf_counter()
-        out = ar_generate(model, plan.prompt, lens, max_new_tokens=plan.row_new_tokens, cache_size=plan.cache_size,
-                          sampling=plan.sampling, key=key, mesh=plan.mesh, layers=plan.layers)
-        out = jax.block_until_ready(out)
-        seconds = time.perf_counter() - t0
-        stats = {}
-    else:
-        from clover_jax.decoding.speculative import spec_generate
+    stream = plan.stream is not None
+    with streaming_to(plan.stream):
+        if plan.mode == "ar":
+            t0 = time.perf_counter()
+            out = ar_generate(model, plan.prompt, lens, max_new_tokens=plan.row_new_tokens,
+                              cache_size=plan.cache_size, sampling=plan.sampling, key=key, mesh=plan.mesh,
+                              layers=plan.layers, stream=stream)
+            out = jax.block_until_ready(out)
+            seconds = time.perf_counter() - t0
+            stats = {}
+        else:
+            from clover_jax.decoding.speculative import spec_generate
 
-        out, stats, seconds = spec_generate(model, plan.head, plan.prompt, lens, max_new_tokens=plan.row_new_tokens,
-                                            cache_size=plan.cache_size, sampling=plan.sampling, key=key,
-                                            drafter=plan.drafter, mesh=plan.mesh, stat_rows=len(plan.ids),
-                                            layers=plan.layers)
+            out, stats, seconds = spec_generate(model, plan.head, plan.prompt, lens,
+                                                max_new_tokens=plan.row_new_tokens, cache_size=plan.cache_size,
+                                                sampling=plan.sampling, key=key, drafter=plan.drafter,
+                                                mesh=plan.mesh, stat_rows=len(plan.ids), layers=plan.layers,
+                                                stream=stream)
     tokens = np.asarray(out.tokens)
     lengths = np.asarray(out.lengths)
     gen = [tokens[i, lens[i]: lengths[i]].tolist() for i in range(len(plan.ids))]
@@ -427,3 +442,63 @@ def run_plan(plan: GenerationPlan, decode_text: bool = True) -> GenerationResult
         stats = {**stats, "tree": plan.auto_choice}
     return GenerationResult(token_ids=gen, texts=texts, prompt_lengths=lens[:rows].tolist(), steps=int(out.steps),
                             row_steps=np.asarray(out.row_steps)[:rows].tolist(), seconds=seconds, stats=stats)
+
+
+def stream_text(model, prompt, *, tokenizer=None, **kwargs) -> Iterator[str]:
+    """Generates for one prompt and yields its text piece by piece as the loop accepts tokens (`generate`'s
+    other keyword arguments apply; `stream` and `decode_text` are set here). The generator's return value (the
+    `value` of its `StopIteration`) is the `GenerationResult`. Every check runs before the first piece.
+
+        for piece in clover_jax.stream_text(lm, "Tell me a story.", mode="speculative",
+                                            head="smollm2-135m-instruct-clover2"):
+            print(piece, end="", flush=True)
+
+    The pieces joined are the result's text: each is the newly decodable end of the text so far (a token that
+    ends inside a multi-byte character waits for the next one). The loop runs in a thread of its own; a caller
+    that stops iterating early leaves it running to its end (another streaming call waits for no one: it fails).
+    """
+    import queue
+    import threading
+
+    if "stream" in kwargs or "decode_text" in kwargs:
+        raise InputError("stream_text: stream and decode_text are set by stream_text itself")
+    if hasattr(model, "tokenizer") and hasattr(model, "model"):
+        tokenizer = tokenizer or model.tokenizer
+    if tokenizer is None:
+        raise InputError("stream_text: text needs a tokenizer (pass a LoadedModel or tokenizer=...)")
+    if isinstance(prompt, (list, tuple)) and prompt and not isinstance(prompt[0], (numbers.Integral, dict)):
+        raise InputError(f"stream_text: one prompt at a time (got {len(prompt)}); generate(..., stream=sink) "
+                         f"streams a batch")
+    pieces: queue.Queue = queue.Queue()
+    done = object()
+    plan = prepare_generate(model, [prompt], tokenizer=tokenizer, stream=lambda row, ids: pieces.put(ids), **kwargs)
+    outcome: dict = {}
+
+    def run():
+        try:
+            outcome["result"] = run_plan(plan)
+        except BaseException as e:  # noqa: BLE001 - raised again in the caller's thread
+            outcome["error"] = e
+        finally:
+            pieces.put(done)
+
+    thread = threading.Thread(target=run, name="clover_jax.stream_text", daemon=True)
+    thread.start()
+    ids: list[int] = []
+    sent = ""
+    while (item := pieces.get()) is not done:
+        ids += item
+        text = tokenizer.decode(ids, skip_special_tokens=True)
+        if text.endswith("\ufffd"):  # a character still incomplete: wait for its next bytes
+            continue
+        if len(text) > len(sent) and text.startswith(sent):
+            yield text[len(sent):]
+            sent = text
+    thread.join()
+    if "error" in outcome:
+        raise outcome["error"]
+    result = outcome["result"]
+    text = result.texts[0]
+    if text.startswith(sent) and len(text) > len(sent):
+        yield text[len(sent):]
+    return result

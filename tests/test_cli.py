@@ -41,6 +41,17 @@ def test_infer_speculative_uses_the_shipped_head(capsys):
 
 
 @pytest.mark.slow
+def test_infer_streams_the_reply(capsys):
+    """`--stream` prints the reply while it is generated: the same answer, then the speed summary."""
+    assert infer.main(["--prompt", "What is the capital of France?", "--max-new-tokens", "12", "--mode",
+                       "speculative", "--stream"]) == 0
+    out = capsys.readouterr().out
+    assert "Paris" in out and "tokens/s" in out and "### prompt 0" in out
+    assert infer.main(["--prompt", "hi", "--stream", "--batch-size", "2"]) == 2
+    assert "--stream: prints one reply at a time" in capsys.readouterr().err
+
+
+@pytest.mark.slow
 def test_infer_lookup_table_without_a_head(capsys):
     """`--tree lookup-4-table` with no head drafts from the model's shipped head's n-gram table, exactly."""
     argv = ["--prompt", "List three prime numbers.", "--max-new-tokens", "32"]

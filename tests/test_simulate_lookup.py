@@ -60,3 +60,33 @@ def test_predicted_tau_is_close_to_the_loop(capsys, smollm, tmp_path):
                        tree=tree)
         assert abs(rows[row] - res.stats["tau"]) < 0.05 * res.stats["tau"], (row, rows[row], res.stats["tau"])
     assert rows[f"{name}+lookup-4"] > rows[name]
+
+
+def test_anchored_chain_counts_only_under_an_accepted_head_path():
+    """`--anchor-depth`: a chain under the head's top-1 path adds nothing where the head's first draft is never
+    right, and adds tokens beyond the head's path where it always is (a repeating reply lookup can copy)."""
+    seq = [9, 1, 2, 3, 4, 5, 6, 7, 1, 2, 3, 4, 5, 6, 7, 1, 2, 3, 4, 5, 6, 7]
+    tree = {(0,)}
+    wrong = [[3] * 5 for _ in seq]
+    right = [[0] * 5 for _ in seq]
+    alone = sim.simulate(seq, 4, wrong, tree, 0, 3)
+    assert sim.simulate(seq, 4, wrong, tree, 4, 3, anchor=1) == alone  # the chain's parent is never accepted
+    head_only = sim.simulate(seq, 4, right, tree, 0, 3)
+    toks, steps = sim.simulate(seq, 4, right, tree, 4, 3, anchor=1)
+    assert toks == head_only[0] and steps < head_only[1]
+
+
+def test_reliability_table_and_calibration_error():
+    spec_ = importlib.util.spec_from_file_location("head_calibration", ROOT / "bench" / "head_calibration.py")
+    hc = importlib.util.module_from_spec(spec_)
+    spec_.loader.exec_module(hc)
+    rng = np.random.default_rng(0)
+    p = rng.uniform(0, 1, 200_000)
+    calibrated = rng.uniform(0, 1, p.size) < p  # right with probability p
+    rows, ece = hc.reliability(p, calibrated)
+    assert ece < 0.01 and len(rows) == len(hc.BINS) - 1
+    assert all(abs(mp - acc) < 0.02 for mp, acc, _ in rows)
+    overconfident = rng.uniform(0, 1, p.size) < p / 2
+    assert hc.reliability(p, overconfident)[1] > 0.2
+    rows, _ = hc.reliability(np.array([1.0, 0.0, 0.05]), np.array([True, False, False]))  # p = 1.0 in the last bin
+    assert rows[0] == (0.025, 0.0, 2) and rows[-1] == (1.0, 1.0, 1)

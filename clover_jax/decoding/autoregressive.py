@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from clover_jax import parallel
+from clover_jax.decoding import streaming
 from clover_jax.decoding.sampling import next_token
 from clover_jax.models.cache import KVCache, causal_mask, prefix_mask
 from clover_jax.models.llama import Llama
@@ -210,7 +211,7 @@ def is_eos(tokens: jax.Array, eos_ids: jax.Array) -> jax.Array:
 
 
 def _ar_generate(graphdef, state, prompt, prompt_lengths, max_new_tokens, eos_ids, sampling, key, *,
-                 cache_size: int, greedy: bool, cache_dtype, mesh=None, layers: str = "scan"):
+                 cache_size: int, greedy: bool, cache_dtype, mesh=None, layers: str = "scan", stream: bool = False):
     model = nnx.merge(graphdef, state)
     b, t = prompt.shape
     shard = functools.partial(parallel.constrain_state, mesh=mesh)  # identity without a mesh
@@ -224,6 +225,8 @@ def _ar_generate(graphdef, state, prompt, prompt_lengths, max_new_tokens, eos_id
     tokens = tokens.at[rows, prompt_lengths].set(first, mode="drop")
     limit = prompt_lengths + max_new_tokens  # [B] final length bound per row (max_new_tokens [] or [B])
     done = is_eos(first, eos_ids) | (prompt_lengths + 1 >= limit)
+    if stream:  # each row's first token (`clover_jax.decoding.streaming`)
+        streaming.emit(first[:, None], jnp.ones_like(prompt_lengths))
     st = shard(_ARState(step=jnp.zeros((), jnp.int32), tokens=tokens, lengths=prompt_lengths + 1, cache=cache,
                         done=done, row_steps=jnp.zeros((b,), jnp.int32), key=key))
 
@@ -243,6 +246,8 @@ def _ar_generate(graphdef, state, prompt, prompt_lengths, max_new_tokens, eos_id
         tokens = s.tokens.at[rows, write_at].set(tok, mode="drop")
         lengths = s.lengths + active
         done = s.done | (active & (is_eos(tok, eos_ids) | (lengths >= limit)))
+        if stream:
+            streaming.emit(tok[:, None], active)
         return shard(_ARState(step=s.step + 1, tokens=tokens, lengths=lengths, cache=cache, done=done,
                               row_steps=s.row_steps + active, key=key))
 
@@ -285,19 +290,19 @@ def traced_with(precision: str | None, fn):
 
 @functools.lru_cache(maxsize=None)
 def _jitted(graphdef, cache_size: int, greedy: bool, cache_dtype, mesh=None, layers: str = "scan",
-            precision: str | None = None):
+            precision: str | None = None, stream: bool = False):
     fn = functools.partial(_ar_generate, graphdef, cache_size=cache_size, greedy=greedy, cache_dtype=cache_dtype,
-                           mesh=mesh, layers=layers)
+                           mesh=mesh, layers=layers, stream=stream)
     return jax.jit(traced_with(precision, fn))
 
 
 def jitted_loop(model: Llama, cache_size: int, greedy: bool, cache_dtype=None, mesh=None, layers: str | None = None,
-                *, graphdef=None):
+                *, graphdef=None, stream: bool = False):
     """The jitted autoregressive loop `ar_generate` runs for these settings (cached: one per setting, each
     compiled once per prompt bucket)."""
     graphdef = nnx.split(model)[0] if graphdef is None else graphdef
     return _jitted(graphdef, int(cache_size), greedy, jnp.dtype(cache_dtype or model.dtype), mesh,
-                   decode_layers(layers, mesh, model=model), products_precision(model.dtype))
+                   decode_layers(layers, mesh, model=model), products_precision(model.dtype), bool(stream))
 
 
 def row_inputs(prompt, prompt_lengths, max_new_tokens, mesh=None):
@@ -310,12 +315,14 @@ def row_inputs(prompt, prompt_lengths, max_new_tokens, mesh=None):
 
 
 def ar_generate(model: Llama, prompt, prompt_lengths, *, max_new_tokens, cache_size: int, sampling=None,
-                key=None, eos_ids=None, cache_dtype=None, mesh=None, layers: str | None = None) -> DecodeOutput:
+                key=None, eos_ids=None, cache_dtype=None, mesh=None, layers: str | None = None,
+                stream: bool = False) -> DecodeOutput:
     """Jitted autoregressive generation on padded prompts. Inputs are validated by `clover_jax.api`.
 
     With a `mesh` (`clover_jax.parallel`), the weights are placed by the sharding rules (no copy when the
     model was loaded onto that mesh), the rows split over its batch axes and the KV cache over rows and KV
-    heads. `layers`: see `decode_layers`."""
+    heads. `layers`: see `decode_layers`. `stream`: hand each step's tokens to the host as they come
+    (`clover_jax.decoding.streaming`; one device only)."""
     from clover_jax.decoding.sampling import SamplingParams
 
     sampling = sampling or SamplingParams()
@@ -323,5 +330,5 @@ def ar_generate(model: Llama, prompt, prompt_lengths, *, max_new_tokens, cache_s
     state = parallel.place(state, mesh)
     eos = jnp.asarray(list(eos_ids if eos_ids is not None else model.config.eos_token_ids) or [-1], jnp.int32)
     key = jax.random.key(0) if key is None else key
-    fn = jitted_loop(model, cache_size, sampling.greedy, cache_dtype, mesh, layers, graphdef=graphdef)
+    fn = jitted_loop(model, cache_size, sampling.greedy, cache_dtype, mesh, layers, graphdef=graphdef, stream=stream)
     return fn(state, *row_inputs(prompt, prompt_lengths, max_new_tokens, mesh), eos, sampling.arrays(), key)

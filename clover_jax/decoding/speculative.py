@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from clover_jax import parallel
-from clover_jax.decoding import verify
+from clover_jax.decoding import streaming, verify
 from clover_jax.decoding.autoregressive import (DecodeOutput, decode_cache, decode_forward, decode_layers,
                                                  is_eos, prefill, products_precision, row_inputs, traced_with)
 from clover_jax.decoding.sampling import SamplingParams, next_token, warp_probs
@@ -90,7 +90,7 @@ def _accept(proposal, logits, key, sampling, greedy: bool, sampled_drafts: bool)
 
 def _spec_generate(base_graph, base_state, head_graph, head_state_params, drafter_arrays, prompt, prompt_lengths,
                    max_new_tokens, eos_ids, sampling, key, *, drafter, cache_size: int, greedy: bool, cache_dtype,
-                   mesh=None, layers: str = "scan"):
+                   mesh=None, layers: str = "scan", stream: bool = False):
     base = nnx.merge(base_graph, base_state)
     head = nnx.merge(head_graph, head_state_params)
     b, t = prompt.shape
@@ -115,6 +115,8 @@ def _spec_generate(base_graph, base_state, head_graph, head_state_params, drafte
     tokens = tokens.at[rows, prompt_lengths].set(root, mode="drop")
     limit = prompt_lengths + max_new_tokens  # [B] (max_new_tokens [] or [B])
     done = is_eos(root, eos_ids) | (prompt_lengths + 1 >= limit)
+    if stream:  # each row's first token (`clover_jax.decoding.streaming`)
+        streaming.emit(root[:, None], jnp.ones_like(prompt_lengths))
     st = shard(_SpecState(step=jnp.zeros((), jnp.int32), tokens=tokens, lengths=prompt_lengths + 1, cache=cache,
                           head_state=hs, done=done, accept_hist=jnp.zeros((b, dmax + 1), jnp.int32),
                           node_hist=jnp.zeros((b, u), jnp.int32), row_steps=jnp.zeros((b,), jnp.int32), key=key))
@@ -154,6 +156,8 @@ def _spec_generate(base_graph, base_state, head_graph, head_state_params, drafte
         tokens = s.tokens.at[rows[:, None], write_at].set(new, mode="drop")
         lengths = s.lengths + num_new
         done = s.done | (active & ((eos_at <= n) | (lengths >= limit)))
+        if stream:
+            streaming.emit(new, num_new)
         # the head consumes (f, next token) for the root and the accepted drafts
         f_new = jnp.take_along_axis(hidden, nodes[..., None], axis=1)  # [B, Dmax+1, D]
         hs = drafter.commit(head, base, s.head_state, f_new, new, jnp.where(active, n + 1, 0))
@@ -173,22 +177,23 @@ def _spec_generate(base_graph, base_state, head_graph, head_state_params, drafte
 
 @functools.lru_cache(maxsize=None)
 def _jitted(base_graph, head_graph, drafter, cache_size: int, greedy: bool, cache_dtype, mesh=None,
-            layers: str = "scan", precision: str | None = None):
+            layers: str = "scan", precision: str | None = None, stream: bool = False):
     def fn(base_state, head_params, *args):
         return _spec_generate(base_graph, base_state, head_graph, head_params, *args, drafter=drafter,
-                              cache_size=cache_size, greedy=greedy, cache_dtype=cache_dtype, mesh=mesh, layers=layers)
+                              cache_size=cache_size, greedy=greedy, cache_dtype=cache_dtype, mesh=mesh, layers=layers,
+                              stream=stream)
 
     return jax.jit(traced_with(precision, fn))
 
 
 def jitted_loop(base, head, drafter, cache_size: int, greedy: bool, mesh=None, layers: str | None = None, *,
-                graphs=None):
+                graphs=None, stream: bool = False):
     """The jitted speculative loop `spec_generate` runs for these settings (cached: one per setting, each compiled
     once per prompt bucket)."""
     base_graph, head_graph = (nnx.split(base)[0], nnx.split(head)[0]) if graphs is None else graphs
     return _jitted(base_graph, head_graph, drafter, int(cache_size), greedy, jnp.dtype(base.dtype), mesh,
                    decode_layers(layers, mesh, tokens_per_step=drafter.num_nodes, model=base),
-                   products_precision(base.dtype))
+                   products_precision(base.dtype), bool(stream))
 
 
 def drafter_for(head_type: type, tree_key, draft_vocab=None, ngram_table=None) -> object:
@@ -227,13 +232,14 @@ def _drafter_for(head_type: type, tree_key, draft_vocab, ngram_table) -> object:
 
 def spec_generate(base, head, prompt, prompt_lengths, *, max_new_tokens, cache_size: int | None,
                   sampling: SamplingParams, key, tree=None, eos_ids=None, drafter=None, draft_vocab=None, mesh=None,
-                  stat_rows: int | None = None, layers: str | None = None, ngram_table=None):
+                  stat_rows: int | None = None, layers: str | None = None, ngram_table=None, stream: bool = False):
     """Runs the jitted speculative loop; returns (DecodeOutput, stats dict, seconds).
 
     `max_new_tokens`: one number or one per row. With a `mesh` (`clover_jax.parallel`) the base and head
     weights are placed by the sharding rules, rows split over the batch axes, and both KV caches over rows
     and KV heads. `stat_rows`: count only the first rows in the statistics (the rest pad the batch). `layers`:
-    how the base model's layers run (`clover_jax.decoding.autoregressive.decode_layers`)."""
+    how the base model's layers run (`clover_jax.decoding.autoregressive.decode_layers`). `stream`: hand each step's
+    accepted tokens to the host as they come (`clover_jax.decoding.streaming`; one device only)."""
     import numpy as np
 
     from clover_jax.api import plan_cache
@@ -246,7 +252,8 @@ def spec_generate(base, head, prompt, prompt_lengths, *, max_new_tokens, cache_s
     head_graph, head_params = nnx.split(head)
     base_state, head_params = parallel.place(base_state, mesh), parallel.place(head_params, mesh)
     eos = jnp.asarray(list(eos_ids if eos_ids is not None else base.config.eos_token_ids) or [-1], jnp.int32)
-    fn = jitted_loop(base, head, drafter, cache_size, sampling.greedy, mesh, layers, graphs=(base_graph, head_graph))
+    fn = jitted_loop(base, head, drafter, cache_size, sampling.greedy, mesh, layers, graphs=(base_graph, head_graph),
+                     stream=stream)
     arrays = drafter.arrays() if hasattr(drafter, "arrays") else None
     inputs = row_inputs(prompt, lens, max_new_tokens, mesh)
     t0 = time.perf_counter()

@@ -1,0 +1,137 @@
+"""Where one decoding step's time goes, op by op: a profiler trace of the real loop, mapped back to JAX source.
+
+  python bench/trace_step.py --tree chain-3
+  python bench/trace_step.py --tree fit-5-411aab+lookup-4-table --layers scan --top 30
+  python bench/trace_step.py --tree ar                     # the autoregressive loop
+
+Runs the jitted loop (`spec_generate`, or `ar_generate` for `--tree ar`) on a random model of a real shape (as
+`bench_step.py` does, EOS disabled), compiles and warms it, then records one call under `jax.profiler.trace` and
+sums each fused op's time over the call, divided by the loop's steps. Each op is named by the JAX operation its
+fusion came from (`op_name` in the optimised HLO's metadata, dumped for this purpose), so `.../while/body/...` ops
+are the loop's step and `.../while/body/while/body/...` the scanned layers inside it. The profiler slows the ops
+(about a third on a CPU), and ops on two threads overlap, so the table ranks where the time goes rather than adding
+up to the step's wall time (`bench_step.py` measures that).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import gzip
+import json
+import os
+import re
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def hlo_op_names(dump_dir: str) -> dict[str, str]:
+    """Instruction name -> `op_name` metadata, from the largest optimised HLO module in `dump_dir` (the loop)."""
+    files = [f for f in glob.glob(os.path.join(dump_dir, "*after_optimizations.txt")) if "buffer" not in f]
+    if not files:
+        return {}
+    names = {}
+    for line in open(max(files, key=os.path.getsize)):
+        m = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = .*metadata=\{([^}]*)\}", line)
+        if m:
+            op = re.search(r'op_name="([^"]+)"', m.group(2))
+            names[m.group(1)] = op.group(1) if op else ""
+    return names
+
+
+def op_times(trace_dir: str) -> tuple[collections.Counter, collections.Counter]:
+    """(total microseconds, calls) per traced op name, over every thread, from the profiler's trace."""
+    files = glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True)
+    if not files:
+        raise SystemExit(f"no trace written under {trace_dir}")
+    with gzip.open(files[0]) as f:
+        events = json.load(f)
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    skip = ("$", "Thunk", "Pjit", "Common", "Slinky", "end:")
+    total, calls = collections.Counter(), collections.Counter()
+    for e in events:
+        if e.get("ph") == "X" and not e["name"].startswith(skip):
+            total[e["name"]] += e.get("dur", 0)
+            calls[e["name"]] += 1
+    return total, calls
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", default="smollm2-135m")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--head-type", default="clover2")
+    ap.add_argument("--tree", default="chain-3", help="a tree name, or 'ar' for the autoregressive loop")
+    ap.add_argument("--layers", default="auto", choices=["auto", "unrolled", "scan"])
+    ap.add_argument("--context", type=int, default=300)
+    ap.add_argument("--cache-size", type=int, default=640)
+    ap.add_argument("--new-tokens", type=int, default=80)
+    ap.add_argument("--top", type=int, default=25, help="ops listed")
+    args = ap.parse_args(argv)
+    dump = tempfile.mkdtemp(prefix="trace_step_hlo_")
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={dump} --xla_dump_hlo_as_text "
+                               "--xla_dump_hlo_module_re=.*jit_(fn|wrapped).*").strip()
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import bench_step
+    from clover_jax.decoding.autoregressive import ar_generate
+    from clover_jax.decoding.sampling import SamplingParams
+    from clover_jax.decoding.speculative import drafter_for, spec_generate
+
+    args.ngram_table = None
+    config, base, head = bench_step.build(args)
+    layers = None if args.layers == "auto" else args.layers
+    prompt = jnp.asarray(np.random.default_rng(0).integers(0, config.vocab_size, (1, args.context)), jnp.int32)
+    lens = np.array([args.context])
+    kw = dict(cache_size=args.cache_size, sampling=SamplingParams(), key=jax.random.key(0), eos_ids=[-1],
+              layers=layers)
+    if args.tree == "ar":
+        def run(n):
+            return jax.block_until_ready(ar_generate(base, prompt, lens, max_new_tokens=n, **kw))
+    else:
+        from clover_jax import pretrained
+        from clover_jax.calibrate import register_saved_trees
+        from clover_jax.decoding.ngram import resolve_ngram_table
+        from clover_jax.decoding.tree import LookupTree, get_tree
+
+        for name in pretrained.HEADS:  # fit-N-<hash>: a tree fitted by a shipped head's calibration
+            register_saved_trees(name, [args.tree])
+        spec = get_tree(args.tree)
+        table = None
+        if isinstance(spec, LookupTree) and spec.table:  # the shipped SmolLM2 head's table
+            table = resolve_ngram_table(None, pretrained.default_head("smollm2-135m-instruct"))
+            if table.vocab_size != config.vocab_size:
+                raise SystemExit(f"{args.tree}: the shipped n-gram table is for SmolLM2's vocabulary, not "
+                                 f"--shape {args.shape}'s")
+        vocab = np.arange(8192, dtype=np.int32) if config.vocab_size > 8192 else None  # a draft vocabulary
+        drafter = drafter_for(type(head), args.tree, vocab, table)
+
+        def run(n):
+            return spec_generate(base, head, prompt, lens, max_new_tokens=n, drafter=drafter, **kw)[0]
+
+    run(args.new_tokens)
+    run(args.new_tokens)
+    trace = tempfile.mkdtemp(prefix="trace_step_")
+    with jax.profiler.trace(trace, create_perfetto_trace=True):
+        out = run(args.new_tokens)
+    steps = max(int(out.steps), 1)
+    total, calls = op_times(trace)
+    names = hlo_op_names(dump)
+    print(f"# {args.tree} on {args.shape} shapes, {args.dtype}, batch 1, {args.context} tokens cached, "
+          f"{steps} steps traced; backend {jax.default_backend()}\n")
+    print(f"all traced ops: {sum(total.values()) / 1e3 / steps:.2f} ms per step (threads overlap)\n")
+    print("| ms per step | calls per step | op | from |")
+    print("|---|---|---|---|")
+    for name, us in total.most_common(args.top):
+        print(f"| {us / 1e3 / steps:.3f} | {calls[name] / steps:.1f} | {name} | {names.get(name, '')[-90:]} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
