@@ -5,12 +5,15 @@
   python bench/trace_step.py --tree ar                     # the autoregressive loop
 
 Runs the jitted loop (`spec_generate`, or `ar_generate` for `--tree ar`) on a random model of a real shape (as
-`bench_step.py` does, EOS disabled), compiles and warms it, then records one call under `jax.profiler.trace` and
-sums each fused op's time over the call, divided by the loop's steps. Each op is named by the JAX operation its
-fusion came from (`op_name` in the optimised HLO's metadata, dumped for this purpose), so `.../while/body/...` ops
-are the loop's step and `.../while/body/while/body/...` the scanned layers inside it. The profiler slows the ops
-(about a third on a CPU), and ops on two threads overlap, so the table ranks where the time goes rather than adding
-up to the step's wall time (`bench_step.py` measures that).
+`bench_step.py` does, EOS disabled), compiles and warms it, then records two calls under `jax.profiler.trace`, of
+16 and `--new-tokens` new tokens: the difference of each op's summed time between the two, divided by the
+difference in steps, is its cost per decoding step (the prefill and the call's overhead cancel out). Ops are
+grouped by the JAX operation their fusion came from (`op_name` in the optimised HLO's metadata, dumped for this
+purpose; the HLO name where there is none), so one row sums that operation over every layer:
+`.../while/body/while/body/...` is inside the scan over the base model's layers, `.../while/body/...` the rest of
+the step (an unrolled layer's ops land there too). The profiler slows the ops (about a third on a CPU), and ops on
+two threads overlap, so the table ranks where the time goes rather than adding up to the step's wall time
+(`bench_step.py` measures that).
 """
 
 from __future__ import annotations
@@ -115,21 +118,34 @@ def main(argv=None) -> int:
         def run(n):
             return spec_generate(base, head, prompt, lens, max_new_tokens=n, drafter=drafter, **kw)[0]
 
-    run(args.new_tokens)
-    run(args.new_tokens)
-    trace = tempfile.mkdtemp(prefix="trace_step_")
-    with jax.profiler.trace(trace, create_perfetto_trace=True):
-        out = run(args.new_tokens)
-    steps = max(int(out.steps), 1)
-    total, calls = op_times(trace)
-    names = hlo_op_names(dump)
-    print(f"# {args.tree} on {args.shape} shapes, {args.dtype}, batch 1, {args.context} tokens cached, "
-          f"{steps} steps traced; backend {jax.default_backend()}\n")
-    print(f"all traced ops: {sum(total.values()) / 1e3 / steps:.2f} ms per step (threads overlap)\n")
-    print("| ms per step | calls per step | op | from |")
-    print("|---|---|---|---|")
-    for name, us in total.most_common(args.top):
-        print(f"| {us / 1e3 / steps:.3f} | {calls[name] / steps:.1f} | {name} | {names.get(name, '')[-90:]} |")
+    if args.new_tokens <= 16:
+        raise SystemExit(f"--new-tokens must be above 16 (the shorter traced call), got {args.new_tokens}")
+    names = None
+    runs = []
+    for n in (16, args.new_tokens):
+        run(n)
+        run(n)
+        trace = tempfile.mkdtemp(prefix="trace_step_")
+        with jax.profiler.trace(trace, create_perfetto_trace=True):
+            out = run(n)
+        names = names or hlo_op_names(dump)
+        total, calls = op_times(trace)
+        by_op, n_by_op = collections.Counter(), collections.Counter()
+        for name, us in total.items():
+            op = re.sub(r"^jit\([^)]*\)/", "", names.get(name, "")) or name
+            by_op[op] += us
+            n_by_op[op] += calls[name]
+        runs.append((int(out.steps), by_op, n_by_op))
+    (s1, t1, c1), (s2, t2, c2) = runs
+    steps = max(s2 - s1, 1)
+    per_step = {op: (t2[op] - t1[op]) / 1e3 / steps for op in t2}
+    print(f"# {args.tree} on {args.shape} shapes, {args.dtype}, batch 1, {args.context} tokens cached; traced calls "
+          f"of {s1} and {s2} steps; backend {jax.default_backend()}\n")
+    print(f"all traced ops: {sum(per_step.values()):.2f} ms per step (ops on different threads overlap)\n")
+    print("| ms per step | calls per step | JAX operation (or HLO op) |")
+    print("|---|---|---|")
+    for op, ms in sorted(per_step.items(), key=lambda kv: -kv[1])[:args.top]:
+        print(f"| {ms:.3f} | {(c2[op] - c1[op]) / steps:.1f} | {op[-100:]} |")
     return 0
 
 
