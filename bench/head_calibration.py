@@ -48,7 +48,7 @@ def main(argv=None) -> int:
     import clover_jax
     from bench_spec import load_questions
     from clover_jax.api import resolve_head
-    from simulate_lookup import greedy_replies, top_drafts
+    from simulate_lookup import greedy_replies, padded, top_drafts
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m-instruct")
@@ -69,13 +69,8 @@ def main(argv=None) -> int:
     for prompt, reply in greedy_replies(loaded, prompts, args.max_new_tokens):
         seq = prompt + reply
         t = len(seq)
-        pad = 1 << (t - 1).bit_length()
-        tokens = np.zeros((1, pad), np.int32)
-        tokens[0, :t] = seq
-        valid = np.zeros((1, pad), bool)
-        valid[0, :t] = True
-        cand, logp = (np.asarray(x) for x in top(tokens, valid))  # [H, pad, k]
-        truth = np.asarray(seq + [-1] * (pad + cand.shape[0] + 2 - t))
+        cand, logp = (np.asarray(x) for x in top(*padded(seq)))  # [H, P, k]
+        truth = np.asarray(seq + [-1] * (cand.shape[1] + cand.shape[0] + 2 - t))
         for h in range(cand.shape[0]):  # head h at position pos drafts token pos + 2 + h
             pos = np.arange(len(prompt) - 1, t - 2 - h)
             if pos.size == 0:

@@ -56,17 +56,24 @@ def top_drafts(base, head, draft_vocab, top_k: int, with_logp: bool = False):
     return lambda tokens, valid: top(bs, hs, tokens, valid)
 
 
-def draft_ranks(top, seq: list[int], prompt_len: int, top_k: int) -> list[list[int]]:
-    """`ranks[i][h]`: rank of seq's token among head h's top-k drafts (`top`, from `top_drafts`) at decoding step
-    position `prompt_len - 1 + i` (the state after committing up to there, the root being the next token); top_k
-    when not among them."""
+def padded(seq: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """`(tokens [1, P], valid [1, P])` for one sequence, right-padded to the next power of two (one compile of
+    `top_drafts` per padded length)."""
     t = len(seq)
     pad = 1 << (t - 1).bit_length()
     tokens = np.zeros((1, pad), np.int32)
     tokens[0, :t] = seq
     valid = np.zeros((1, pad), bool)
     valid[0, :t] = True
-    cand = np.asarray(top(tokens, valid))
+    return tokens, valid
+
+
+def draft_ranks(top, seq: list[int], prompt_len: int, top_k: int) -> list[list[int]]:
+    """`ranks[i][h]`: rank of seq's token among head h's top-k drafts (`top`, from `top_drafts`) at decoding step
+    position `prompt_len - 1 + i` (the state after committing up to there, the root being the next token); top_k
+    when not among them."""
+    t = len(seq)
+    cand = np.asarray(top(*padded(seq)))
     out = []
     for pos in range(prompt_len - 1, t - 1):
         row = []
@@ -166,9 +173,7 @@ def main(argv=None) -> int:
     top_k = max([max(max(c) for c in t) + 1 for t in trees.values()] + [1])
     prompts, cats = load_questions(args.questions, args.limit, None)
     seqs = greedy_replies(loaded, prompts, args.max_new_tokens)
-    from clover_jax.decoding.ngram import head_ngram_table
-
-    from clover_jax.decoding.ngram import load_ngram_table
+    from clover_jax.decoding.ngram import head_ngram_table, load_ngram_table
 
     if args.anchor_depth < 0:
         raise SystemExit(f"--anchor-depth must be >= 0, got {args.anchor_depth}")
