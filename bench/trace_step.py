@@ -76,8 +76,20 @@ def main(argv=None) -> int:
     ap.add_argument("--top", type=int, default=25, help="ops listed")
     args = ap.parse_args(argv)
     dump = tempfile.mkdtemp(prefix="trace_step_hlo_")
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={dump} --xla_dump_hlo_as_text "
+    # read when JAX starts its backend: in a process where it already has (a test), ops keep their HLO names
+    flags = os.environ.get("XLA_FLAGS")
+    os.environ["XLA_FLAGS"] = ((flags or "") + f" --xla_dump_to={dump} --xla_dump_hlo_as_text "
                                "--xla_dump_hlo_module_re=.*jit_(fn|wrapped).*").strip()
+    try:
+        return _trace(args, dump)
+    finally:
+        if flags is None:
+            os.environ.pop("XLA_FLAGS", None)
+        else:
+            os.environ["XLA_FLAGS"] = flags
+
+
+def _trace(args, dump: str) -> int:
     import jax
     import jax.numpy as jnp
     import numpy as np

@@ -57,3 +57,32 @@ def test_bench_step_knows_the_shipped_heads_fitted_trees(capsys):
                      "--json"]) == 0
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert set(report["trees"][fitted]) == {"loop: AR step", "loop: speculative step"}
+
+
+def _bench(name):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_bench_products_reports_each_row_count(capsys):
+    assert _bench("bench_products").main(["--shape", "tiny", "--rows", "1", "3", "--repeat", "2"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    assert [r.split("|")[1].strip() for r in rows] == ["1", "3"]
+    assert all(float(x) > 0 for r in rows for x in r.strip("|").split("|")[1:])
+
+
+@pytest.mark.parametrize("tree", ["chain-2", "ar"])
+def test_trace_step_ranks_the_ops_of_a_step(tree, capsys):
+    """The loop's ops per step from two traced calls (tiny shapes); the environment is left as it was."""
+    import os
+
+    flags = os.environ.get("XLA_FLAGS")
+    assert _bench("trace_step").main(["--shape", "tiny", "--tree", tree, "--context", "12", "--cache-size", "128",
+                                      "--new-tokens", "40", "--top", "5"]) == 0
+    assert os.environ.get("XLA_FLAGS") == flags
+    out = capsys.readouterr().out
+    assert "ms per step" in out
+    ops = [line for line in out.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    assert 1 <= len(ops) <= 5
