@@ -99,7 +99,6 @@ def _trace(args, dump: str) -> int:
     from clover_jax.decoding.sampling import SamplingParams
     from clover_jax.decoding.speculative import drafter_for, spec_generate
 
-    args.ngram_table = None
     config, base, head = bench_step.build(args)
     layers = None if args.layers == "auto" else args.layers
     prompt = jnp.asarray(np.random.default_rng(0).integers(0, config.vocab_size, (1, args.context)), jnp.int32)

@@ -454,7 +454,8 @@ def stream_text(model, prompt, *, tokenizer=None, **kwargs) -> Iterator[str]:
             print(piece, end="", flush=True)
 
     The pieces joined are the result's text: each is the newly decodable end of the text so far (a token that
-    ends inside a multi-byte character waits for the next one). The loop runs in a thread of its own; a caller
+    ends inside a multi-byte character waits for the next one), decoded over the last few tokens only, so a long
+    reply costs no more per piece than a short one. The loop runs in a thread of its own; a caller
     that stops iterating early leaves it running to its end (another streaming call waits for no one: it fails).
     """
     import queue
@@ -485,15 +486,17 @@ def stream_text(model, prompt, *, tokenizer=None, **kwargs) -> Iterator[str]:
     thread = threading.Thread(target=run, name="clover_jax.stream_text", daemon=True)
     thread.start()
     ids: list[int] = []
+    start = shown_to = 0  # ids[start:shown_to]: tokens already shown, decoded again only as context for spacing
     sent = ""
     while (item := pieces.get()) is not done:
         ids += item
-        text = tokenizer.decode(ids, skip_special_tokens=True)
-        if text.endswith("\ufffd"):  # a character still incomplete: wait for its next bytes
-            continue
-        if len(text) > len(sent) and text.startswith(sent):
-            yield text[len(sent):]
-            sent = text
+        shown = tokenizer.decode(ids[start:shown_to], skip_special_tokens=True)
+        text = tokenizer.decode(ids[start:], skip_special_tokens=True)
+        if text.endswith("\ufffd") or len(text) <= len(shown) or not text.startswith(shown):
+            continue  # a character still incomplete, or nothing new: wait for the next tokens
+        yield text[len(shown):]
+        sent += text[len(shown):]
+        start, shown_to = shown_to, len(ids)
     thread.join()
     if "error" in outcome:
         raise outcome["error"]
