@@ -71,6 +71,29 @@ def build(args):
     return config, base, head
 
 
+def tree_drafter(config, head, tree: str, vocab, ngram_table=None):
+    """`(spec, drafter)` of `tree` for a random model of `config`'s shapes: a shipped head's fitted tree names
+    (`fit-N-<hash>`) resolve, and trees named `...-table` draft from `ngram_table` (default: the shipped SmolLM2
+    head's table, which needs SmolLM2's vocabulary)."""
+    from clover_jax import pretrained
+    from clover_jax.calibrate import register_saved_trees
+    from clover_jax.decoding.ngram import resolve_ngram_table
+    from clover_jax.decoding.speculative import drafter_for
+    from clover_jax.decoding.tree import LookupTree, get_tree
+
+    for name in pretrained.HEADS:  # fit-N-<hash>: a tree fitted by a shipped head's calibration
+        register_saved_trees(name, [tree])
+    spec = get_tree(tree)
+    table = None
+    if isinstance(spec, LookupTree) and spec.table:
+        table = resolve_ngram_table(ngram_table, None if ngram_table else
+                                    pretrained.default_head("smollm2-135m-instruct"))
+        if table.vocab_size != config.vocab_size:
+            raise SystemExit(f"{tree}: the n-gram table was built for a vocabulary of {table.vocab_size}, the "
+                             f"model of these shapes has {config.vocab_size} (--ngram-table)")
+    return spec, drafter_for(type(head), tree, vocab, table)
+
+
 def loop_ms_per_step(args, base, head, drafter, prompt, lens) -> tuple[float, float]:
     """(AR ms/step, speculative ms/step) of the jitted loops, from runs of n1 and n2 new tokens."""
     import jax
@@ -258,11 +281,7 @@ def main(argv=None) -> int:
     import numpy as np
 
     from clover_jax.decoding.autoregressive import decode_layers
-    from clover_jax import pretrained
-    from clover_jax.calibrate import register_saved_trees
-    from clover_jax.decoding.ngram import resolve_ngram_table
-    from clover_jax.decoding.speculative import drafter_for
-    from clover_jax.decoding.tree import LookupTree, get_tree
+    from clover_jax.decoding.tree import LookupTree
 
     if args.context + args.loop_tokens[1] + 64 > args.cache_size:
         raise SystemExit(f"--cache-size {args.cache_size} cannot hold --context {args.context} + "
@@ -295,18 +314,8 @@ def main(argv=None) -> int:
           f"draft vocabulary {args.draft_vocab or 'full'}, backend {report['backend']} ({report['device']})"
           + (f", mesh {args.mesh}" if args.mesh else "") + f", --layers {args.layers}")
     sizes = {}
-    for name in pretrained.HEADS:  # --trees fit-N-<hash>: a tree fitted by a shipped head's calibration
-        register_saved_trees(name, args.trees)
     for tree in args.trees:
-        spec = get_tree(tree)
-        table = None
-        if isinstance(spec, LookupTree) and spec.table:
-            table = resolve_ngram_table(args.ngram_table, None if args.ngram_table else
-                                        pretrained.default_head("smollm2-135m-instruct"))
-            if table.vocab_size != config.vocab_size:
-                raise SystemExit(f"--ngram-table was built for a vocabulary of {table.vocab_size}, the "
-                                 f"--shape {args.shape} model has {config.vocab_size}")
-        drafter = drafter_for(type(head), tree, vocab, table)
+        spec, drafter = tree_drafter(config, head, tree, vocab, args.ngram_table)
         parts = not args.no_parts and not isinstance(spec, LookupTree)  # parts: head trees only
         # the AR loop's choice; with --layers auto the speculative loop makes its own (scan on a CPU)
         args.layers = decode_layers(layers_asked, args.mesh_obj, model=base)

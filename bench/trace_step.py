@@ -97,7 +97,7 @@ def _trace(args, dump: str) -> int:
     import bench_step
     from clover_jax.decoding.autoregressive import ar_generate
     from clover_jax.decoding.sampling import SamplingParams
-    from clover_jax.decoding.speculative import drafter_for, spec_generate
+    from clover_jax.decoding.speculative import spec_generate
 
     config, base, head = bench_step.build(args)
     layers = None if args.layers == "auto" else args.layers
@@ -109,22 +109,8 @@ def _trace(args, dump: str) -> int:
         def run(n):
             return jax.block_until_ready(ar_generate(base, prompt, lens, max_new_tokens=n, **kw))
     else:
-        from clover_jax import pretrained
-        from clover_jax.calibrate import register_saved_trees
-        from clover_jax.decoding.ngram import resolve_ngram_table
-        from clover_jax.decoding.tree import LookupTree, get_tree
-
-        for name in pretrained.HEADS:  # fit-N-<hash>: a tree fitted by a shipped head's calibration
-            register_saved_trees(name, [args.tree])
-        spec = get_tree(args.tree)
-        table = None
-        if isinstance(spec, LookupTree) and spec.table:  # the shipped SmolLM2 head's table
-            table = resolve_ngram_table(None, pretrained.default_head("smollm2-135m-instruct"))
-            if table.vocab_size != config.vocab_size:
-                raise SystemExit(f"{args.tree}: the shipped n-gram table is for SmolLM2's vocabulary, not "
-                                 f"--shape {args.shape}'s")
         vocab = np.arange(8192, dtype=np.int32) if config.vocab_size > 8192 else None  # a draft vocabulary
-        drafter = drafter_for(type(head), args.tree, vocab, table)
+        _, drafter = bench_step.tree_drafter(config, head, args.tree, vocab)
 
         def run(n):
             return spec_generate(base, head, prompt, lens, max_new_tokens=n, drafter=drafter, **kw)[0]
