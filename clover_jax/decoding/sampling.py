@@ -87,8 +87,9 @@ def argmax_last(x: jax.Array) -> jax.Array:
 
     The same index wherever the row holds no NaN (ties: the first); in a row holding a NaN, the first index that
     holds a NaN or the largest number (jnp.argmax: the first NaN). Two plain reductions instead of one variadic
-    (value, index) reduction, which XLA:CPU does not vectorise: over `[9, 49152]` float32 logits 1.03 ms against
-    0.17 ms on 2 CPU cores, and the speculative loop takes it over every verified node's logits at every step.
+    (value, index) reduction, which XLA:CPU does not vectorise: over `[9, 49152]` float32 logits 1.02 ms against
+    0.16 ms on 2 CPU cores (`bench/bench_products.py`), and the speculative loop takes it over every verified node's
+    logits at every step.
     """
     m = jnp.max(x, axis=-1, keepdims=True)  # [..., 1]
     idx = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)  # [..., V]
