@@ -5,7 +5,9 @@
       --trees clover2-26 chain-4 small-10 --batch-size 1 --max-new-tokens 128 --out-dir artifacts/eval_mt
 
 Writes results.json, results.md and PNG plots (tau per category, accepted-length histogram, speedup vs tree
-size) to --out-dir and prints the markdown table.
+size) to --out-dir and prints the markdown table. tau and the speed-up come with a 95% bootstrap interval over the
+prompt batches (`clover_jax.evaluation.bootstrap_ci`; each batch is timed for every run back to back, so the
+interval pairs them): two trees whose intervals overlap widely are not told apart by one run.
 """
 
 from __future__ import annotations
@@ -191,11 +193,18 @@ def _main(argv=None):
     (out / "results.json").write_text(json.dumps(result, indent=1))
     lines = [f"{len(prompts)} prompts ({args.questions}), batch {args.batch_size}, {args.max_new_tokens} new tokens, "
              f"temperature {args.temperature}; {result['machine']}; {result['date']}", "",
-             "| run | tokens/s | tau | speedup vs our AR | speedup / tau | compile s | accept rate per depth |",
+             "| run | tokens/s | tau (95% CI) | speedup vs our AR (95% CI) | speedup / tau | compile s | "
+             "accept rate per depth |",
              "|---|---|---|---|---|---|---|"]
+    def with_ci(r, key, ci):  # "1.27 (1.24-1.30)": the value and its 95% bootstrap interval over prompt batches
+        if r.get(key) is None:
+            return "-"
+        return f"{r[key]}" + (f" ({r[ci][0]}-{r[ci][1]})" if r.get(ci) else "")
+
     for name, r in result["runs"].items():
         rates = r.get("accept_rate_per_depth")
-        lines.append(f"| {name} | {r['tokens_per_second']:.1f} | {r.get('tau') or '-'} | {r.get('speedup_vs_ar', '-')} | "
+        lines.append(f"| {name} | {r['tokens_per_second']:.1f} | {with_ci(r, 'tau', 'tau_ci95')} | "
+                     f"{with_ci(r, 'speedup_vs_ar', 'speedup_ci95')} | "
                      f"{r.get('speedup_over_tau') or '-'} | {r.get('compile_seconds', '-')} | "
                      f"{', '.join(f'{x:.2f}' for x in rates) if rates else '-'} |")
     if "transformers" in result["runs"]:

@@ -28,6 +28,9 @@ class RunStats:
     accept_hist: np.ndarray | None = None  # steps that accepted n drafts
     node_hist: np.ndarray | None = None  # [U] steps whose accepted path held tree node u (node 0: every step)
     per_prompt: list[dict] = dataclasses.field(default_factory=list)
+    # per prompt batch, in order: (new tokens, timed seconds, decode-phase tokens, decode-phase steps); the units a
+    # confidence interval resamples (`bootstrap_ci`)
+    per_batch: list[tuple[int, float, int, int]] = dataclasses.field(default_factory=list)
 
     @property
     def tokens_per_second(self) -> float:
@@ -57,6 +60,30 @@ class RunStats:
 
 
 DV = "+dv"  # tree-name suffix: run that tree with the draft vocabulary
+CI_LEVEL = 0.95
+CI_RESAMPLES = 2000
+
+
+def bootstrap_ci(num: np.ndarray, den: np.ndarray, *, level: float = CI_LEVEL, resamples: int = CI_RESAMPLES,
+                 seed: int = 0) -> tuple[float, float] | None:
+    """Percentile bootstrap interval of the ratio of sums `sum(num[:, j]) / sum(den[:, j])`, multiplied over the
+    columns j, resampling the rows (prompt batches) with replacement, all columns with the same rows.
+
+    `num`, `den`: `[N]` or `[N, C]`. One column gives a rate (tau: decode-phase tokens over steps); two columns
+    with `den[:, 1]`, `num[:, 1]` swapped give a ratio of two rates measured on the same batches (a speed-up: the
+    tree's tokens/s over the autoregressive loop's, each batch timed back to back), so the interval reflects how
+    the ratio varies from prompt to prompt and between timed calls, not only the overall mean. `None` with fewer
+    than two rows (no spread to resample). Deterministic for a given `seed`.
+    """
+    num = np.asarray(num, np.float64).reshape(len(num), -1)  # [N, C]
+    den = np.asarray(den, np.float64).reshape(len(den), -1)  # [N, C]
+    n = num.shape[0]
+    if n < 2:
+        return None
+    idx = np.random.default_rng(seed).integers(0, n, size=(resamples, n))  # [R, N]
+    ratios = np.prod(num[idx].sum(axis=1) / den[idx].sum(axis=1), axis=-1)  # [R]
+    lo, hi = np.quantile(ratios, [(1 - level) / 2, (1 + level) / 2])
+    return float(lo), float(hi)
 
 
 def evaluate(loaded, head, prompts: Sequence[str], *, trees: Sequence[str] = ("clover2-26",), batch_size: int = 1,
@@ -103,11 +130,14 @@ def evaluate(loaded, head, prompts: Sequence[str], *, trees: Sequence[str] = ("c
             run.tokens += res.num_generated
             run.seconds += res.seconds
             run.steps += sum(res.row_steps)
+            h = None
             if name != "ar":
                 h = np.asarray(res.stats["accept_hist"])
                 run.accept_hist = h if run.accept_hist is None else run.accept_hist + h
                 nh = np.asarray(res.stats["node_hist"])
                 run.node_hist = nh if run.node_hist is None else run.node_hist + nh
+            decoded = (0, 0) if h is None else (int((h * np.arange(1, len(h) + 1)).sum()), int(h.sum()))
+            run.per_batch.append((res.num_generated, res.seconds, *decoded))
             for i, toks in enumerate(res.token_ids):
                 rec = {"index": start + i, "tokens": len(toks)}
                 if categories is not None:
@@ -127,10 +157,19 @@ def evaluate(loaded, head, prompts: Sequence[str], *, trees: Sequence[str] = ("c
               "greedy_mismatches": mismatches if temperature == 0.0 else None,
               "greedy_compared": compared if temperature == 0.0 else None,
               "greedy_differing_prompts": differ if temperature == 0.0 else None,
-              "per_prompt": {k: v.per_prompt for k, v in runs.items()}}
+              "per_prompt": {k: v.per_prompt for k, v in runs.items()},
+              "per_batch": {k: [[n, round(sec, 4), dt, ds] for n, sec, dt, ds in v.per_batch] for k, v in runs.items()}}
     ar_tps = runs["ar"].tokens_per_second
     for t in trees:
         result["runs"][t]["speedup_vs_ar"] = round(runs[t].tokens_per_second / ar_tps, 3)
         tau = runs[t].tau
         result["runs"][t]["speedup_over_tau"] = round(runs[t].tokens_per_second / ar_tps / tau, 3) if tau else None
+        tree, ar = np.asarray(runs[t].per_batch), np.asarray(runs["ar"].per_batch)  # [N, 4] each
+        if len(tree):
+            # tree tokens/s over AR tokens/s: (tokens_t / seconds_t) * (seconds_ar / tokens_ar)
+            speed = bootstrap_ci(np.stack([tree[:, 0], ar[:, 1]], 1), np.stack([tree[:, 1], ar[:, 0]], 1))
+            stepped = tree[tree[:, 3] > 0]  # a batch with no decode step adds nothing to tau
+            taus = bootstrap_ci(stepped[:, 2], stepped[:, 3])
+            result["runs"][t]["speedup_ci95"] = None if speed is None else [round(x, 3) for x in speed]
+            result["runs"][t]["tau_ci95"] = None if taus is None else [round(x, 3) for x in taus]
     return result

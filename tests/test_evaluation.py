@@ -1,8 +1,9 @@
 """The evaluation harness on a tiny model: same-run AR vs speculative statistics, zero greedy mismatches."""
 
 import numpy as np
+import pytest
 
-from clover_jax.evaluation import evaluate
+from clover_jax.evaluation import bootstrap_ci, evaluate
 from clover_jax.heads.clover2 import Clover2Config, init_from_base
 from clover_jax.io.loader import LoadedModel
 from clover_jax.models.config import LlamaConfig
@@ -29,7 +30,32 @@ def test_evaluate_reports_tau_speed_and_no_mismatch():
         hist = np.asarray(r["accept_hist"])
         assert hist.sum() > 0 and len(r["accept_rate_per_depth"]) == len(hist) - 1
         assert r["speedup_vs_ar"] > 0
+        # two batches: the intervals span the two batches' own values, the overall value inside
+        lo, hi = r["speedup_ci95"]
+        assert 0 < lo <= r["speedup_vs_ar"] <= hi
+        lo, hi = r["tau_ci95"]
+        assert 1.0 <= lo <= r["tau"] <= hi
+        assert len(res["per_batch"][t]) == 2 and sum(b[0] for b in res["per_batch"][t]) == r["tokens"]
     assert {p["category"] for p in res["per_prompt"]["chain-3"]} == {"w", "m"}
+
+
+def test_bootstrap_ci_of_a_ratio_of_sums():
+    """The interval of sum(num) / sum(den) (and of a product of such ratios) resamples rows: it collapses to the
+    value where every row has the same ratio, holds the overall value, narrows with more rows, and is reproducible."""
+    rng = np.random.default_rng(0)
+    den = rng.uniform(1, 3, 40)
+    assert bootstrap_ci(2.5 * den, den) == pytest.approx((2.5, 2.5))
+    assert bootstrap_ci([1.0], [1.0]) is None  # one row: nothing to resample
+    num = den * rng.normal(2.0, 0.3, 40)
+    lo, hi = bootstrap_ci(num, den)
+    assert lo < num.sum() / den.sum() < hi and hi - lo < 0.5
+    assert bootstrap_ci(num, den) == (lo, hi)  # deterministic for a seed
+    many = np.tile(num, 10), np.tile(den, 10)
+    lo10, hi10 = bootstrap_ci(*many)
+    assert hi10 - lo10 < (hi - lo) / 2  # ten times the rows: about a third of the width
+    # two columns: the product of two rates resampled on the same rows (a speed-up of paired timings)
+    t_tok, t_sec, a_tok, a_sec = den * 10, den * 2, den * 10, den * 3  # every batch 1.5x faster
+    assert bootstrap_ci(np.stack([t_tok, a_sec], 1), np.stack([t_sec, a_tok], 1)) == pytest.approx((1.5, 1.5))
 
 
 def test_evaluate_on_a_mesh_matches_one_device():
