@@ -17,6 +17,7 @@ import jax.numpy as jnp
 
 from clover_jax.api import bucket_length, encode_prompts, prepare_generate, round_up, run_plan, stream_text
 from clover_jax.cli import add_debug_argument, run_cli
+from clover_jax.decoding import acceptance_stats
 from clover_jax.io.loader import load_model
 from clover_jax.io.prompts import read_prompts
 from clover_jax.validation import InputError, check_float, check_int
@@ -239,8 +240,8 @@ def _main(argv=None) -> int:
           f"{total_tokens / max(total_seconds, 1e-9):.1f} tokens/s (batch {args.batch_size}, "
           f"{args.dtype}); compile+warm-up {compile_seconds:.1f} s")
     if hist and sum(hist):
-        tau = sum((n + 1) * c for n, c in enumerate(hist)) / sum(hist)
-        print(f"tau = {tau:.2f} tokens per base forward in the decode phase (bonus token included)")
+        print(f"tau = {acceptance_stats.tau(hist):.2f} tokens per base forward in the decode phase "
+              "(bonus token included)")
     return 0
 
 

@@ -47,6 +47,7 @@ def main(argv=None) -> int:
     import jax.numpy as jnp
 
     from clover_jax import api
+    from clover_jax.decoding import acceptance_stats
     from clover_jax.io.loader import load_model
     from clover_jax.io.prompts import read_prompts
 
@@ -68,7 +69,7 @@ def main(argv=None) -> int:
             secs += res.seconds
             h = res.stats.get("accept_hist")
             hist = h if hist is None or h is None else [a + b for a, b in zip(hist, h)]
-        tau = (sum((n + 1) * c for n, c in enumerate(hist)) / sum(hist)) if hist else None
+        tau = acceptance_stats.tau(hist) if hist else None
         return toks, hist, tau, secs
 
     for dtype in args.dtypes:

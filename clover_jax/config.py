@@ -160,7 +160,7 @@ class HeadConfig(_Section):
     # null: the base model's own RoPE (rope_theta and rope_scaling).
     rope_theta: Optional[float] = 10000.0
     # EAGLE: "reference" (torch Linear defaults, as its training script) or "base_layer" (its decoder layer a copy
-    # of the base's last one, FC = [0; I]: a cheaper start for short budgets)
+    # of the base's last one, FC = [0; identity]: a cheaper start for short budgets)
     init: Literal["reference", "base_layer"] = "reference"
 
     def _validate(self):

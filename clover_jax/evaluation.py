@@ -14,6 +14,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from clover_jax.api import bucket_length, encode_prompts, generate, round_up
+from clover_jax.decoding import acceptance_stats
 from clover_jax.decoding.tree import get_tree
 from clover_jax.validation import InputError
 
@@ -40,15 +41,11 @@ class RunStats:
     def tau(self) -> float | None:
         if self.accept_hist is None or self.accept_hist.sum() == 0:
             return None
-        h = self.accept_hist
-        return float((h * (np.arange(len(h)) + 1)).sum() / h.sum())
+        return acceptance_stats.tau(self.accept_hist)
 
     def accept_rates(self) -> list[float] | None:
         """P(depth d accepted | depth d-1 accepted), d = 1..Dmax."""
-        if self.accept_hist is None:
-            return None
-        reach = self.accept_hist[::-1].cumsum()[::-1]
-        return [float(reach[d] / reach[d - 1]) if reach[d - 1] else float("nan") for d in range(1, len(reach))]
+        return None if self.accept_hist is None else acceptance_stats.accept_rates(self.accept_hist)
 
     def summary(self) -> dict[str, Any]:
         return {"name": self.name, "tokens": self.tokens, "seconds": round(self.seconds, 3),
@@ -69,19 +66,19 @@ def bootstrap_ci(num: np.ndarray, den: np.ndarray, *, level: float = CI_LEVEL, r
     """Percentile bootstrap interval of the ratio of sums `sum(num[:, j]) / sum(den[:, j])`, multiplied over the
     columns j, resampling the rows (prompt batches) with replacement, all columns with the same rows.
 
-    `num`, `den`: `[N]` or `[N, C]`. One column gives a rate (tau: decode-phase tokens over steps); two columns
+    `num`, `den`: `[M]` or `[M, ratios]`, one row per batch. One column gives a rate (tau: decode-phase tokens over steps); two columns
     with `den[:, 1]`, `num[:, 1]` swapped give a ratio of two rates measured on the same batches (a speed-up: the
     tree's tokens/s over the autoregressive loop's, each batch timed back to back), so the interval reflects how
     the ratio varies from prompt to prompt and between timed calls, not only the overall mean. `None` with fewer
     than two rows (no spread to resample). Deterministic for a given `seed`.
     """
-    num = np.asarray(num, np.float64).reshape(len(num), -1)  # [N, C]
-    den = np.asarray(den, np.float64).reshape(len(den), -1)  # [N, C]
+    num = np.asarray(num, np.float64).reshape(len(num), -1)  # [M, ratios]
+    den = np.asarray(den, np.float64).reshape(len(den), -1)  # [M, ratios]
     n = num.shape[0]
     if n < 2:
         return None
-    idx = np.random.default_rng(seed).integers(0, n, size=(resamples, n))  # [R, N]
-    ratios = np.prod(num[idx].sum(axis=1) / den[idx].sum(axis=1), axis=-1)  # [R]
+    idx = np.random.default_rng(seed).integers(0, n, size=(resamples, n))  # [resamples, M]
+    ratios = np.prod(num[idx].sum(axis=1) / den[idx].sum(axis=1), axis=-1)  # [resamples]
     lo, hi = np.quantile(ratios, [(1 - level) / 2, (1 + level) / 2])
     return float(lo), float(hi)
 
@@ -136,7 +133,7 @@ def evaluate(loaded, head, prompts: Sequence[str], *, trees: Sequence[str] = ("c
                 run.accept_hist = h if run.accept_hist is None else run.accept_hist + h
                 nh = np.asarray(res.stats["node_hist"])
                 run.node_hist = nh if run.node_hist is None else run.node_hist + nh
-            decoded = (0, 0) if h is None else (int((h * np.arange(1, len(h) + 1)).sum()), int(h.sum()))
+            decoded = (0, 0) if h is None else tuple(int(x) for x in acceptance_stats.tokens_and_steps(h))
             run.per_batch.append((res.num_generated, res.seconds, *decoded))
             for i, toks in enumerate(res.token_ids):
                 rec = {"index": start + i, "tokens": len(toks)}
@@ -164,7 +161,7 @@ def evaluate(loaded, head, prompts: Sequence[str], *, trees: Sequence[str] = ("c
         result["runs"][t]["speedup_vs_ar"] = round(runs[t].tokens_per_second / ar_tps, 3)
         tau = runs[t].tau
         result["runs"][t]["speedup_over_tau"] = round(runs[t].tokens_per_second / ar_tps / tau, 3) if tau else None
-        tree, ar = np.asarray(runs[t].per_batch), np.asarray(runs["ar"].per_batch)  # [N, 4] each
+        tree, ar = np.asarray(runs[t].per_batch), np.asarray(runs["ar"].per_batch)  # [M, 4] each: one row per batch
         if len(tree):
             # tree tokens/s over AR tokens/s: (tokens_t / seconds_t) * (seconds_ar / tokens_ar)
             speed = bootstrap_ci(np.stack([tree[:, 0], ar[:, 1]], 1), np.stack([tree[:, 1], ar[:, 0]], 1))

@@ -14,8 +14,7 @@ leading dims (the stacked L axis) are unsharded. The same rules shard any pytree
 like parameters: the base model state, the Clover-2 head state (its `aug` is a `DecoderStack`) and the
 optimizer state (optax's mu/nu mirror the parameter tree; counts are scalars: replicated).
 
-Axis alphabet: B batch, T tokens, D model width, N query heads, K kv heads, H head dim, F MLP width,
-V vocab, L layers.
+Shapes and einsum strings use the axis letters of `clover_jax.axes`.
 """
 
 from __future__ import annotations

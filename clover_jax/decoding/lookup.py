@@ -25,7 +25,7 @@ On SmolLM2-135M-Instruct's MT-Bench first turns that lifts tau beside the shippe
 The drafter keeps its own copy of each row's tokens (`[B, S]`, S the loop's cache size), fed by `start` (the
 prompt) and `commit` (the accepted tokens), so the decode loop needs nothing new.
 
-Axis alphabet: B batch, S token slots, U tree nodes, K lookup chain length.
+Shapes and einsum strings use the axis letters of `clover_jax.axes`.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def lookup_chain(history: jax.Array, length: jax.Array, k: int, max_ngram: int) 
       history: `[B, S]` int32 tokens; `length`: `[B]` how many are valid (the last one is the root).
       k: chain length; max_ngram: the longest suffix tried (down to 1).
     Returns:
-      `(chain [B, K] int32, ngram [B] int32)`: `ngram` is the matched suffix length (0: no match; the chain is
+      `(chain [B, Z] int32, ngram [B] int32)`: `ngram` is the matched suffix length (0: no match; the chain is
       then the root repeated). Positions past `length` are never read as a match nor proposed: the chain stops
       at the row's last token and repeats it.
     """
@@ -71,7 +71,7 @@ def lookup_chain(history: jax.Array, length: jax.Array, k: int, max_ngram: int) 
     pick = jnp.argmax(score, axis=1).astype(jnp.int32)  # [B]
     ngram = jnp.take_along_axis(best_n, pick[:, None], axis=1)[:, 0]
     last = jnp.maximum(length - 1, 0)  # [B] the root's slot
-    at = pick[:, None] + jnp.arange(k, dtype=jnp.int32)[None, :]  # [B, K]
+    at = pick[:, None] + jnp.arange(k, dtype=jnp.int32)[None, :]  # [B, Z]
     at = jnp.where((ngram[:, None] > 0) & (at <= last[:, None]), at, last[:, None])
     return history[rows, at], ngram
 
@@ -214,10 +214,10 @@ class LookupDrafter:
             prop = self.inner.propose(head, base, state.inner, root, key)
             tokens = prop.tokens
             parent, rank = prop.buffers.parent, prop.buffers.rank
-        chain, ngram = lookup_chain(state.history, state.lengths, self.spec.length, self.spec.max_ngram)  # [B, K]
+        chain, ngram = lookup_chain(state.history, state.lengths, self.spec.length, self.spec.max_ngram)  # [B, Z]
         if self.table is not None:  # rows with no match at all take the table's chain
             table_chain, _ = ngram_chain(state.ngram_keys, state.ngram_tokens, state.history, state.lengths,
-                                         self.spec.length, self.table.max_order)  # [B, K]
+                                         self.spec.length, self.table.max_order)  # [B, Z]
             chain = jnp.where((ngram > 0)[:, None], chain, table_chain)
         topo = state.topology
         if topo is None:  # the inner tree is built per step (and per row)

@@ -21,7 +21,7 @@ verification rejects, so output is unaffected, as for every draft.
 
 CLI: `python -m clover_jax.decoding.ngram --model smollm2-135m-instruct --data replies.jsonl.gz --out DIR`.
 
-Axis alphabet: B batch, S token slots, K chain length, M table entries, N context order.
+Shapes and einsum strings use the axis letters of `clover_jax.axes`.
 """
 
 from __future__ import annotations
@@ -112,7 +112,7 @@ def _positions(sequences: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarr
 def _order_hashes(flat: np.ndarray, pos: np.ndarray, order: int) -> tuple[np.ndarray, np.ndarray]:
     """Positions `[T_n]` whose `order` preceding tokens lie in their own sequence, and those contexts' hashes."""
     at = np.flatnonzero(pos >= order)
-    ctx = np.stack([flat[at - order + j] for j in range(order)], axis=-1)  # [T_n, N]
+    ctx = np.stack([flat[at - order + j] for j in range(order)], axis=-1)  # [M, O]: one row per n-gram
     return at, context_hash(np, ctx, order)
 
 
@@ -226,17 +226,17 @@ def ngram_chain(keys: jax.Array, tokens: jax.Array, history: jax.Array, length: 
       history: `[B, S]` int32 tokens; length: `[B]` how many are valid (the last one is the root).
       k: chain length; max_order: the longest context tried.
     Returns:
-      `(chain [B, K] int32, found [B] bool)`: `found` is False where not even the root alone is in the table;
+      `(chain [B, Z] int32, found [B] bool)`: `found` is False where not even the root alone is in the table;
       from the first step with no context found on, the chain repeats the root (verified and rejected).
     """
     b, s = history.shape
     m = keys.shape[0]
     length = length.astype(jnp.int32)
     rows = jnp.arange(b)[:, None]
-    at = length[:, None] - max_order + jnp.arange(max_order, dtype=jnp.int32)[None, :]  # [B, N] the last N slots
-    window = jnp.where(at >= 0, history[rows, jnp.clip(at, 0, s - 1)], 0)  # [B, N]
+    at = length[:, None] - max_order + jnp.arange(max_order, dtype=jnp.int32)[None, :]  # [B, O] the last O slots
+    window = jnp.where(at >= 0, history[rows, jnp.clip(at, 0, s - 1)], 0)  # [B, O]
     root = history[jnp.arange(b), jnp.clip(length - 1, 0, s - 1)]  # [B]
-    buf = jnp.concatenate([window, jnp.zeros((b, k), jnp.int32)], axis=1)  # [B, N + K]
+    buf = jnp.concatenate([window, jnp.zeros((b, k), jnp.int32)], axis=1)  # [B, O + Z]
     alive = jnp.ones((b,), bool)
     found = None
     for step in range(k):

@@ -120,8 +120,8 @@ def top_k_ids(logits: jax.Array, k: int, block: int = 128) -> jax.Array:
     if nblk <= k:
         return jax.lax.top_k(flat, k)[1].astype(jnp.int32).reshape(*lead, k)
     x = jnp.pad(flat, ((0, 0), (0, nblk * block - v)), constant_values=-jnp.inf).reshape(-1, nblk, block)
-    top_blocks = jax.lax.top_k(x.max(axis=-1), k)[1]  # [R, k]
-    cand = jnp.take_along_axis(x, top_blocks[..., None], axis=1).reshape(-1, k * block)  # [R, k*block]
-    pos = jax.lax.top_k(cand, k)[1]  # [R, k]
+    top_blocks = jax.lax.top_k(x.max(axis=-1), k)[1]  # [rows, k]
+    cand = jnp.take_along_axis(x, top_blocks[..., None], axis=1).reshape(-1, k * block)  # [rows, k * block]
+    pos = jax.lax.top_k(cand, k)[1]  # [rows, k]
     ids = top_blocks[jnp.arange(flat.shape[0])[:, None], pos // block] * block + pos % block
     return ids.astype(jnp.int32).reshape(*lead, k)

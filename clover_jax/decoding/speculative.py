@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from clover_jax import parallel
-from clover_jax.decoding import streaming, verify
+from clover_jax.decoding import acceptance_stats, streaming, verify
 from clover_jax.decoding.autoregressive import (DecodeOutput, decode_cache, decode_forward, decode_layers,
                                                  is_eos, prefill, products_precision, row_inputs, traced_with)
 from clover_jax.decoding.sampling import SamplingParams, next_token, warp_probs
@@ -260,13 +260,9 @@ def spec_generate(base, head, prompt, prompt_lengths, *, max_new_tokens, cache_s
     out, st = fn(base_state, head_params, arrays, *inputs, eos, sampling.arrays(), key)
     out = jax.block_until_ready(out)
     seconds = time.perf_counter() - t0
-    hist = np.asarray(st.accept_hist)[:stat_rows]
-    steps = hist.sum()
-    tau = float((hist * (np.arange(hist.shape[1]) + 1)).sum() / steps) if steps else float("nan")
-    # acceptance rate of depth d given depth d-1 accepted (the n-alpha of the EAGLE papers)
-    reach = hist[:, ::-1].cumsum(1)[:, ::-1].sum(0)  # steps that accepted >= n drafts
-    alpha = [float(reach[d] / reach[d - 1]) if reach[d - 1] else float("nan") for d in range(1, hist.shape[1])]
-    stats = {"tau": tau, "accept_hist": hist.sum(0).tolist(), "accept_rate_per_depth": alpha,
+    hist = np.asarray(st.accept_hist)[:stat_rows]  # [B, Dmax+1] (the rows padding the batch cut)
+    stats = {"tau": acceptance_stats.tau(hist), "accept_hist": hist.sum(0).tolist(),
+             "accept_rate_per_depth": acceptance_stats.accept_rates(hist),
              "node_hist": np.asarray(st.node_hist)[:stat_rows].sum(0).tolist(),
-             "row_tau": ((hist * (np.arange(hist.shape[1]) + 1)).sum(1) / np.maximum(hist.sum(1), 1)).tolist()}
+             "row_tau": acceptance_stats.row_tau(hist)}
     return out, stats, seconds

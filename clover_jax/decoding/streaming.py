@@ -14,7 +14,7 @@ the sink are skipped, and it is raised when the loop has finished (a callback mu
 Streaming costs one device-to-host transfer per step (small: `[B, A]` int32), and a second compiled loop; a mesh is
 not supported (the rows of a sharded batch live on several devices).
 
-Axis alphabet: B batch, A tokens per step.
+Shapes and einsum strings use the axis letters of `clover_jax.axes`.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ node for greedy acceptance (a path to every node, not only to leaves: the longes
 `max_depth` / `max_children` must bound the tree's depth and children counts (a drafter knows them from its own
 budget); deeper nodes or extra children would be cut from the paths and children lists.
 
-Axis alphabet: B batch, U tree nodes, P paths (= U here), Dmax max depth, C max children of a node.
+Shapes and einsum strings use the axis letters of `clover_jax.axes`. P = U here: one path per node.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ class TreeTopology:
     depth: jax.Array  # [U] int32, root 0
     parent: jax.Array  # [U] int32, root (and unused slots) -1
     rank: jax.Array  # [U] int32
-    children: jax.Array  # [U, C] int32 in rank order, padded with -1
+    children: jax.Array  # [U, Cmax] int32 in rank order, padded with -1
     num_children: jax.Array  # [U] int32
     paths: jax.Array  # [P, Dmax+1] int32: root-to-node index chains, padded with -1
     path_len: jax.Array  # [P] int32
@@ -79,7 +79,7 @@ def _one_row(parent: jax.Array, rank: jax.Array, max_depth: int, max_children: i
     order = jnp.argsort(key, axis=1)[:, :c].astype(jnp.int32)  # [U, c]
     num_children = jnp.sum(is_child, axis=1).astype(jnp.int32)
     children = jnp.where(jnp.arange(c)[None, :] < num_children[:, None], order, -1)
-    children = jnp.pad(children, ((0, 0), (0, max_children - c)), constant_values=-1)  # [U, C]
+    children = jnp.pad(children, ((0, 0), (0, max_children - c)), constant_values=-1)  # [U, Cmax]
     return TreeTopology(mask=mask, depth=depth, parent=parent, rank=rank.astype(jnp.int32), children=children,
                         num_children=jnp.minimum(num_children, max_children), paths=paths, path_len=path_len)
 

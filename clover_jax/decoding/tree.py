@@ -5,8 +5,7 @@ the top-ranked child of the root. Paths are sorted by `(len, lexicographic)` as 
 EAGLE; node 0 is the root (the token the target has already emitted, not in `choices`) and node
 `j + 1` is sorted choice `j`, so parents always come before children and siblings follow rank order.
 
-Buffers use the axis alphabet of the repo: U tree nodes, P root-to-leaf paths, and below
-Dmax (max depth), E (expanded parents per drafting step), C (max children of a node).
+Shapes and einsum strings use the axis letters of `clover_jax.axes`.
 
 Drafting is per parent (EAGLE-1 / Clover-2): at step `s` (s = 0..Dmax-1) the drafter expands every
 node of depth `s` that has children, in node order (`expand_nodes[s]`), and proposes `top_k`
@@ -144,7 +143,7 @@ class TreeBuffers:
     depth: np.ndarray  # [U] int32, root 0 (the position offset of each node)
     parent: np.ndarray  # [U] int32, root -1
     rank: np.ndarray  # [U] int32: child rank under the parent, root 0
-    children: np.ndarray  # [U, C] int32: children in rank order, padded with -1
+    children: np.ndarray  # [U, Cmax] int32: children in rank order, padded with -1
     num_children: np.ndarray  # [U] int32
     paths: np.ndarray  # [P, Dmax+1] int32: root-to-leaf node indices, padded with -1
     path_len: np.ndarray  # [P] int32: valid entries of each path row (root included)

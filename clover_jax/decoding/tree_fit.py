@@ -26,7 +26,7 @@ adjacent ranks of a depth whose order is inverted (pool-adjacent-violators, weig
 inversion is significant (a two-proportion z-test): the head ranks its candidates by its own probability, so a
 later rank accepted more often is taken for noise unless the counts say otherwise.
 
-Axis alphabet: Dmax depths of `p`, R child ranks of `p`, U tree nodes.
+Shapes and einsum strings use the axis letters of `clover_jax.axes`.
 """
 
 from __future__ import annotations

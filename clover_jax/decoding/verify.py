@@ -82,7 +82,7 @@ def greedy_accept(tree_tokens: jax.Array, target_logits: jax.Array, buffers: Tre
 
 
 def _walk(tokens, p, q, children, num_children, u_accept, u_sample, sampled: bool):
-    """One row of the sampling walk. tokens [U], p/q [U, V], children [U, C], num_children [U],
+    """One row of the sampling walk. tokens [U], p/q [U, V], children [U, Cmax], num_children [U],
     u_accept [Dmax, C], u_sample []. Returns (last accepted node, number accepted, bonus token)."""
     dmax, c = u_accept.shape
 
@@ -125,7 +125,7 @@ def _walk(tokens, p, q, children, num_children, u_accept, u_sample, sampled: boo
 def _sample_accept(tree_tokens, p, q, buffers, u_accept, u_sample, sampled: bool) -> AcceptResult:
     b = tree_tokens.shape[0]
     paths = _rows(buffers.paths, 2, b)  # [B, P, Dmax+1]
-    children = _rows(buffers.children, 2, b)  # [B, U, C]
+    children = _rows(buffers.children, 2, b)  # [B, U, Cmax]
     num_children = _rows(buffers.num_children, 1, b)  # [B, U]
     dmax, c = paths.shape[-1] - 1, children.shape[-1]
     if u_accept.shape != (b, dmax, c):

@@ -35,7 +35,7 @@ Drafting reuses Clover-2's drafters unchanged (`clover2_draft`): the head expose
 node top-p, then joint-probability ranking into a total budget) is the `dynamic-N-pP` tree policy, usable by
 Clover-2 too. With no reference code, export writes this module's own parameter names (`clover1.*`).
 
-Axis alphabet: B batch, T tokens, S cache slots, D model width, V vocab, n heads, A new positions per commit.
+Shapes and einsum strings use the axis letters of `clover_jax.axes`.
 """
 
 from __future__ import annotations

@@ -11,8 +11,7 @@ The frozen token embedding `E` is not stored: it is read from the base model at 
 lm_head matrix transposed for `embed_source="lm_head"`, as the reference; the base input embedding
 for `"input"`). Everything read from the base is wrapped in `stop_gradient`.
 
-Axis alphabet: B batch, T tokens, S cache slots, D model width, V vocab, A new positions per commit,
-E draft states per row (tree nodes expanded at one depth).
+Shapes and einsum strings use the axis letters of `clover_jax.axes`.
 """
 
 from __future__ import annotations

@@ -32,8 +32,8 @@ from clover_jax.validation import InputError
 class Clover2State:
     cache: KVCache  # Augmenting-Block cache [A_layers, B, K, S, H]
     s0: jax.Array  # [B, D]
-    vocab_rows: jax.Array | None = None  # [N, D] W_lm^T rows of the draft vocabulary (None: all V)
-    vocab_ids: jax.Array | None = None  # [N] int32 the draft vocabulary's token ids (None: all V)
+    vocab_rows: jax.Array | None = None  # [Q, D] W_lm^T rows of the draft vocabulary (None: all V)
+    vocab_ids: jax.Array | None = None  # [Q] int32 the draft vocabulary's token ids (None: all V)
     buffers: TreeBuffers | None = None  # the tree's index arrays (None: the drafter's own, as constants)
     # the Augmenting Block's per-layer weights, taken once before the loop by `unroll_layers` (None: its layers run
     # as a scan over their stacked weights)
@@ -122,7 +122,7 @@ class Clover2Drafter(TreeDrafterBase):
         k = self.spec.top_k
         if state.vocab_rows is None:
             return top_k_ids(head.logits(base, o), k)
-        logits = jnp.einsum("...D,ND->...N", o.astype(state.vocab_rows.dtype), state.vocab_rows,
+        logits = jnp.einsum("...D,QD->...Q", o.astype(state.vocab_rows.dtype), state.vocab_rows,
                             preferred_element_type=jnp.float32)
         ids = state.vocab_ids if state.vocab_ids is not None else jnp.asarray(self.draft_vocab, jnp.int32)
         return ids[top_k_ids(logits, k)]
@@ -177,8 +177,8 @@ class Clover2DynamicDrafter(Clover2Drafter):
         if state.vocab_rows is None:
             logits = head.logits(base, o)  # [..., V]
         else:
-            logits = jnp.einsum("...D,ND->...N", o.astype(state.vocab_rows.dtype), state.vocab_rows,
-                                preferred_element_type=jnp.float32)  # [..., N]
+            logits = jnp.einsum("...D,QD->...Q", o.astype(state.vocab_rows.dtype), state.vocab_rows,
+                                preferred_element_type=jnp.float32)  # [..., Q]
         logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
         idx = top_k_ids(logp, self.spec.top_k)  # [..., k] into the (draft) vocabulary
         lp = jnp.take_along_axis(logp, idx, axis=-1)

@@ -27,9 +27,8 @@ position `committed + d - 1`, attending to the committed cache, its ancestors' k
 node: the reference's tree mask, one path per node) and itself; its output drafts its children. Drafting depth
 is not bounded by the head (any static tree, or an EAGLE-2 dynamic tree `dynamic-N`).
 
-Axis alphabet: B batch, T tokens, S cache slots, D model width, V vocab, A new positions per commit,
-E tree nodes expanded at one depth, P a node's ancestors (its depth - 1), L draft layers (1), K kv heads,
-H head dim.
+Shapes and einsum strings use the axis letters of `clover_jax.axes`. Here P counts a node's ancestors (its
+depth - 1) and L the draft layers (1).
 """
 
 from __future__ import annotations

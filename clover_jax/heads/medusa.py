@@ -17,8 +17,7 @@ tree node at depth d with child rank r takes head d-1's r-th most likely token (
 the soft cross-entropy of Clover-2's loss against the base's distribution at the same target position, with
 per-head weights decay^i (the paper's 0.8^i when `loss.decay` is 0.8) and no regression term.
 
-Axis alphabet: B batch, T tokens, D model width, V vocab (N when restricted to a draft vocabulary),
-n heads, L residual blocks per head, U tree nodes, A new positions per commit.
+Shapes and einsum strings use the axis letters of `clover_jax.axes`.
 """
 
 from __future__ import annotations
@@ -84,12 +83,12 @@ class MedusaHead(nnx.Module):
         x = jnp.broadcast_to(h.astype(dt), (num, *h.shape))  # [n, ..., D]
         lead = (slice(None),) + (None,) * (h.ndim - 1)
         for j in range(self.cfg.num_layers):
-            y = jnp.einsum("n...D,nDE->n...E", x, w[:, j], preferred_element_type=jnp.float32)
+            y = jnp.einsum("n...D,nDF->n...F", x, w[:, j], preferred_element_type=jnp.float32)
             x = x + jax.nn.silu(y + b[:, j][lead].astype(jnp.float32)).astype(dt)
         return x
 
     def projection(self, vocab_ids: jax.Array | None = None, num: int | None = None) -> jax.Array:
-        """The heads' output projections `[num, D, V]`, or their columns `vocab_ids` `[num, D, N]`."""
+        """The heads' output projections `[n, D, V]`, or their columns `vocab_ids` `[n, D, Q]`."""
         p = self.proj[...] if num is None else self.proj[:num]
         if vocab_ids is None:
             return p.astype(self.cfg.dtype)
@@ -132,8 +131,8 @@ def loss_from_features(head: MedusaHead, base: Llama, f, tokens, loss_mask, vali
     f = jax.lax.stop_gradient(f)
     h = rms_norm(f, jax.lax.stop_gradient(base.final_norm[...]), base.config.rms_norm_eps)  # [B, T, D]
     x = head.features(h)  # [n, B, T, D]
-    student = head.projection(vocab_ids)  # [n, D, V or N]
-    teacher = output_projection(base, vocab_ids)  # [D, V or N]
+    student = head.projection(vocab_ids)  # [n, D, V or Q]
+    teacher = output_projection(base, vocab_ids)  # [D, V or Q]
     cfg = dataclasses.replace(loss_cfg, v_weight=0.0)
     labels = next_token_labels(tokens, valid, vocab_ids) if cfg.hard_labels else None
     if index is not None:
@@ -148,8 +147,8 @@ def loss_from_features(head: MedusaHead, base: Llama, f, tokens, loss_mask, vali
 @struct.dataclass
 class MedusaState:
     h: jax.Array  # [B, D] normed base hidden state of the last accepted token (the root's predecessor)
-    proj: jax.Array  # [n, D, N] the drafting heads' projections (draft-vocabulary columns, or all V)
-    vocab_ids: jax.Array | None  # [N] int32 the draft vocabulary's ids (None: all V)
+    proj: jax.Array  # [n, D, Q] the drafting heads' projections (draft-vocabulary columns, or all V)
+    vocab_ids: jax.Array | None  # [Q] int32 the draft vocabulary's ids (None: all V)
     buffers: TreeTopology  # the tree's topology (Medusa needs no per-parent expansion plan)
     node_index: jax.Array  # [U] int32 index of each node's token in cat([root], top-k of heads 0.. flat)
 
@@ -206,7 +205,7 @@ class MedusaDrafter(TreeDrafterBase):
     def propose(self, head: MedusaHead, base, state: MedusaState, root: jax.Array, key) -> Proposal:
         b, k = root.shape[0], self.spec.top_k
         x = head.features(state.h, num=self.max_depth)  # [n, B, D]
-        logits = jnp.einsum("nBD,nDN->nBN", x.astype(state.proj.dtype), state.proj,
+        logits = jnp.einsum("nBD,nDQ->nBQ", x.astype(state.proj.dtype), state.proj,
                             preferred_element_type=jnp.float32)
         top = top_k_ids(logits, k)  # [n, B, k]
         if state.vocab_ids is not None:

@@ -30,9 +30,8 @@ use the same unroll with the distillation targets of the paper: the soft cross-e
 distribution at t+1+i (`loss.decay: 1.0` for the reference's equal weights), or with `loss.hard_labels: true`
 the reference code's cross-entropy against the data's tokens x_{t+2+i}; there is no regression term.
 
-Axis alphabet: B batch, T tokens, D model width (E = 2D the drafter's width), V vocab (N when restricted to a
-draft vocabulary), n unrolled steps, L residual blocks, W beams, Lb beam length (root included), U tree nodes,
-M beam nodes W * (Lb - 1).
+Shapes and einsum strings use the axis letters of `clover_jax.axes`. The drafter's width is I = 2D; the
+M = W * (Lb - 1) candidate nodes of the beams are list entries M.
 """
 
 from __future__ import annotations
@@ -92,9 +91,9 @@ class ReDrafterHead(nnx.Module):
             self.rnn_w = _uniform(rngs, (d, d), d, pd)  # [D, D] W (no bias)
             self.rnn_u = _uniform(rngs, (d, d), d, pd)  # [D, D] U
             self.rnn_b = _uniform(rngs, (d,), d, pd)  # [D] b (the reference's rnn_u.bias)
-        self.block_w = _uniform(rngs, (layers, e, e), e, pd)  # [L, E, E]
-        self.block_b = _uniform(rngs, (layers, e), e, pd)  # [L, E]
-        self.vocab_proj = _uniform(rngs, (e, v), e, pd)  # [E, V]
+        self.block_w = _uniform(rngs, (layers, e, e), e, pd)  # [L, I, I]
+        self.block_b = _uniform(rngs, (layers, e), e, pd)  # [L, I]
+        self.vocab_proj = _uniform(rngs, (e, v), e, pd)  # [I, V]
 
     def rnn_step(self, s: jax.Array, e: jax.Array) -> jax.Array:
         """`s_k [..., D]` from `s_{k-1} [..., D]` and the embedding `e(x_k) [..., D]`."""
@@ -108,24 +107,24 @@ class ReDrafterHead(nnx.Module):
         return jax.nn.silu(y).astype(dt)
 
     def features(self, h: jax.Array, s: jax.Array) -> jax.Array:
-        """`z [..., E]`: the residual blocks over `[h; s]` (`h`, `s` `[..., D]`, broadcastable)."""
+        """`z [..., I]`: the residual blocks over `[h; s]` (`h`, `s` `[..., D]`, broadcastable)."""
         dt = self.cfg.dtype
         h, s = jnp.broadcast_arrays(h.astype(dt), s.astype(dt))
-        z = jnp.concatenate([h, s], axis=-1)  # [..., E]
+        z = jnp.concatenate([h, s], axis=-1)  # [..., I]
         for j in range(self.cfg.num_layers):
-            y = jnp.einsum("...E,EF->...F", z, self.block_w[j].astype(dt), preferred_element_type=jnp.float32)
+            y = jnp.einsum("...I,IF->...F", z, self.block_w[j].astype(dt), preferred_element_type=jnp.float32)
             z = (z.astype(jnp.float32) + jax.nn.silu(y + self.block_b[j].astype(jnp.float32))).astype(dt)
         return z
 
     def projection(self, vocab_ids: jax.Array | None = None) -> jax.Array:
-        """`P [E, V]`, or its columns `vocab_ids` `[E, N]`."""
+        """`P [I, V]`, or its columns `vocab_ids` `[I, Q]`."""
         p = self.vocab_proj[...]
         if vocab_ids is not None:
             p = jnp.take(p, jnp.asarray(vocab_ids, jnp.int32), axis=1)
         return p.astype(self.cfg.dtype)
 
     def train_outputs(self, h: jax.Array, emb: jax.Array, num: int | None = None) -> jax.Array:
-        """`z [n, B, T, E]` of the unrolled steps at every position: step i (0-based) at t has read
+        """`z [n, B, T, I]` of the unrolled steps at every position: step i (0-based) at t has read
         e(x_{t+1}) .. e(x_{t+1+i}) from `emb [B, T, D]` (zeros past the end) with context `h [B, T, D]`."""
         num = self.cfg.num_steps if num is None else num
         t = emb.shape[1]
@@ -165,9 +164,9 @@ def loss_from_features(head: ReDrafterHead, base: Llama, f, tokens, loss_mask, v
     f = jax.lax.stop_gradient(f)
     h = rms_norm(f, jax.lax.stop_gradient(base.final_norm[...]), base.config.rms_norm_eps)  # [B, T, D]
     emb = jax.lax.stop_gradient(base.embed_tokens(tokens))  # [B, T, D]
-    z = head.train_outputs(h, emb)  # [n, B, T, E]
-    student = head.projection(vocab_ids)  # [E, V or N]
-    teacher = output_projection(base, vocab_ids)  # [D, V or N]
+    z = head.train_outputs(h, emb)  # [n, B, T, I]
+    student = head.projection(vocab_ids)  # [I, V or Q]
+    teacher = output_projection(base, vocab_ids)  # [D, V or Q]
     cfg = dataclasses.replace(loss_cfg, v_weight=0.0)
     labels = next_token_labels(tokens, valid, vocab_ids) if cfg.hard_labels else None
     if index is not None:
@@ -179,8 +178,8 @@ def loss_from_features(head: ReDrafterHead, base: Llama, f, tokens, loss_mask, v
 def beam_search(head: ReDrafterHead, base, h: jax.Array, root: jax.Array, width: int, length: int,
                 proj: jax.Array, vocab_ids: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """The reference's beam search: `(beams [B, W, Lb] int32 (root first), log_p [B, W])` from the context
-    `h [B, D]` and the root `[B]`, over the draft vocabulary `vocab_ids [N]` (None: all V) whose projection
-    columns are `proj [E, N]`."""
+    `h [B, D]` and the root `[B]`, over the draft vocabulary `vocab_ids [Q]` (None: all V) whose projection
+    columns are `proj [I, Q]`."""
     b = root.shape[0]
     rows = jnp.arange(b)[:, None]
     log_p = jnp.broadcast_to(jnp.asarray([0.0] + [LOG_0] * (width - 1), jnp.float32), (b, width))  # [B, W]
@@ -191,12 +190,12 @@ def beam_search(head: ReDrafterHead, base, h: jax.Array, root: jax.Array, width:
     k = min(DRAFT_TOP_K, n)
     for _ in range(length - 1):
         s = head.rnn_step(s, base.embed_tokens(beams[..., -1]))
-        logits = jnp.einsum("BWE,EN->BWN", head.features(ctx, s).astype(proj.dtype), proj,
-                            preferred_element_type=jnp.float32)  # [B, W, N]
+        logits = jnp.einsum("BWI,IQ->BWQ", head.features(ctx, s).astype(proj.dtype), proj,
+                            preferred_element_type=jnp.float32)  # [B, W, Q]
         logits = logits - jnp.max(logits, axis=-1, keepdims=True)
         kth = jax.lax.top_k(logits, k)[0][..., -1:]  # [B, W, 1]
         logits = jnp.where(logits < kth, LOG_0, logits)
-        total = jax.nn.log_softmax(logits, axis=-1) + log_p[..., None]  # [B, W, N]
+        total = jax.nn.log_softmax(logits, axis=-1) + log_p[..., None]  # [B, W, Q]
         log_p, flat = jax.lax.top_k(total.reshape(b, width * n), width)  # [B, W]
         src, tok = flat // n, flat % n
         tok = tok if vocab_ids is None else vocab_ids[tok]
@@ -238,8 +237,8 @@ def beams_to_tree(beams: jax.Array, budget: int) -> tuple[jax.Array, jax.Array]:
 @struct.dataclass
 class ReDrafterState:
     h: jax.Array  # [B, D] the base's normed hidden state of the last accepted token (the root's predecessor)
-    proj: jax.Array  # [E, N] the drafting projection (draft-vocabulary columns, or all V)
-    vocab_ids: jax.Array | None  # [N] int32 the draft vocabulary's ids (None: all V)
+    proj: jax.Array  # [I, Q] the drafting projection (draft-vocabulary columns, or all V)
+    vocab_ids: jax.Array | None  # [Q] int32 the draft vocabulary's ids (None: all V)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -387,7 +386,7 @@ REDRAFTER = registry.register(registry.HeadType(
     loss_from_features=loss_from_features, to_reference=to_reference, from_reference=from_reference,
     config_dict=config_dict, check_compatible=check_compatible,
     sharding_rules={"rnn_w": ("fsdp", "tp"), "rnn_u": ("fsdp", "tp"), "rnn_b": (None,),  # [D, D], [D]
-                    "block_w": ("fsdp", "tp"), "block_b": (None,), "vocab_proj": ("fsdp", "tp")},  # [E, E], [E, V]
+                    "block_w": ("fsdp", "tp"), "block_b": (None,), "vocab_proj": ("fsdp", "tp")},  # [I, I], [I, V]
     description="ReDrafter: a recurrent drafter with beam search merged into a tree (Zhang et al. 2024, "
                 "arXiv 2403.09919)",
     default_tree="beam-4x5"))

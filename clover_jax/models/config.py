@@ -1,8 +1,6 @@
 """Llama-family model configuration, read from a Hugging Face `config.json` or a GGUF header.
 
-Axis alphabet used across clover_jax (shape comments and einsum strings):
-  B batch, T query tokens, S key/cache positions, D model width, N query heads,
-  K kv heads, H head dim, F MLP width, V vocab, L layers, P tree paths, U tree nodes.
+Shapes and einsum strings use the axis letters of `clover_jax.axes`.
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """Flax NNX Llama-family decoder: RMSNorm, RoPE (HF rotate-half layout), GQA attention with an
 explicit mask, SwiGLU MLP, layers stacked on a leading `L` axis and run with `lax.scan`.
 
-Axis alphabet: B batch, T query tokens, S cache positions, D model, N query heads, K kv heads,
-H head dim, F MLP width, V vocab, L layers.
+Shapes and einsum strings use the axis letters of `clover_jax.axes`.
 
 Attention of T new tokens sees two sources, each with its own boolean mask:
   * the cache (`cache_mask [B, T, S]`): what is already stored for the row;

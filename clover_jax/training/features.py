@@ -52,8 +52,8 @@ def compute_features(base, dataset, boundaries, batch_size: int = 8, dtype=jnp.b
         return base_features(nnx.merge(graphdef, state), tokens, valid).astype(dtype)
 
     bounds = np.asarray(sorted(boundaries))
-    indices = np.arange(len(dataset)) if indices is None else np.asarray(indices, np.int64)  # [N]
-    lengths = np.asarray(dataset.lengths)[indices]  # [N]
+    indices = np.arange(len(dataset)) if indices is None else np.asarray(indices, np.int64)  # [M]
+    lengths = np.asarray(dataset.lengths)[indices]  # [M]
     if len(lengths) and lengths.max() > bounds[-1]:
         raise ValueError(f"an example of {int(lengths.max())} tokens is longer than the largest bucket "
                          f"boundary {int(bounds[-1])}")

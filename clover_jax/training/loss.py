@@ -256,7 +256,7 @@ def kd_loss_packed(outputs: jax.Array, teacher_hidden: jax.Array, loss_mask: jax
     as in `kd_loss`.
 
     The regression term runs over every trained position as in `kd_loss`. The soft cross-entropy and the
-    accuracies run over `index [B, K]`: per row, K trained positions u (`lm[u]`, -1 = empty slot). Head i
+    accuracies run over `index [B, M]`: per row, M trained positions u (`lm[u]`, -1 = empty slot). Head i
     is scored at start t = u - i against the teacher P_u = softmax(W_lm h_{u+1}), so one teacher
     softmax serves every head and the cost is K (not T) positions per row: on chat data most positions
     are prompt or padding, which the dense path computes and masks out. With every trained position
@@ -283,17 +283,17 @@ def kd_loss_packed(outputs: jax.Array, teacher_hidden: jax.Array, loss_mask: jax
     lm_head = jax.lax.stop_gradient(lm_head)
     index = index.astype(jnp.int32)
     u = jnp.clip(index, 0, t - 1)
-    listed = (index >= 0) & jnp.take_along_axis(lm, u, axis=1)  # [B, K]
+    listed = (index >= 0) & jnp.take_along_axis(lm, u, axis=1)  # [B, M]
     take = lambda x, pos: jnp.take_along_axis(x, pos[..., None], axis=1)  # noqa: E731  [B, K, D]
     t_logits = jax.lax.stop_gradient(_logits(take(h, jnp.minimum(u + 1, t - 1)), lm_head))  # [B, K, V]
     t_prob = jax.nn.softmax(t_logits, axis=-1)
-    t_arg = jnp.argmax(t_logits, axis=-1)  # [B, K]
+    t_arg = jnp.argmax(t_logits, axis=-1)  # [B, M]
     starts = jnp.stack([u - i for i in range(nh)])  # [nh, B, K]
     pm = listed[None] & (starts >= 0)  # head i at t = u - i inside the row
     o = jnp.stack([take(outputs[i], jnp.maximum(starts[i], 0)) for i in range(nh)])  # [nh, B, K, D]
     s_logp = jax.nn.log_softmax(_student_logits(o, lm_head, student_proj), axis=-1)  # [nh, B, K, V]
     if cfg.hard_labels:  # the data's token after the teacher position u + 1
-        t_arg = jnp.take_along_axis(labels.astype(jnp.int32), jnp.minimum(u + 1, t - 1), axis=1)  # [B, K]
+        t_arg = jnp.take_along_axis(labels.astype(jnp.int32), jnp.minimum(u + 1, t - 1), axis=1)  # [B, M]
         t_arg = jnp.where(u + 1 < t, t_arg, -1)
         ce = _hard_ce(s_logp, jnp.broadcast_to(t_arg[None], s_logp.shape[:-1]))
         pm = pm & (t_arg >= 0)[None]
@@ -350,7 +350,7 @@ def pack_positions(loss_mask, valid, per_row: int, rng=None):
 
 
 def output_projection(base: Llama, vocab_ids: jax.Array | None = None) -> jax.Array:
-    """The frozen `[D, V]` lm_head, or its `[D, N]` columns `vocab_ids` (a draft vocabulary).
+    """The frozen `[D, V]` lm_head, or its `[D, Q]` columns `vocab_ids` (a draft vocabulary).
 
     With a draft vocabulary both distributions of the cross-entropy live on those N tokens: the teacher's
     is P restricted to them and renormalised, the student's a softmax over N logits, which is what the

@@ -129,7 +129,7 @@ def _split_micro(batch: dict[str, jax.Array], accum: int, mesh=None) -> dict[str
     """`[B, T]` -> `[A, B/A, T]`, micro-batch j = rows j, j+A, ... (batch axis kept sharded)."""
     def split(x):
         b = x.shape[0]
-        y = jnp.swapaxes(x.reshape(b // accum, accum, *x.shape[1:]), 0, 1)  # [A, B/A, T]
+        y = jnp.swapaxes(x.reshape(b // accum, accum, *x.shape[1:]), 0, 1)  # [accum, B / accum, T]
         if mesh is None:
             return y
         return jax.lax.with_sharding_constraint(y, NamedSharding(mesh, P(None, BATCH_AXES)))
