@@ -9,10 +9,12 @@ Per decoding step the loop calls:
   1. `propose(head, base, state, root, key)` -> `Proposal`: the tree tokens `[B, U]` (node 0 is the
      root) and the tree's topology (a static `TreeBuffers`, or a `TreeTopology` a drafter builds on device with
      `topology_from_parents`; shared `[U, ...]` or per row `[B, U, ...]`).
-  2. verifies the tree with one base forward, accepts a path per row;
+  2. verifies the tree with one base forward, accepts a path per row (`check_proposal` first checks, while the
+     loop is traced, that the proposal has the shapes and dtypes the loop reads);
   3. `commit(head, base, state, f_new, y_new, num_new)` with the accepted nodes' pre-norm hidden
      states `[B, A, D]`, the token following each (`y_new [B, A]`, the last one is the new root) and
-     the count per row.
+     the count per row; it returns the state it was given, updated, with the same structure, shapes and
+     dtypes (`check_state`: the loop carries it through `lax.while_loop`).
 Before the loop, `start(...)` consumes the prompt the same way `commit` consumes accepted tokens (a head that
 caches the prompt does it in blocks, `commit_prompt`, as the base model's prefill).
 A drafter with arrays (tree buffers, a draft vocabulary) may expose them as `arrays()`: the loop then passes
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
+import chex
 import jax
 import jax.numpy as jnp
 from flax import struct
@@ -61,6 +64,49 @@ class Drafter(Protocol):
 
     def check(self, head, base) -> None:
         """Raises a clear error if this head cannot draft for this base model."""
+
+
+class DrafterError(TypeError):
+    """A drafter broke the loop's contract: a proposal or a state of the wrong shape, dtype or structure. Raised
+    while the loop is traced (before anything runs); the message names the drafter, the method and the field."""
+
+
+def check_proposal(drafter, prop: Proposal, batch: int) -> None:
+    """A `DrafterError` unless `prop` is what the loop reads: tokens `[B, U]` of an integer dtype, the topology's
+    `depth` `[U]` or `[B, U]` (integers) and `mask` `[U, U]` or `[B, U, U]` (bool), and with sampled drafts
+    `draft_probs [B, U, V']` (floating). Checked on shapes and dtypes only, at trace time: free at run time."""
+    u = drafter.num_nodes
+
+    sizes = {"B": batch, "U": u, "V'": None}  # V': any size (a draft vocabulary or all V)
+
+    def expect(field: str, x, axes: tuple[str, ...], kind) -> None:
+        try:
+            if x is None:
+                raise AssertionError("it is None")
+            chex.assert_shape(x, tuple(sizes[a] for a in axes))
+            chex.assert_type(x, kind)
+        except AssertionError as e:
+            raise DrafterError(f"{type(drafter).__name__}.propose: {field} must be [{', '.join(axes)}] {kind.__name__} "
+                               f"with B = {batch} rows and U = num_nodes = {u}: {e}") from None
+
+    expect("Proposal.tokens", prop.tokens, ("B", "U"), int)
+    for field, shared, kind in (("depth", ("U",), int), ("mask", ("U", "U"), bool)):
+        x = getattr(prop.buffers, field)
+        per_row = x is not None and x.ndim == len(shared) + 1
+        expect(f"Proposal.buffers.{field}", x, ("B", *shared) if per_row else shared, kind)
+    if drafter.sampled_drafts:  # acceptance rule (a) reads the drafts' distribution
+        expect("Proposal.draft_probs (sampled_drafts=True)", prop.draft_probs, ("B", "U", "V'"), float)
+
+
+def check_state(drafter, method: str, given, returned) -> None:
+    """A `DrafterError` unless `returned` has the structure, shapes and dtypes of `given`: the loop carries a
+    drafter's state through `lax.while_loop`, so `commit` must return the state it was given, updated."""
+    try:
+        chex.assert_trees_all_equal_structs(given, returned)
+        chex.assert_trees_all_equal_shapes_and_dtypes(given, returned)
+    except (AssertionError, ValueError) as e:
+        raise DrafterError(f"{type(drafter).__name__}.{method} must return its state with the structure, shapes "
+                           f"and dtypes it was given (the loop carries it from step to step): {e}") from None
 
 
 class TreeDrafterBase:

@@ -25,6 +25,7 @@ from clover_jax import parallel
 from clover_jax.decoding import acceptance_stats, streaming, verify
 from clover_jax.decoding.autoregressive import (DecodeOutput, decode_cache, decode_forward, decode_layers,
                                                  is_eos, prefill, products_precision, row_inputs, traced_with)
+from clover_jax.decoding.drafter import check_proposal, check_state
 from clover_jax.decoding.sampling import SamplingParams, next_token, warp_probs
 from clover_jax.models.cache import KVCache
 
@@ -129,6 +130,7 @@ def _spec_generate(base_graph, base_state, head_graph, head_state_params, drafte
         key, k_draft, k_acc = jax.random.split(s.key, 3)
         root = jnp.take_along_axis(s.tokens, (s.lengths - 1)[:, None], axis=1)[:, 0]  # [B]
         prop = drafter.propose(head, base, s.head_state, root, k_draft)
+        check_proposal(drafter, prop, b)  # trace time: a clear error for a drafter that breaks the contract
         buf = prop.buffers
         depth = buf.depth if buf.depth.ndim == 2 else jnp.broadcast_to(buf.depth, (b, u))
         tree_mask = buf.mask if buf.mask.ndim == 3 else jnp.broadcast_to(buf.mask, (b, u, u))
@@ -161,6 +163,7 @@ def _spec_generate(base_graph, base_state, head_graph, head_state_params, drafte
         # the head consumes (f, next token) for the root and the accepted drafts
         f_new = jnp.take_along_axis(hidden, nodes[..., None], axis=1)  # [B, Dmax+1, D]
         hs = drafter.commit(head, base, s.head_state, f_new, new, jnp.where(active, n + 1, 0))
+        check_state(drafter, "commit", s.head_state, hs)
         hist = s.accept_hist + (jax.nn.one_hot(n, dmax + 1, dtype=jnp.int32) * active[:, None])
         # which nodes were on the accepted path (for a static tree: which child ranks were accepted per depth)
         on_path = (i <= n[:, None]) & active[:, None]  # [B, Dmax+1]
