@@ -71,13 +71,13 @@ class DrafterError(TypeError):
     while the loop is traced (before anything runs); the message names the drafter, the method and the field."""
 
 
-def check_proposal(drafter, prop: Proposal, batch: int) -> None:
+def check_proposal(drafter, prop: Proposal, batch: int, vocab_size: int) -> None:
     """A `DrafterError` unless `prop` is what the loop reads: tokens `[B, U]` of an integer dtype, the topology's
     `depth` `[U]` or `[B, U]` (integers) and `mask` `[U, U]` or `[B, U, U]` (bool), and with sampled drafts
-    `draft_probs [B, U, V']` (floating). Checked on shapes and dtypes only, at trace time: free at run time."""
+    `draft_probs [B, U, V]` (floating, over the base model's whole vocabulary). Checked on shapes and dtypes only, at trace time: free at run time."""
     u = drafter.num_nodes
 
-    sizes = {"B": batch, "U": u, "V'": None}  # V': any size (a draft vocabulary or all V)
+    sizes = {"B": batch, "U": u, "V": vocab_size}
 
     def expect(field: str, x, axes: tuple[str, ...], kind) -> None:
         try:
@@ -87,7 +87,7 @@ def check_proposal(drafter, prop: Proposal, batch: int) -> None:
             chex.assert_type(x, kind)
         except AssertionError as e:
             raise DrafterError(f"{type(drafter).__name__}.propose: {field} must be [{', '.join(axes)}] {kind.__name__} "
-                               f"with B = {batch} rows and U = num_nodes = {u}: {e}") from None
+                               f"with B = {batch} rows, U = num_nodes = {u}, V = {vocab_size}: {e}") from None
 
     expect("Proposal.tokens", prop.tokens, ("B", "U"), int)
     for field, shared, kind in (("depth", ("U",), int), ("mask", ("U", "U"), bool)):
@@ -95,7 +95,7 @@ def check_proposal(drafter, prop: Proposal, batch: int) -> None:
         per_row = x is not None and x.ndim == len(shared) + 1
         expect(f"Proposal.buffers.{field}", x, ("B", *shared) if per_row else shared, kind)
     if drafter.sampled_drafts:  # acceptance rule (a) reads the drafts' distribution
-        expect("Proposal.draft_probs (sampled_drafts=True)", prop.draft_probs, ("B", "U", "V'"), float)
+        expect("Proposal.draft_probs (sampled_drafts=True)", prop.draft_probs, ("B", "U", "V"), float)
 
 
 def check_state(drafter, method: str, given, returned) -> None:

@@ -3,7 +3,7 @@
 Every acceptor is jit-able and batched, each row accepting its own number of drafts (no batch
 minimum). Tree buffers (a static `tree.TreeBuffers` or a `topology.TreeTopology` built on device) may be
 shared `[...]` or per-row `[B, ...]` (dynamic trees); only `paths`, `children` and `num_children` are read.
-Shapes use B batch, U tree nodes, V vocab, P paths, Dmax max depth, C max children of a node.
+Shapes and einsum strings use the axis letters of `clover_jax.axes`.
 
 Three rules (tree speculative sampling: SpecInfer, Miao et al. 2024, arXiv 2305.09781; Medusa/EAGLE code):
 - `greedy_accept`: the longest path whose drafts equal the target's argmax (Medusa/EAGLE
@@ -83,7 +83,7 @@ def greedy_accept(tree_tokens: jax.Array, target_logits: jax.Array, buffers: Tre
 
 def _walk(tokens, p, q, children, num_children, u_accept, u_sample, sampled: bool):
     """One row of the sampling walk. tokens [U], p/q [U, V], children [U, Cmax], num_children [U],
-    u_accept [Dmax, C], u_sample []. Returns (last accepted node, number accepted, bonus token)."""
+    u_accept [Dmax, Cmax], u_sample []. Returns (last accepted node, number accepted, bonus token)."""
     dmax, c = u_accept.shape
 
     def depth_step(d, state):
@@ -129,7 +129,7 @@ def _sample_accept(tree_tokens, p, q, buffers, u_accept, u_sample, sampled: bool
     num_children = _rows(buffers.num_children, 1, b)  # [B, U]
     dmax, c = paths.shape[-1] - 1, children.shape[-1]
     if u_accept.shape != (b, dmax, c):
-        raise ValueError(f"u_accept must be [B, Dmax, C] = {(b, dmax, c)}, got {u_accept.shape}")
+        raise ValueError(f"u_accept must be [B, Dmax, Cmax] = {(b, dmax, c)}, got {u_accept.shape}")
     p = p.astype(jnp.float32)
     q = p if q is None else q.astype(jnp.float32)  # unused by rule (b)
     walk = jax.vmap(lambda *a: _walk(*a, sampled=sampled))
@@ -145,7 +145,7 @@ def sample_accept_topk(tree_tokens: jax.Array, p: jax.Array, buffers: TreeBuffer
     """Rule (b), for deterministic (top-k) children.
 
     tree_tokens [B, U]; p [B, U, V] warped target probabilities at every node; u_accept
-    [B, Dmax, C] uniforms in [0, 1), u_accept[b, d, j] deciding the j-th child of the accepted
+    [B, Dmax, Cmax] uniforms in [0, 1), u_accept[b, d, j] deciding the j-th child of the accepted
     node at depth d; u_sample [B] for the bonus token (inverse CDF).
     """
     return _sample_accept(tree_tokens, p, None, buffers, u_accept, u_sample, sampled=False)
@@ -162,7 +162,7 @@ def sample_accept_sampled(tree_tokens: jax.Array, p: jax.Array, q: jax.Array, bu
 
 
 def draw_uniforms(key: jax.Array, batch: int, buffers: TreeBuffers) -> tuple[jax.Array, jax.Array]:
-    """(u_accept [B, Dmax, C], u_sample [B]) float32 uniforms in [0, 1) for the sampling acceptors."""
+    """(u_accept [B, Dmax, Cmax], u_sample [B]) float32 uniforms in [0, 1) for the sampling acceptors."""
     k_acc, k_smp = jax.random.split(key)
     shape = (batch, buffers.paths.shape[-1] - 1, buffers.children.shape[-1])
     return (jax.random.uniform(k_acc, shape, jnp.float32),

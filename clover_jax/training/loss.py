@@ -258,7 +258,7 @@ def kd_loss_packed(outputs: jax.Array, teacher_hidden: jax.Array, loss_mask: jax
     The regression term runs over every trained position as in `kd_loss`. The soft cross-entropy and the
     accuracies run over `index [B, M]`: per row, M trained positions u (`lm[u]`, -1 = empty slot). Head i
     is scored at start t = u - i against the teacher P_u = softmax(W_lm h_{u+1}), so one teacher
-    softmax serves every head and the cost is K (not T) positions per row: on chat data most positions
+    softmax serves every head and the cost is M (not T) positions per row: on chat data most positions
     are prompt or padding, which the dense path computes and masks out. With every trained position
     listed the loss equals `kd_loss`'s; with a random subset of them (`pack_positions`) the
     cross-entropy is the same objective estimated on that subset, normalised by its own count.
@@ -284,21 +284,21 @@ def kd_loss_packed(outputs: jax.Array, teacher_hidden: jax.Array, loss_mask: jax
     index = index.astype(jnp.int32)
     u = jnp.clip(index, 0, t - 1)
     listed = (index >= 0) & jnp.take_along_axis(lm, u, axis=1)  # [B, M]
-    take = lambda x, pos: jnp.take_along_axis(x, pos[..., None], axis=1)  # noqa: E731  [B, K, D]
-    t_logits = jax.lax.stop_gradient(_logits(take(h, jnp.minimum(u + 1, t - 1)), lm_head))  # [B, K, V]
+    take = lambda x, pos: jnp.take_along_axis(x, pos[..., None], axis=1)  # noqa: E731  [B, M, D]
+    t_logits = jax.lax.stop_gradient(_logits(take(h, jnp.minimum(u + 1, t - 1)), lm_head))  # [B, M, V]
     t_prob = jax.nn.softmax(t_logits, axis=-1)
     t_arg = jnp.argmax(t_logits, axis=-1)  # [B, M]
-    starts = jnp.stack([u - i for i in range(nh)])  # [nh, B, K]
+    starts = jnp.stack([u - i for i in range(nh)])  # [nh, B, M]
     pm = listed[None] & (starts >= 0)  # head i at t = u - i inside the row
-    o = jnp.stack([take(outputs[i], jnp.maximum(starts[i], 0)) for i in range(nh)])  # [nh, B, K, D]
-    s_logp = jax.nn.log_softmax(_student_logits(o, lm_head, student_proj), axis=-1)  # [nh, B, K, V]
+    o = jnp.stack([take(outputs[i], jnp.maximum(starts[i], 0)) for i in range(nh)])  # [nh, B, M, D]
+    s_logp = jax.nn.log_softmax(_student_logits(o, lm_head, student_proj), axis=-1)  # [nh, B, M, V]
     if cfg.hard_labels:  # the data's token after the teacher position u + 1
         t_arg = jnp.take_along_axis(labels.astype(jnp.int32), jnp.minimum(u + 1, t - 1), axis=1)  # [B, M]
         t_arg = jnp.where(u + 1 < t, t_arg, -1)
         ce = _hard_ce(s_logp, jnp.broadcast_to(t_arg[None], s_logp.shape[:-1]))
         pm = pm & (t_arg >= 0)[None]
     else:
-        ce = -jnp.sum(t_prob[None] * s_logp, axis=-1)  # [nh, B, K]
+        ce = -jnp.sum(t_prob[None] * s_logp, axis=-1)  # [nh, B, M]
     match = pm & (jnp.argmax(s_logp, axis=-1) == t_arg[None])
     p_count = jnp.sum(pm, axis=(1, 2)).astype(jnp.float32)
     ploss = jnp.sum(jnp.where(pm, ce, 0.0), axis=(1, 2)) / (p_count + 1)
@@ -352,10 +352,10 @@ def pack_positions(loss_mask, valid, per_row: int, rng=None):
 def output_projection(base: Llama, vocab_ids: jax.Array | None = None) -> jax.Array:
     """The frozen `[D, V]` lm_head, or its `[D, Q]` columns `vocab_ids` (a draft vocabulary).
 
-    With a draft vocabulary both distributions of the cross-entropy live on those N tokens: the teacher's
-    is P restricted to them and renormalised, the student's a softmax over N logits, which is what the
+    With a draft vocabulary both distributions of the cross-entropy live on those Q tokens: the teacher's
+    is P restricted to them and renormalised, the student's a softmax over Q logits, which is what the
     head is asked for when it drafts from that vocabulary (`draft_vocab=` at inference). Every draft
-    depth's vocabulary projection then costs N/V of the full one in training as in drafting."""
+    depth's vocabulary projection then costs Q/V of the full one in training as in drafting."""
     if vocab_ids is None:
         return base.lm_head_matrix()
     return base.lm_head_rows(jnp.asarray(vocab_ids, jnp.int32)).T

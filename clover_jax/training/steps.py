@@ -126,7 +126,7 @@ def metrics_from_sums(sums: dict[str, jax.Array], loss_cfg: LossConfig) -> dict[
 
 
 def _split_micro(batch: dict[str, jax.Array], accum: int, mesh=None) -> dict[str, jax.Array]:
-    """`[B, T]` -> `[A, B/A, T]`, micro-batch j = rows j, j+A, ... (batch axis kept sharded)."""
+    """`[B, T]` -> `[accum, B / accum, T]`, micro-batch j = rows j, j + accum, ... (batch axis kept sharded)."""
     def split(x):
         b = x.shape[0]
         y = jnp.swapaxes(x.reshape(b // accum, accum, *x.shape[1:]), 0, 1)  # [accum, B / accum, T]

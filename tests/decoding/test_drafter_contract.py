@@ -69,7 +69,11 @@ class ChainDrafter(TreeDrafterBase):
             tokens = tokens.astype(jnp.float32)
         if self.breaks == "mask dtype":
             buf = buf.replace(mask=buf.mask.astype(jnp.int32))
-        return Proposal(tokens=tokens, buffers=buf)
+        probs = None
+        if self.sampled_drafts and self.breaks != "no probs":  # token 3 drawn from a point mass on it
+            width = 5 if self.breaks == "probs width" else base.config.vocab_size
+            probs = jnp.broadcast_to(jax.nn.one_hot(3, width), (*tokens.shape, width))  # [B, U, V]
+        return Proposal(tokens=tokens, buffers=buf, draft_probs=probs)
 
 
 @pytest.fixture(scope="module")
@@ -91,8 +95,8 @@ def test_a_drafter_that_keeps_the_contract_runs(base):
 
 
 @pytest.mark.parametrize("breaks, says", [
-    ("tokens shape", r"ChainDrafter\.propose: Proposal\.tokens must be \[B, U\] int with B = 2 rows and "
-                     r"U = num_nodes = 4: .*\(2, 3\)"),
+    ("tokens shape", r"ChainDrafter\.propose: Proposal\.tokens must be \[B, U\] int with B = 2 rows, "
+                     r"U = num_nodes = 4, V = 64: .*\(2, 3\)"),
     ("tokens dtype", r"ChainDrafter\.propose: Proposal\.tokens must be \[B, U\] int.*float32"),
     ("mask dtype", r"ChainDrafter\.propose: Proposal\.buffers\.mask must be \[U, U\] bool.*int32"),
     ("state dtype", r"ChainDrafter\.commit must return its state .*float32"),
@@ -103,11 +107,16 @@ def test_a_broken_drafter_is_named_before_anything_runs(base, breaks, says):
         _run(base, ChainDrafter(get_tree("chain-3"), breaks=breaks))
 
 
-def test_sampled_drafts_need_their_distribution(base):
-    """A drafter that says its drafts are sampled must hand the loop their distribution (lossless acceptance
-    rule (a) reads it); without it the error says so, instead of failing inside the acceptance code."""
-    drafter = ChainDrafter(get_tree("chain-3"), sampled_drafts=True)
-    with pytest.raises(DrafterError, match=r"Proposal\.draft_probs \(sampled_drafts=True\) must be \[B, U, V'\] "
-                                           r"float.*it is None"):
-        spec_generate(base, NoHead(), PROMPT, LENGTHS, max_new_tokens=8, cache_size=32,
-                      sampling=SamplingParams(temperature=1.0), key=jax.random.key(0), drafter=drafter)
+@pytest.mark.parametrize("breaks, says", [("no probs", "it is None"), ("probs width", r"\(2, 4, 5\)")])
+def test_sampled_drafts_need_their_distribution_over_the_vocabulary(base, breaks, says):
+    """A drafter that says its drafts are sampled must hand the loop their distribution over the whole vocabulary
+    (lossless acceptance rule (a) reads it): missing, or over 5 tokens of 64 (which would broadcast silently
+    where it has one column), the error says so; a point mass on the drafted token passes."""
+    kw = dict(max_new_tokens=8, cache_size=32, sampling=SamplingParams(temperature=1.0), key=jax.random.key(0))
+    out, _, _ = spec_generate(base, NoHead(), PROMPT, LENGTHS, drafter=ChainDrafter(get_tree("chain-3"),
+                                                                                     sampled_drafts=True), **kw)
+    assert (np.asarray(out.num_generated) >= 1).all()  # it ran: the checks let a correct sampled drafter through
+    with pytest.raises(DrafterError, match=r"Proposal\.draft_probs \(sampled_drafts=True\) must be \[B, U, V\] "
+                                           r"float .*V = 64: .*" + says):
+        spec_generate(base, NoHead(), PROMPT, LENGTHS, drafter=ChainDrafter(get_tree("chain-3"), breaks=breaks,
+                                                                            sampled_drafts=True), **kw)
