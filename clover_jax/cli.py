@@ -30,7 +30,7 @@ _USER_ERRORS = (
     ("clover_jax.models.cache", "CacheOverflowError"),
     ("clover_jax.decoding.tree", "TreeSpecError"),
     ("clover_jax.io.export", "ExportError"),
-    ("clover_jax.api", "PromptError"),
+    ("clover_jax.validation", "PromptError"),
 )
 
 

@@ -28,6 +28,10 @@ class InputError(ValueError):
     """Bad user input; the message names the argument, the value and the limit."""
 
 
+class PromptError(InputError):
+    """A prompt that cannot be generated from (empty, too long, wrong type)."""
+
+
 class InsufficientMemoryError(InputError):
     """The estimated memory of a call exceeds what the device has free."""
 

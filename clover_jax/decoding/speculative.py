@@ -27,6 +27,7 @@ from clover_jax.decoding.autoregressive import (DecodeOutput, decode_cache, deco
                                                  is_eos, prefill, products_precision, row_inputs, traced_with)
 from clover_jax.decoding.drafter import check_proposal, check_state
 from clover_jax.decoding.sampling import SamplingParams, next_token, warp_probs
+from clover_jax.decoding.sizes import plan_cache
 from clover_jax.models.cache import KVCache
 
 
@@ -244,8 +245,6 @@ def spec_generate(base, head, prompt, prompt_lengths, *, max_new_tokens, cache_s
     how the base model's layers run (`clover_jax.decoding.autoregressive.decode_layers`). `stream`: hand each step's
     accepted tokens to the host as they come (`clover_jax.decoding.streaming`; one device only)."""
     import numpy as np
-
-    from clover_jax.api import plan_cache
 
     drafter = drafter or drafter_for(type(head), tree or "clover2-26", draft_vocab, ngram_table)
     drafter.check(head, base)
