@@ -182,16 +182,20 @@ class LossConfig(_Section):
     decay: float = 0.7
     v_weight: float = 10.0  # SmoothL1 regression to the base post-norm hidden state
     p_weight: float = 1.0  # soft-label cross-entropy against the base distribution
+    head_weight: float = 1.0  # the reference's heads_coefficient: every head's term scaled by it
     vocab_chunk: int = 0  # positions per chunk when computing [.., V] logits; 0 = no chunking
-    label_mask_topk: int = 0  # reference --label_mask (off): 0 = off
-    label_mask_topp: float = 0.0  # 0 = off
+    # the reference's --label_mask (get_id_mask, off there and here): a position trains head i only where the
+    # base ranks each of the i + 1 true next tokens among its top `label_mask_topk` (0: all V) tokens, stopping
+    # once `label_mask_topp` (0: 1.0) of its mass is seen; on when either is set
+    label_mask_topk: int = 0
+    label_mask_topp: float = 0.0
     # Cross-entropy positions per row: 0 = every trained position (the reference); K > 0 computes the
     # vocabulary-sized terms only at (up to) K trained positions per row, a random subset where a row has
     # more, so prompt and padding positions cost nothing (the regression term still sees every position).
     vocab_positions_per_row: int = 0
     # Cross-entropy over the draft vocabulary (the train.draft_vocab_size most frequent trained tokens, the
     # ids written to draft_vocab.json) instead of all V: teacher and student distributions both restricted
-    # to it, as the head drafts with `draft_vocab=` at inference. Costs N/V of the vocabulary terms.
+    # to it, as the head drafts with `draft_vocab=` at inference. Costs Q/V of the vocabulary terms.
     draft_vocab: bool = False
     # cross-entropy against the data's next tokens instead of the base's soft labels (the ReDrafter reference's
     # public training code trains so); the regression term, where a head has one, is unchanged
@@ -206,6 +210,7 @@ class LossConfig(_Section):
         self._need(self.feature_noise >= 0, "feature_noise", "must be >= 0 (0 = off)")
         self._need(self.v_weight >= 0, "v_weight", "must be >= 0")
         self._need(self.p_weight >= 0, "p_weight", "must be >= 0")
+        self._need(self.head_weight > 0, "head_weight", "must be > 0")
         self._need(self.v_weight + self.p_weight > 0, "p_weight", "v_weight and p_weight cannot both be 0")
         self._need(self.vocab_chunk >= 0, "vocab_chunk", "must be >= 0")
         self._need(self.label_mask_topk >= 0, "label_mask_topk", "must be >= 0")
@@ -214,6 +219,11 @@ class LossConfig(_Section):
         self._need(not (self.vocab_positions_per_row and (self.label_mask_topk or self.label_mask_topp)),
                    "vocab_positions_per_row", "cannot be combined with the label mask (it needs the teacher "
                    "at every position); set it to 0")
+
+    @property
+    def label_mask(self) -> bool:
+        """Whether the reference's label mask is on (`label_mask_topk` or `label_mask_topp` set)."""
+        return self.label_mask_topk > 0 or self.label_mask_topp > 0
 
 
 @dataclasses.dataclass(frozen=True)

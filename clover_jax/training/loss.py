@@ -19,36 +19,14 @@ O(B * chunk * num_heads * V) in the forward and the backward.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import jax
 import jax.numpy as jnp
 
+from clover_jax.config import LossConfig  # noqa: F401 (the loss functions' cfg; re-exported)
 from clover_jax.models.cache import causal_mask
 from clover_jax.models.llama import Llama, rms_norm
-
-
-@dataclasses.dataclass(frozen=True)
-class LossConfig:
-    decay: float = 0.7  # reference decay_coefficient
-    v_weight: float = 10.0  # regression (SmoothL1) weight
-    p_weight: float = 1.0  # soft cross-entropy weight
-    head_weight: float = 1.0  # reference heads_coefficient
-    vocab_chunk: int | None = None  # positions per chunk of the V-sized terms; None: one chunk
-    label_mask: bool = False  # reference --label_mask (get_id_mask), off by default
-    label_top_k: int = 8
-    label_top_p: float = 0.8
-    # cross-entropy against the data's own next tokens (one-hot) instead of the base's distribution: the
-    # ReDrafter reference's public training code; the heads take their `labels` from `next_token_labels`
-    hard_labels: bool = False
-    feature_noise: float = 0.0  # EAGLE's uniform noise on input features (see `uniform_feature_noise`)
-
-    def __post_init__(self):
-        if self.vocab_chunk is not None and self.vocab_chunk < 1:
-            raise ValueError(f"vocab_chunk must be a positive number of positions or None, got {self.vocab_chunk}")
-        if self.label_top_k < 1:
-            raise ValueError(f"label_top_k must be >= 1, got {self.label_top_k}")
 
 
 def smooth_l1(x: jax.Array, y: jax.Array, beta: float = 1.0) -> jax.Array:
@@ -123,7 +101,7 @@ def _vocab_terms(outputs, h, y, lm_head, cfg: LossConfig, student_proj=None, lab
     with soft targets, where the label is >= 0 with `labels`)).
     """
     nh, b, t, _ = outputs.shape
-    c = t if cfg.vocab_chunk is None else min(cfg.vocab_chunk, t)
+    c = t if not cfg.vocab_chunk else min(cfg.vocab_chunk, t)
     n_chunks = math.ceil(t / c)
     t_pad = n_chunks * c
     o_pad = jnp.pad(outputs, ((0, 0), (0, 0), (0, t_pad - t), (0, 0)))  # [nh, B, T_pad, D]
@@ -152,7 +130,7 @@ def _vocab_terms(outputs, h, y, lm_head, cfg: LossConfig, student_proj=None, lab
         match = jnp.argmax(s_logp, axis=-1) == tgt_arg
         if cfg.label_mask:
             yw = jax.lax.dynamic_slice_in_dim(y_pad, start, c, axis=1)  # x_{t+1}: [B, C]
-            cor = label_in_top(t_prob[:, :c], yw, cfg.label_top_k, cfg.label_top_p)
+            cor = label_in_top(t_prob[:, :c], yw, cfg.label_mask_topk or t_prob.shape[-1], cfg.label_mask_topp or 1.0)
         else:
             cor = jnp.ones((b, c), bool)
         return ce, match, cor, has

@@ -30,24 +30,15 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from clover_jax.config import LossConfig
 from clover_jax.parallel import BATCH_AXES
-from clover_jax.training.loss import LossConfig, base_features, trained_positions
+from clover_jax.training.loss import base_features, trained_positions
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 SUM_KEYS = ("v_sum", "p_sum", "correct", "chain_correct", "count", "p_count", "chain_count")
 
 
 # ------------------------------------------------------------------------------------------- config maps
-def loss_config(loss_cfg, vocab_size: int) -> LossConfig:
-    """`clover_jax.config.LossConfig` (experiment YAML) -> `clover_jax.training.loss.LossConfig`."""
-    label = loss_cfg.label_mask_topk > 0 or loss_cfg.label_mask_topp > 0
-    return LossConfig(decay=loss_cfg.decay, v_weight=loss_cfg.v_weight, p_weight=loss_cfg.p_weight,
-                      vocab_chunk=loss_cfg.vocab_chunk or None, label_mask=label,
-                      label_top_k=loss_cfg.label_mask_topk or vocab_size,
-                      label_top_p=loss_cfg.label_mask_topp or 1.0, hard_labels=loss_cfg.hard_labels,
-                      feature_noise=loss_cfg.feature_noise)
-
-
 def head_config(cfg):
     """The head's config (of the registered type `cfg.head.type`) from an `ExperimentConfig`."""
     from clover_jax.heads import registry

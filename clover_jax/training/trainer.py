@@ -198,7 +198,7 @@ class Trainer:
         self.run_dir = Path(run_dir) if run_dir is not None else None
         self.base_config = base.config
         self.head_cfg = steps_lib.head_config(cfg)
-        self.loss_cfg = steps_lib.loss_config(cfg.loss, base.config.vocab_size)
+        self.loss_cfg = cfg.loss
         self.head_meta = head_metadata(self.head_cfg, base.config, base_name or cfg.model.name_or_path)
         self.total_steps = cfg.total_steps
         self.restored_config: dict[str, Any] | None = None

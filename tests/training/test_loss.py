@@ -16,6 +16,7 @@ from clover_jax.training.loss import (LossConfig, base_features, clover2_loss, c
 
 NH, B, T, D, V = 5, 3, 11, 16, 40
 LENGTHS = np.array([11, 8, 3])  # the last row is shorter than the number of heads
+LABEL_MASK = dict(label_mask_topk=8, label_mask_topp=0.8)  # the label mask on, with the reference's top-k / top-p
 
 
 # ----------------------------------------------------------------------------- numpy reference
@@ -42,8 +43,8 @@ def reference_loss(outputs, h, tokens, loss_mask, lengths, w, cfg: LossConfig):
     for r in range(b):
         for p in range(t):
             mass = 0.0
-            for idx in np.argsort(-base_p[r, p], kind="stable")[:cfg.label_top_k]:
-                if mass > cfg.label_top_p:
+            for idx in np.argsort(-base_p[r, p], kind="stable")[:cfg.label_mask_topk or base_p.shape[-1]]:
+                if mass > (cfg.label_mask_topp or 1.0):
                     break
                 cor[r, p] |= idx == y[r, p]
                 mass += base_p[r, p, idx]
@@ -94,8 +95,8 @@ def _inputs(seed):
 _kd = jax.jit(kd_loss, static_argnums=6)
 
 
-@pytest.mark.parametrize("cfg", [LossConfig(), LossConfig(vocab_chunk=3), LossConfig(vocab_chunk=4, label_mask=True),
-                                 LossConfig(label_mask=True, decay=0.5, v_weight=2.0)],
+@pytest.mark.parametrize("cfg", [LossConfig(), LossConfig(vocab_chunk=3), LossConfig(vocab_chunk=4, **LABEL_MASK),
+                                 LossConfig(decay=0.5, v_weight=2.0, **LABEL_MASK)],
                          ids=["plain", "chunk3", "chunk4-label", "label-weights"])
 def test_kd_loss_matches_numpy_reference(cfg):
     outputs, h, tokens, loss_mask, valid, w = _inputs(0)
@@ -117,8 +118,8 @@ def test_chunking_changes_nothing_including_gradients():
     outputs, h, tokens, loss_mask, valid, w = _inputs(1)
     grad = jax.jit(jax.value_and_grad(lambda o, cfg: kd_loss(o, h, tokens, loss_mask, valid, w, cfg)[0]),
                    static_argnums=1)
-    l_full, g_full = grad(outputs, LossConfig(label_mask=True))
-    l_chunk, g_chunk = grad(outputs, LossConfig(label_mask=True, vocab_chunk=3))
+    l_full, g_full = grad(outputs, LossConfig(**LABEL_MASK))
+    l_chunk, g_chunk = grad(outputs, LossConfig(vocab_chunk=3, **LABEL_MASK))
     np.testing.assert_allclose(float(l_chunk), float(l_full), rtol=1e-6)
     np.testing.assert_allclose(np.asarray(g_chunk), np.asarray(g_full), atol=1e-7, rtol=1e-5)
     # entries the loss never reads (t >= T - i, padding rows) get no gradient
@@ -167,7 +168,7 @@ def test_packed_loss_on_a_subset_is_the_cross_entropy_over_that_subset():
     _, md = kd_loss(outputs, h, tokens, loss_mask, valid, w)  # the regression term is not subsampled
     np.testing.assert_allclose(np.asarray(m["vloss"]), np.asarray(md["vloss"]), rtol=1e-6)
     with pytest.raises(ValueError, match="label mask"):
-        kd_loss_packed(outputs, h, loss_mask, valid, w, jnp.asarray(index), LossConfig(label_mask=True))
+        kd_loss_packed(outputs, h, loss_mask, valid, w, jnp.asarray(index), LossConfig(**LABEL_MASK))
 
 
 # ----------------------------------------------------------------------------- with the models
