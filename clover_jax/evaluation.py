@@ -66,11 +66,11 @@ def bootstrap_ci(num: np.ndarray, den: np.ndarray, *, level: float = CI_LEVEL, r
     """Percentile bootstrap interval of the ratio of sums `sum(num[:, j]) / sum(den[:, j])`, multiplied over the
     columns j, resampling the rows (prompt batches) with replacement, all columns with the same rows.
 
-    `num`, `den`: `[M]` or `[M, ratios]`, one row per batch. One column gives a rate (tau: decode-phase tokens over steps); two columns
-    with `den[:, 1]`, `num[:, 1]` swapped give a ratio of two rates measured on the same batches (a speed-up: the
-    tree's tokens/s over the autoregressive loop's, each batch timed back to back), so the interval reflects how
-    the ratio varies from prompt to prompt and between timed calls, not only the overall mean. `None` with fewer
-    than two rows (no spread to resample). Deterministic for a given `seed`.
+    `num`, `den`: `[M]` or `[M, ratios]`, one row per batch. One column gives a rate (tau: decode-phase tokens over
+    steps); two columns with `den[:, 1]`, `num[:, 1]` swapped give a ratio of two rates measured on the same batches
+    (a speed-up: the tree's tokens/s over the autoregressive loop's, each batch timed back to back), so the interval
+    reflects how the ratio varies from prompt to prompt and between timed calls, not only the overall mean. `None`
+    with fewer than two rows (no spread to resample). Deterministic for a given `seed`.
     """
     num = np.asarray(num, np.float64).reshape(len(num), -1)  # [M, ratios]
     den = np.asarray(den, np.float64).reshape(len(den), -1)  # [M, ratios]

@@ -74,7 +74,8 @@ class DrafterError(TypeError):
 def check_proposal(drafter, prop: Proposal, batch: int, vocab_size: int) -> None:
     """A `DrafterError` unless `prop` is what the loop reads: tokens `[B, U]` of an integer dtype, the topology's
     `depth` `[U]` or `[B, U]` (integers) and `mask` `[U, U]` or `[B, U, U]` (bool), and with sampled drafts
-    `draft_probs [B, U, V]` (floating, over the base model's whole vocabulary). Checked on shapes and dtypes only, at trace time: free at run time."""
+    `draft_probs [B, U, V]` (floating, over the base model's whole vocabulary). Checked on shapes and dtypes only,
+    at trace time: free at run time."""
     u = drafter.num_nodes
 
     sizes = {"B": batch, "U": u, "V": vocab_size}

@@ -131,7 +131,8 @@ def _spec_generate(base_graph, base_state, head_graph, head_state_params, drafte
         key, k_draft, k_acc = jax.random.split(s.key, 3)
         root = jnp.take_along_axis(s.tokens, (s.lengths - 1)[:, None], axis=1)[:, 0]  # [B]
         prop = drafter.propose(head, base, s.head_state, root, k_draft)
-        check_proposal(drafter, prop, b, base.config.vocab_size)  # trace time: a clear error for a drafter that breaks the contract
+        # trace time: a clear error for a drafter that breaks the contract
+        check_proposal(drafter, prop, b, base.config.vocab_size)
         buf = prop.buffers
         depth = buf.depth if buf.depth.ndim == 2 else jnp.broadcast_to(buf.depth, (b, u))
         tree_mask = buf.mask if buf.mask.ndim == 3 else jnp.broadcast_to(buf.mask, (b, u, u))
