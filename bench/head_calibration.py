@@ -48,14 +48,10 @@ def main(argv=None) -> int:
     import clover_jax
     from bench_spec import load_questions
     from clover_jax.api import resolve_head
-    from simulate_lookup import greedy_replies, padded, top_drafts
+    from simulate_lookup import add_reply_args, greedy_replies, padded, top_drafts
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="smollm2-135m-instruct")
-    ap.add_argument("--head", default="smollm2-135m-instruct-clover2")
-    ap.add_argument("--questions", default="spec_bench")
-    ap.add_argument("--limit", type=int, default=48)
-    ap.add_argument("--max-new-tokens", type=int, default=128)
+    add_reply_args(ap, questions="spec_bench", limit=48)
     ap.add_argument("--top-k", type=int, default=8)
     args = ap.parse_args(argv)
 

@@ -138,6 +138,15 @@ def greedy_replies(loaded, prompts, max_new_tokens: int) -> list[tuple[list[int]
     return seqs
 
 
+def add_reply_args(ap: argparse.ArgumentParser, *, questions: str, limit: int) -> None:
+    """The options of the scripts that score a head on greedy replies: model, head, question set, reply length."""
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--head", default="smollm2-135m-instruct-clover2")
+    ap.add_argument("--questions", default=questions)
+    ap.add_argument("--limit", type=int, default=limit)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+
+
 def main(argv=None) -> int:
     import clover_jax
     from bench_spec import load_questions
@@ -145,11 +154,7 @@ def main(argv=None) -> int:
     from clover_jax.decoding.tree import TreeSpec, get_tree
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="smollm2-135m-instruct")
-    ap.add_argument("--head", default="smollm2-135m-instruct-clover2")
-    ap.add_argument("--questions", default="mt_bench")
-    ap.add_argument("--limit", type=int, default=80)
-    ap.add_argument("--max-new-tokens", type=int, default=128)
+    add_reply_args(ap, questions="mt_bench", limit=80)
     ap.add_argument("--trees", nargs="+", default=["chain-3", "small-10"], help="static trees (names or JSON)")
     ap.add_argument("--lookup", nargs="+", type=int, default=[0, 4, 6], help="lookup chain lengths (0: none)")
     ap.add_argument("--max-ngram", type=int, default=3)

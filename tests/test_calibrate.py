@@ -12,16 +12,15 @@ from clover_jax import api, calibrate
 from clover_jax.heads.clover2 import Clover2Config, init_from_base
 from clover_jax.heads.medusa import MedusaConfig, init_from_base as medusa_from_base
 from clover_jax.io.loader import LoadedModel
-from clover_jax.models.config import LlamaConfig
 from clover_jax.models.llama import init_llama
 from word_tokenizer import WordTokenizer
 from clover_jax.validation import InputError
+from tiny_llama import TINY_LLAMA
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "heads"))  # spec_helpers
 from spec_helpers import ranked_medusa  # noqa: E402
 
-CFG = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=8, eos_token_ids=(2,))
+CFG = TINY_LLAMA
 
 
 

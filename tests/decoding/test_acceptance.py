@@ -31,9 +31,9 @@ from clover_jax.decoding.tree import TreeSpec, build_buffers, get_tree
 from clover_jax.decoding.drafter import Proposal, TreeDrafterBase
 from clover_jax.models.config import LlamaConfig
 from clover_jax.models.llama import init_llama
+from tiny_llama import TINY_LLAMA
 
-CFG = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=8, eos_token_ids=(2,))
+CFG = TINY_LLAMA
 EXTRA = 8  # reference tokens beyond max_new_tokens, so drafts never run past the oracle's sequence
 NO_EOS = ()  # spec_generate / ar_generate: no EOS at all (becomes [-1], same shape as one EOS id)
 

@@ -9,11 +9,10 @@ import pytest
 from clover_jax.api import generate
 from clover_jax.decoding import autoregressive
 from clover_jax.decoding.sampling import argmax_last, sample_with_uniform, warp_probs
-from clover_jax.models.config import LlamaConfig
 from clover_jax.models.llama import init_llama
+from tiny_llama import TINY_LLAMA
 
-CFG = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=8, eos_token_ids=(2,))
+CFG = TINY_LLAMA
 
 
 @pytest.fixture(scope="module")

@@ -17,11 +17,10 @@ from clover_jax.decoding.drafter import DrafterError, Proposal, TreeDrafterBase
 from clover_jax.decoding.sampling import SamplingParams
 from clover_jax.decoding.speculative import spec_generate
 from clover_jax.decoding.tree import TreeSpec, build_buffers, get_tree
-from clover_jax.models.config import LlamaConfig
 from clover_jax.models.llama import init_llama
+from tiny_llama import TINY_LLAMA
 
-CFG = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=8, eos_token_ids=(2,))
+CFG = TINY_LLAMA
 PROMPT = np.array([[5, 6, 7, 8], [9, 10, 11, 0]], np.int32)  # [B, T], the second row 3 tokens long
 LENGTHS = np.array([4, 3], np.int32)
 

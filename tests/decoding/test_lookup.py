@@ -16,9 +16,9 @@ from clover_jax.heads.clover2 import Clover2Config, Clover2Head, init_from_base
 from clover_jax.models.config import LlamaConfig
 from clover_jax.models.llama import init_llama
 from clover_jax.validation import InputError
+from tiny_llama import TINY_LLAMA
 
-CFG = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=8, eos_token_ids=(2,))
+CFG = TINY_LLAMA
 
 
 def _oracle(history, length, k, max_ngram):

@@ -11,11 +11,10 @@ from clover_jax.heads.clover2 import Clover2Config, init_from_base
 from clover_jax.heads.clover2_draft import Clover2Drafter
 from clover_jax.heads.draft_vocab import (check_draft_vocab, coverage, frequent_tokens, load_draft_vocab,
                                           save_draft_vocab)
-from clover_jax.models.config import LlamaConfig
 from clover_jax.models.llama import init_llama
+from tiny_llama import TINY_LLAMA
 
-CFG = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=8, eos_token_ids=(2,))
+CFG = TINY_LLAMA
 SUBSET = np.arange(3, 64, 3, dtype=np.int32)  # 21 of the 64 ids
 
 

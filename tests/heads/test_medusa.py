@@ -21,13 +21,12 @@ from clover_jax.decoding.speculative import drafter_for, spec_generate
 from clover_jax.heads import registry
 from clover_jax.heads.clover2 import Clover2Head
 from clover_jax.heads.medusa import MedusaConfig, MedusaDrafter, MedusaHead, init_from_base, node_index
-from clover_jax.models.config import LlamaConfig
 from clover_jax.models.llama import init_llama, rms_norm
 from clover_jax.training.loss import LossConfig, kd_loss, pack_positions
 from clover_jax.validation import InputError
+from tiny_llama import TINY_LLAMA
 
-CFG = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=8, eos_token_ids=(2,))
+CFG = TINY_LLAMA
 NO_EOS = ()
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "training"))  # training_helpers, test_trainer
 
