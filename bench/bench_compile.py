@@ -62,9 +62,9 @@ def main(argv=None) -> int:
     sampling = SamplingParams(temperature=args.temperature)
     for r in range(args.repeat):
         speculative._jitted.cache_clear()
-        speculative._drafter_for.cache_clear()
+        registry._drafter_for.cache_clear()
         jax.clear_caches()
-        drafter = speculative.drafter_for(type(head), args.tree, vocab)
+        drafter = registry.drafter_for(type(head), args.tree, vocab)
         base_graph, base_state = nnx.split(base)
         head_graph, head_params = nnx.split(head)
         fn = speculative._jitted(base_graph, head_graph, drafter, args.cache_size, sampling.greedy,

@@ -78,7 +78,7 @@ def tree_drafter(config, head, tree: str, vocab, ngram_table=None):
     from clover_jax import pretrained
     from clover_jax.calibrate import register_saved_trees
     from clover_jax.decoding.ngram import resolve_ngram_table
-    from clover_jax.decoding.speculative import drafter_for
+    from clover_jax.heads.registry import drafter_for
     from clover_jax.decoding.tree import LookupTree, get_tree
 
     for name in pretrained.HEADS:  # fit-N-<hash>: a tree fitted by a shipped head's calibration

@@ -42,7 +42,7 @@ def training_cost(run: Path) -> dict:
 
 def supported(head_type, tree: str, ngram_table=None) -> bool:
     """Whether a head of this type drafts `tree` (merged `...+lookup-K[-table]` names included)."""
-    from clover_jax.decoding.speculative import drafter_for
+    from clover_jax.heads.registry import drafter_for
     from clover_jax.validation import InputError
 
     try:

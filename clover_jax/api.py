@@ -254,7 +254,7 @@ def prepare_generate(model, prompts: Sequence[Any], *, tokenizer=None, max_new_t
     arr, lens = pad_prompts(ids + [ids[0]] * extra_rows, pad_id)
     drafter = auto_choice = None
     if mode == "speculative":
-        from clover_jax.decoding.speculative import drafter_for
+        from clover_jax.heads.registry import drafter_for
 
         head_source = head if isinstance(head, (str, os.PathLike)) else None
         if head_source is not None:
@@ -266,7 +266,7 @@ def prepare_generate(model, prompts: Sequence[Any], *, tokenizer=None, max_new_t
 
         ngram_table = resolve_ngram_table(ngram_table, head_source)
         if draft_vocab is not None:
-            from clover_jax.heads.draft_vocab import check_draft_vocab
+            from clover_jax.validation import check_draft_vocab
 
             draft_vocab = check_draft_vocab(draft_vocab, config.vocab_size)
         if isinstance(tree, str) and tree.strip().lower() == "auto":

@@ -217,7 +217,7 @@ def _row(run: dict) -> dict:
 def candidate_trees(head, base, draft_vocab=None, candidates: Sequence[str] | None = None,
                     ngram_table=None) -> list[str]:
     """The candidate trees this head can draft (depth within its heads, tree kind supported by its drafter)."""
-    from clover_jax.decoding.speculative import drafter_for
+    from clover_jax.heads.registry import drafter_for
     from clover_jax.validation import InputError
 
     names = list(candidates) if candidates else list(STATIC_CANDIDATES + DYNAMIC_CANDIDATES + BEAM_CANDIDATES)
@@ -254,7 +254,7 @@ def _lookup_variants(head, base, draft_vocab, trees: Sequence[str], ngram_table=
 def probe_for(head, base, draft_vocab=None):
     """The deepest prefix of the probe comb (`PROBE_WIDTHS`) this head can draft (registered by name), or None
     for heads that draft no static tree."""
-    from clover_jax.decoding.speculative import drafter_for
+    from clover_jax.heads.registry import drafter_for
     from clover_jax.decoding.tree import register_tree
     from clover_jax.decoding.tree_fit import probe_tree
 

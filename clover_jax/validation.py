@@ -117,6 +117,20 @@ def check_token_ids(name: str, ids: Any, vocab_size: int) -> list[int]:
     return out
 
 
+def check_draft_vocab(ids, vocab_size: int) -> np.ndarray:
+    """`ids` as a sorted, duplicate-free int32 array of valid token ids, or an `InputError` naming the problem."""
+    a = np.asarray(ids)
+    if a.ndim != 1 or a.size == 0 or not np.issubdtype(a.dtype, np.integer):
+        raise InputError(f"draft vocabulary must be a non-empty 1-D list of token ids, got shape {a.shape} "
+                         f"of {a.dtype}")
+    if a.min() < 0 or a.max() >= vocab_size:
+        raise InputError(f"draft vocabulary holds token id {int(a.min() if a.min() < 0 else a.max())} outside "
+                         f"the model's vocabulary [0, {vocab_size})")
+    if len(np.unique(a)) != len(a):
+        raise InputError("draft vocabulary holds duplicate token ids")
+    return np.sort(a).astype(np.int32)
+
+
 # ------------------------------------------------------------------------------------------- memory
 GIB = 1024 ** 3
 

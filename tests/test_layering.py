@@ -1,6 +1,8 @@
 """The package's layers import downwards only: the model and the decoding loops never import the API, the
 evaluation harness or the calibration (anywhere, function-local imports included), so `clover_jax.api` and
-`clover_jax.decoding.speculative` do not import each other; the sizes both plan with live below both."""
+`clover_jax.decoding.speculative` do not import each other; the sizes both plan with live below both. The loop
+takes a drafter and never imports a head: the head registry (`clover_jax.heads.registry.drafter_for`) is what
+turns a head type and a tree into a drafter."""
 
 import ast
 from pathlib import Path
@@ -30,6 +32,13 @@ def test_models_and_decoding_never_import_the_layers_above():
     upward = [f"{f.relative_to(PACKAGE.parent)}:{line}: {name}" for f in files for line, name in _imported_modules(f)
               if any(name == u or name.startswith(u + ".") for u in UPPER)]
     assert not upward, "imports from a layer above:\n" + "\n".join(upward)
+
+
+def test_models_and_decoding_never_import_a_head():
+    files = [f for layer in LOWER for f in sorted((PACKAGE / layer).glob("*.py"))]
+    found = [f"{f.relative_to(PACKAGE.parent)}:{line}: {name}" for f in files for line, name in _imported_modules(f)
+             if name == "clover_jax.heads" or name.startswith("clover_jax.heads.")]
+    assert not found, "imports of the heads from the model or the loop:\n" + "\n".join(found)
 
 
 def test_the_scan_sees_a_function_local_import(tmp_path):

@@ -133,7 +133,7 @@ class TreeDrafterBase:
         if self.spec.top_k > vocab_size:
             raise InputError(f"tree top_k={self.spec.top_k} exceeds the vocabulary ({vocab_size})")
         if self.draft_vocab is not None:
-            from clover_jax.heads.draft_vocab import check_draft_vocab
+            from clover_jax.validation import check_draft_vocab
 
             check_draft_vocab(self.draft_vocab, vocab_size)
             if self.spec.top_k > len(self.draft_vocab):

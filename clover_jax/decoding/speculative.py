@@ -201,45 +201,13 @@ def jitted_loop(base, head, drafter, cache_size: int, greedy: bool, mesh=None, l
                    products_precision(base.dtype), bool(stream))
 
 
-def drafter_for(head_type: type, tree_key, draft_vocab=None, ngram_table=None) -> object:
-    """The (cached) drafter of a head type for a tree, an optional draft vocabulary (token ids) and, for trees
-    named `...-table`, an n-gram table (`clover_jax.decoding.ngram.NgramTable`; ignored by other trees): equal
-    arguments give the same drafter object, so the jitted loop is reused."""
-    from clover_jax.decoding.tree import LookupTree, get_tree
-
-    vocab = None if draft_vocab is None else tuple(int(i) for i in draft_vocab)
-    spec = get_tree(tree_key)
-    table = ngram_table if isinstance(spec, LookupTree) and spec.table else None
-    return _drafter_for(head_type, tree_key, vocab, table)
-
-
-@functools.lru_cache(maxsize=32)
-def _drafter_for(head_type: type, tree_key, draft_vocab, ngram_table) -> object:
-    from clover_jax.decoding.tree import LookupTree, get_tree
-    from clover_jax.heads import registry
-    from clover_jax.validation import InputError
-
-    spec = get_tree(tree_key)
-    if isinstance(spec, LookupTree):  # a prompt-lookup chain beside the head's tree (or alone)
-        from clover_jax.decoding.lookup import LookupDrafter, NoHead
-
-        if spec.inner is not None and issubclass(head_type, NoHead):
-            raise InputError(f"tree {spec.name!r} drafts {spec.inner.name!r} with a head: give head=..., or "
-                             f"use {spec.name.rsplit('+', 1)[-1]!r} (prompt lookup alone)")
-        if spec.table and ngram_table is None:
-            raise InputError(f"tree {spec.name!r} falls back to an n-gram table, and none was given: use a head "
-                             f"that ships one (ngram_table.npz beside it), pass ngram_table=... (--ngram-table), "
-                             f"build one with python -m clover_jax.decoding.ngram, or drop '-table' from the tree name")
-        inner = None if spec.inner is None else registry.of_head(head_type).make_drafter(spec.inner, draft_vocab)
-        return LookupDrafter(inner, spec, ngram_table)
-    return registry.of_head(head_type).make_drafter(spec, draft_vocab)
-
-
 def spec_generate(base, head, prompt, prompt_lengths, *, max_new_tokens, cache_size: int | None,
-                  sampling: SamplingParams, key, tree=None, eos_ids=None, drafter=None, draft_vocab=None, mesh=None,
-                  stat_rows: int | None = None, layers: str | None = None, ngram_table=None, stream: bool = False):
+                  sampling: SamplingParams, key, drafter, eos_ids=None, mesh=None, stat_rows: int | None = None,
+                  layers: str | None = None, stream: bool = False):
     """Runs the jitted speculative loop; returns (DecodeOutput, stats dict, seconds).
 
+    `drafter`: what proposes each step's tree (`clover_jax.decoding.drafter`); the loop never looks a head type
+    up itself: `clover_jax.heads.registry.drafter_for(type(head), tree, ...)` gives a head type's drafter for a tree.
     `max_new_tokens`: one number or one per row. With a `mesh` (`clover_jax.parallel`) the base and head
     weights are placed by the sharding rules, rows split over the batch axes, and both KV caches over rows
     and KV heads. `stat_rows`: count only the first rows in the statistics (the rest pad the batch). `layers`:
@@ -247,7 +215,6 @@ def spec_generate(base, head, prompt, prompt_lengths, *, max_new_tokens, cache_s
     accepted tokens to the host as they come (`clover_jax.decoding.streaming`; one device only)."""
     import numpy as np
 
-    drafter = drafter or drafter_for(type(head), tree or "clover2-26", draft_vocab, ngram_table)
     drafter.check(head, base)
     lens = np.asarray(prompt_lengths)
     cache_size = plan_cache(lens, int(np.max(max_new_tokens)), drafter.num_nodes, cache_size, None)

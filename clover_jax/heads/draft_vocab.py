@@ -24,7 +24,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from clover_jax.validation import InputError
+from clover_jax.validation import InputError, check_draft_vocab  # noqa: F401  (re-exported)
 
 
 def frequent_tokens(sequences: Iterable[Sequence[int]], size: int, always: Sequence[int] = ()) -> np.ndarray:
@@ -45,20 +45,6 @@ def frequent_tokens(sequences: Iterable[Sequence[int]], size: int, always: Seque
             break
         chosen.add(tok)
     return np.asarray(sorted(chosen), np.int32)
-
-
-def check_draft_vocab(ids, vocab_size: int) -> np.ndarray:
-    """`ids` as a sorted, duplicate-free int32 array of valid token ids, or a ValueError naming the problem."""
-    a = np.asarray(ids)
-    if a.ndim != 1 or a.size == 0 or not np.issubdtype(a.dtype, np.integer):
-        raise InputError(f"draft vocabulary must be a non-empty 1-D list of token ids, got shape {a.shape} "
-                         f"of {a.dtype}")
-    if a.min() < 0 or a.max() >= vocab_size:
-        raise InputError(f"draft vocabulary holds token id {int(a.min() if a.min() < 0 else a.max())} outside "
-                         f"the model's vocabulary [0, {vocab_size})")
-    if len(np.unique(a)) != len(a):
-        raise InputError("draft vocabulary holds duplicate token ids")
-    return np.sort(a).astype(np.int32)
 
 
 DRAFT_VOCAB_FILE = "draft_vocab.json"  # its name in a training run directory and in an exported head folder

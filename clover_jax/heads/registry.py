@@ -9,11 +9,14 @@ head is one new module that calls `register(...)` plus one line in `BUILTIN`.
   ht = registry.get("medusa")            # by the name an experiment config or checkpoint uses
   ht = registry.of_head(head)            # by a head module instance (or its class)
   drafter = ht.make_drafter(tree_spec, draft_vocab)
+  drafter = registry.drafter_for(type(head), "fit-5-411aab+lookup-4-table", draft_vocab, ngram_table)  # cached,
+                                         # prompt lookup and n-gram tables included: what the speculative loop takes
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 from typing import Any, Callable
 
@@ -155,3 +158,35 @@ def sharding_rules() -> dict[str, tuple]:
     for ht in load_all().values():
         out.update(ht.sharding_rules)
     return out
+
+
+def drafter_for(head_type: type, tree_key, draft_vocab=None, ngram_table=None) -> object:
+    """The (cached) drafter of a head type for a tree, an optional draft vocabulary (token ids) and, for trees
+    named `...-table`, an n-gram table (`clover_jax.decoding.ngram.NgramTable`; ignored by other trees): equal
+    arguments give the same drafter object, so the jitted loop is reused."""
+    from clover_jax.decoding.tree import LookupTree, get_tree
+
+    vocab = None if draft_vocab is None else tuple(int(i) for i in draft_vocab)
+    spec = get_tree(tree_key)
+    table = ngram_table if isinstance(spec, LookupTree) and spec.table else None
+    return _drafter_for(head_type, tree_key, vocab, table)
+
+
+@functools.lru_cache(maxsize=32)
+def _drafter_for(head_type: type, tree_key, draft_vocab, ngram_table) -> object:
+    from clover_jax.decoding.tree import LookupTree, get_tree
+
+    spec = get_tree(tree_key)
+    if isinstance(spec, LookupTree):  # a prompt-lookup chain beside the head's tree (or alone)
+        from clover_jax.decoding.lookup import LookupDrafter, NoHead
+
+        if spec.inner is not None and issubclass(head_type, NoHead):
+            raise InputError(f"tree {spec.name!r} drafts {spec.inner.name!r} with a head: give head=..., or "
+                             f"use {spec.name.rsplit('+', 1)[-1]!r} (prompt lookup alone)")
+        if spec.table and ngram_table is None:
+            raise InputError(f"tree {spec.name!r} falls back to an n-gram table, and none was given: use a head "
+                             f"that ships one (ngram_table.npz beside it), pass ngram_table=... (--ngram-table), "
+                             f"build one with python -m clover_jax.decoding.ngram, or drop '-table' from the tree name")
+        inner = None if spec.inner is None else of_head(head_type).make_drafter(spec.inner, draft_vocab)
+        return LookupDrafter(inner, spec, ngram_table)
+    return of_head(head_type).make_drafter(spec, draft_vocab)

@@ -10,7 +10,7 @@ import pytest
 from clover_jax.api import generate
 from homogeneity import chi2_homogeneity
 from clover_jax.decoding.lookup import LookupDrafter, NoHead, lookup_chain
-from clover_jax.decoding.speculative import drafter_for
+from clover_jax.heads.registry import drafter_for
 from clover_jax.decoding.tree import LookupTree, TreeSpecError, get_tree
 from clover_jax.heads.clover2 import Clover2Config, Clover2Head, init_from_base
 from clover_jax.models.config import LlamaConfig

@@ -15,6 +15,7 @@ from clover_jax import api, parallel, validation
 from clover_jax.decoding import autoregressive, speculative
 from clover_jax.decoding.ngram import build_ngram_table
 from clover_jax.decoding.sampling import SamplingParams
+from clover_jax.heads import registry
 from clover_jax.heads.clover2 import Clover2Config, init_from_base
 from clover_jax.heads.clover1 import Clover1Config, init_from_base as clover1_from_base
 from clover_jax.heads.eagle import EagleConfig, init_from_base as eagle_from_base
@@ -181,7 +182,7 @@ def test_caches_and_weights_are_split_not_replicated():
     head = init_from_base(base, Clover2Config())
     b, t, s = 8, 32, 2048
     kv_bytes = 2 * cfg.num_hidden_layers * b * s * cfg.num_key_value_heads * cfg.head_dim * 4
-    drafter = speculative.drafter_for(type(head), "chain-3")
+    drafter = registry.drafter_for(type(head), "chain-3")
     eos, sampling, key = jnp.asarray([2]), SamplingParams().arrays(), jax.random.key(0)
     sizes = {}
     for mesh_spec in [None, "data=4,tp=2", "tp=8"]:

@@ -12,6 +12,7 @@ from clover_jax.api import generate, prepare_generate
 from homogeneity import chi2_homogeneity
 from clover_jax.decoding import speculative
 from clover_jax.decoding.tree import TreeSpecError
+from clover_jax.heads import registry
 from clover_jax.heads.clover2 import Clover2Config, init_from_base
 from clover_jax.models.cache import CacheOverflowError
 from clover_jax.models.config import LlamaConfig
@@ -60,7 +61,8 @@ def test_unrolled_layers_equal_the_scan(tiny, tree):
     from clover_jax.decoding.sampling import SamplingParams
 
     runs = {layers: speculative.spec_generate(base, head, prompt, lens, max_new_tokens=30, cache_size=n + 60,
-                                              sampling=SamplingParams(), key=jax.random.key(0), tree=tree,
+                                              sampling=SamplingParams(), key=jax.random.key(0),
+                                              drafter=registry.drafter_for(type(head), tree),
                                               layers=layers) for layers in ("scan", "unrolled")}
     (scan, scan_stats, _), (unrolled, unrolled_stats, _) = runs["scan"], runs["unrolled"]
     np.testing.assert_array_equal(np.asarray(scan.tokens), np.asarray(unrolled.tokens))
@@ -85,7 +87,7 @@ def test_head_layers_unrolled_draft_what_the_scan_drafts(head_type):
     ht = registry.get(head_type)
     head = ht.module_cls(CFG, ht.config_cls(), rngs=nnx.Rngs(3))
     head = jax.tree.map(lambda x: x + 0.05 * jax.random.normal(jax.random.key(4), x.shape, x.dtype), head)
-    drafter = speculative.drafter_for(type(head), "small-10")
+    drafter = registry.drafter_for(type(head), "small-10")
     b, t = 2, 9
     rng = np.random.RandomState(5)
     f = jnp.asarray(rng.randn(b, t, CFG.hidden_size), jnp.float32)
@@ -134,7 +136,7 @@ def test_one_compile_per_bucket(tiny):
     base, head = tiny
     prompts = _prompts(2, seed=1)
     generate(base, prompts, max_new_tokens=8, cache_size=96, mode="speculative", head=head)
-    drafter = speculative.drafter_for(type(head), "clover2-26")
+    drafter = registry.drafter_for(type(head), "clover2-26")
     fn = speculative.jitted_loop(base, head, drafter, 96, True)  # the cached loop generate ran
     n = fn._cache_size()
     assert n >= 1

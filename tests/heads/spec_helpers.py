@@ -9,6 +9,7 @@ import numpy as np
 from clover_jax.decoding.autoregressive import ar_generate
 from clover_jax.decoding.sampling import SamplingParams
 from clover_jax.decoding.speculative import spec_generate
+from clover_jax.heads.registry import drafter_for
 from clover_jax.models.llama import init_llama
 from tiny_llama import TINY_LLAMA
 
@@ -25,7 +26,8 @@ def prompts(b=2, t=8, seed=0):
 def spec(base, head, tree, prompt, lens, n=24, eos=NO_EOS, cache_size=160):
     """Greedy speculative decoding: `(output, stats)`."""
     out, stats, _ = spec_generate(base, head, prompt, lens, max_new_tokens=n, cache_size=cache_size,
-                                  sampling=SamplingParams(), key=jax.random.key(0), tree=tree, eos_ids=eos)
+                                  sampling=SamplingParams(), key=jax.random.key(0),
+                                  drafter=drafter_for(type(head), tree), eos_ids=eos)
     return out, stats
 
 

@@ -15,7 +15,7 @@ import pytest
 from flax import nnx
 
 from clover_jax import parallel
-from clover_jax.decoding.speculative import drafter_for
+from clover_jax.heads.registry import drafter_for
 from clover_jax.decoding.tree import DynamicTree, TreeSpecError, get_tree
 from clover_jax.heads import registry
 from clover_jax.heads.clover1 import Clover1Config, Clover1Head, init_from_base

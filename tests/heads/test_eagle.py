@@ -16,7 +16,7 @@ import pytest
 from flax import nnx
 
 from clover_jax import parallel
-from clover_jax.decoding.speculative import drafter_for
+from clover_jax.heads.registry import drafter_for
 from clover_jax.heads import registry
 from clover_jax.heads.eagle import EagleConfig, EagleDrafter, EagleDynamicDrafter, EagleHead, init_from_base
 from clover_jax.models.cache import causal_mask

@@ -17,10 +17,11 @@ from flax import nnx
 from clover_jax import parallel
 from clover_jax.decoding.autoregressive import ar_generate
 from clover_jax.decoding.sampling import SamplingParams
-from clover_jax.decoding.speculative import drafter_for, spec_generate
+from clover_jax.decoding.speculative import spec_generate
 from clover_jax.heads import registry
 from clover_jax.heads.clover2 import Clover2Head
 from clover_jax.heads.medusa import MedusaConfig, MedusaDrafter, MedusaHead, init_from_base, node_index
+from clover_jax.heads.registry import drafter_for
 from clover_jax.models.llama import init_llama, rms_norm
 from clover_jax.training.loss import LossConfig, kd_loss, pack_positions
 from clover_jax.validation import InputError
@@ -40,8 +41,8 @@ def _prompts(b=2, t=8, seed=0):
 
 def _spec(base, head, tree, prompt, lens, n=24, eos=NO_EOS, vocab=None):
     out, stats, _ = spec_generate(base, head, prompt, lens, max_new_tokens=n, cache_size=160,
-                                  sampling=SamplingParams(), key=jax.random.key(0), tree=tree, eos_ids=eos,
-                                  draft_vocab=vocab)
+                                  sampling=SamplingParams(), key=jax.random.key(0), eos_ids=eos,
+                                  drafter=drafter_for(type(head), tree, vocab))
     return out, stats
 
 
