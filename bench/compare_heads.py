@@ -40,16 +40,16 @@ def training_cost(run: Path) -> dict:
     return out
 
 
-def supported(head_type, tree: str, ngram_table=None) -> bool:
-    """Whether a head of this type drafts `tree` (merged `...+lookup-K[-table]` names included)."""
+def unsupported(head_type, tree: str, ngram_table=None) -> str | None:
+    """Why a head of this type cannot draft `tree` (merged `...+lookup-K[-table]` names included), or None."""
     from clover_jax.heads.registry import drafter_for
     from clover_jax.validation import InputError
 
     try:
         drafter_for(head_type.module_cls, tree, None, ngram_table)
-    except InputError:
-        return False
-    return True
+    except InputError as e:
+        return str(e)
+    return None
 
 
 def _main(argv=None):
@@ -65,6 +65,8 @@ def _main(argv=None):
     ap.add_argument("--limit", type=int, default=24, help="prompts (spread over the categories); 0 = all")
     ap.add_argument("--batch-size", type=int, default=1)
     ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--ngram-table", help="n-gram table for trees named ...-table, for every head (python -m "
+                    "clover_jax.decoding.ngram; a head folder with one); default: each head's own")
     ap.add_argument("--out-dir", default="artifacts/compare_heads")
     from clover_jax.cli import add_debug_argument
 
@@ -90,10 +92,13 @@ def _main(argv=None):
         head = load_head(str(where), loaded.model)
         ht = registry.of_head(head)
         register_saved_trees(str(where), args.trees)  # fit-N-<hash>: a tree this head's calibration fitted
-        table = resolve_ngram_table(None, str(where)) if any(t.endswith("-table") for t in args.trees) else None
-        trees = [t for t in args.trees if supported(ht, t, table)]
-        if skipped := [t for t in args.trees if t not in trees]:
-            print(f"{spec}: skipping {skipped} (not drafted by a {ht.name} head, or not known for this head)")
+        table = resolve_ngram_table(args.ngram_table, str(where)) if any(t.endswith("-table") for t in args.trees) \
+            else None
+        why = {t: unsupported(ht, t, table) for t in args.trees}
+        trees = [t for t in args.trees if why[t] is None]
+        for t in args.trees:
+            if why[t] is not None:
+                print(f"{spec}: skipping {t}: {why[t]}")
         trees += [ht.default_tree] if ht.default_tree not in trees and not args.no_default_tree else []
         if not trees:
             raise SystemExit(f"{spec}: none of --trees {args.trees} fits a {ht.name} head (and --no-default-tree)")

@@ -19,16 +19,17 @@ def test_supported_trees_per_head_type():
     from clover_jax.heads import registry
 
     mod = _module()
-    assert mod.supported(registry.get("eagle"), "clover2-26") and mod.supported(registry.get("eagle"), "dynamic-10")
-    assert not mod.supported(registry.get("eagle"), "beam-4x5")
-    assert mod.supported(registry.get("redrafter"), "beam-4x5") and not mod.supported(registry.get("redrafter"),
-                                                                                        "chain-4")
-    assert not mod.supported(registry.get("medusa"), "dynamic-10")
+    eagle, redrafter = registry.get("eagle"), registry.get("redrafter")
+    assert mod.unsupported(eagle, "clover2-26") is None and mod.unsupported(eagle, "dynamic-10") is None
+    assert "beam" in mod.unsupported(eagle, "beam-4x5")  # the reason, for the skip message
+    assert mod.unsupported(redrafter, "beam-4x5") is None and mod.unsupported(redrafter, "chain-4") is not None
+    assert mod.unsupported(registry.get("medusa"), "dynamic-10") is not None
 
 
 def test_supported_takes_merged_fitted_and_table_trees():
     """The shipped head's default tree (a fitted tree with a table-filled lookup chain) runs in a comparison: it
-    was dropped without a word when only plain tree names were understood."""
+    was dropped without a word when only plain tree names were understood. A head with no table of its own (a
+    fresh EAGLE head) drafts a table tree with the table `--ngram-table` gives every head."""
     from clover_jax.calibrate import register_saved_trees
     from clover_jax.decoding.ngram import resolve_ngram_table
     from clover_jax.heads import registry
@@ -36,13 +37,16 @@ def test_supported_takes_merged_fitted_and_table_trees():
 
     mod = _module()
     clover2 = registry.get("clover2")
-    assert mod.supported(clover2, "chain-3+lookup-4")
-    assert not mod.supported(clover2, "chain-3+lookup-4-table")  # a table tree needs its table
+    assert mod.unsupported(clover2, "chain-3+lookup-4") is None
+    assert "n-gram table" in mod.unsupported(clover2, "chain-3+lookup-4-table")  # a table tree needs its table
     name = "smollm2-135m-instruct-clover2"
     tree = pretrained.default_tree(name)
     assert tree.startswith("fit-") and tree.endswith("-table"), tree
     register_saved_trees(name, [tree])
-    assert mod.supported(clover2, tree, resolve_ngram_table(None, name))
+    shipped = resolve_ngram_table(None, name)
+    assert mod.unsupported(clover2, tree, shipped) is None
+    table_file = pretrained.head_path(name) / "ngram_table.npz"
+    assert mod.unsupported(registry.get("eagle"), tree, resolve_ngram_table(str(table_file), None)) is None
 
 
 def test_training_cost_from_a_run_folder(tmp_path):

@@ -15,11 +15,10 @@ from clover_jax.heads.clover2 import Clover2Config, init_from_base
 from clover_jax.io import hub
 from clover_jax.io.export import export_base, export_head
 from clover_jax.io.loader import load_model
-from clover_jax.models.config import LlamaConfig
 from clover_jax.models.llama import init_llama
+from tiny_llama import TINY_LLAMA
 
-CFG = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=8)
+CFG = TINY_LLAMA
 
 
 @pytest.mark.parametrize("name, want", [

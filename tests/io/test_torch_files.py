@@ -17,15 +17,14 @@ from clover_jax.io.export import export_base, export_head
 from clover_jax.io.hf import read_weights_dir
 from clover_jax.io.loader import load_model
 from clover_jax.io.torch_pickle import TorchFileError, read_torch_file
-from clover_jax.models.config import LlamaConfig
 from clover_jax.models.llama import init_llama
 from clover_jax.validation import WeightFileError
+from tiny_llama import TINY_LLAMA
 
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.torch
 
-CFG = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=8)
+CFG = TINY_LLAMA
 
 
 def _leaves(module):

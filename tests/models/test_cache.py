@@ -6,11 +6,10 @@ import numpy as np
 import pytest
 
 from clover_jax.models.cache import CacheOverflowError, KVCache, causal_mask, check_room, prefix_mask
-from clover_jax.models.config import LlamaConfig
 from clover_jax.models.llama import init_llama
+from tiny_llama import TINY_LLAMA
 
-CFG = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=8)
+CFG = TINY_LLAMA
 
 
 def _incremental_logits(model, ids, lengths, chunks, cache_size):
