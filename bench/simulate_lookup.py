@@ -15,12 +15,19 @@ measured), so this explores tree and chain shapes in minutes; speed still has to
 n-gram table (or `--ngram-table`'s) drafts the chain (`NgramTable.chain`, the host twin of the drafter's
 `ngram_chain`). `--anchor-depth D` asks a question no drafter implements: the chain hung under the head's top-1 path
 of depth D (drafted after the head's D tokens) instead of under the root.
+
+`--split N [N ...]` asks how N drafted tokens are best shared between the head's tree and the chain (`--table` for
+the table's chains): for every chain length K <= 6 it fits the head's subtree of N - K nodes beside the chain
+(`fit_beside_chain`: best-first, each node the one that most raises the mean accepted length over every decoding
+position of the replies, where a position accepts the longer of its head path and its chain) and predicts that
+merged tree's tau as above.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import json
 import sys
 from pathlib import Path
 
@@ -125,6 +132,43 @@ def simulate(seq: list[int], prompt_len: int, ranks, tree: set | None, k: int, m
     return toks, steps
 
 
+def chain_accepts(seq: list[int], prompt_len: int, k: int, max_ngram: int, table=None) -> np.ndarray:
+    """`[positions]`: how many of the k-token lookup chain's tokens (`lookup`) match the reply at every decoding
+    position (indexed as `draft_ranks`' rows)."""
+    out = []
+    for c in range(prompt_len + 1, len(seq) + 1):
+        a = 0
+        for x, y in zip(lookup(seq[1:c], max_ngram, k, table), seq[c:]):
+            if x != y:
+                break
+            a += 1
+        out.append(a)
+    return np.asarray(out, np.int32)
+
+
+def fit_beside_chain(ranks: np.ndarray, chain: np.ndarray, nodes: int, top_k: int) -> set:
+    """The head's static subtree of `nodes` rank paths (depths up to `ranks.shape[1]`, ranks below `top_k`) that
+    most raises the mean over positions of max(head path accepted, `chain` accepted), added best-first.
+
+    `ranks`: `[positions, depths]` each depth's rank of the reply's token (`draft_ranks`); `chain`: `[positions]`
+    the chain's accepted tokens there (`chain_accepts`, capped at its length)."""
+    tree: set = set()
+    best = chain.astype(np.float64)  # [positions] accepted drafts with the tree so far
+    for _ in range(nodes):
+        frontier = [p + (r,) for p in [()] + sorted(tree) if len(p) < ranks.shape[1] for r in range(top_k)
+                    if p + (r,) not in tree]
+        if not frontier:
+            break
+        gains = []
+        for c in frontier:
+            hit = np.all(ranks[:, :len(c)] == np.asarray(c), axis=1)  # [positions] the reply follows path c
+            gains.append(np.maximum(best, np.where(hit, len(c), 0)).sum())
+        c = frontier[int(np.argmax(gains))]
+        tree.add(c)
+        best = np.maximum(best, np.where(np.all(ranks[:, :len(c)] == np.asarray(c), axis=1), len(c), 0))
+    return tree
+
+
 def greedy_replies(loaded, prompts, max_new_tokens: int) -> list[tuple[list[int], list[int]]]:
     """`(prompt ids, greedy reply ids)` per prompt (chat template applied), from our autoregressive loop."""
     import clover_jax
@@ -161,6 +205,8 @@ def main(argv=None) -> int:
     ap.add_argument("--table", action="store_true", help="also run each chain with the head's n-gram table "
                     "(`TREE+lookup-K-table`)")
     ap.add_argument("--ngram-table", help="with --table: this table (.npz or a folder) instead of the head's")
+    ap.add_argument("--split", nargs="+", type=int, default=[], help="drafted tokens N: fit the head's subtree of "
+                    "N - K nodes beside each chain of K <= 6 tokens and predict each merged tree's tau")
     ap.add_argument("--anchor-depth", type=int, default=0, help="hang the chain beside a tree under the head's "
                     "top-1 path of this depth instead of under the root (simulated only; no drafter does this)")
     args = ap.parse_args(argv)
@@ -175,7 +221,7 @@ def main(argv=None) -> int:
         trees[spec.name] = set(spec.choices)
         if args.anchor_depth and (0,) * args.anchor_depth not in trees[spec.name]:
             raise SystemExit(f"--anchor-depth {args.anchor_depth}: tree {name} has no top-1 path that deep")
-    top_k = max([max(max(c) for c in t) + 1 for t in trees.values()] + [1])
+    top_k = max([max(max(c) for c in t) + 1 for t in trees.values()] + [SPLIT_TOP_K if args.split else 1])
     prompts, cats = load_questions(args.questions, args.limit, None)
     seqs = greedy_replies(loaded, prompts, args.max_new_tokens)
     from clover_jax.decoding.ngram import head_ngram_table, load_ngram_table
@@ -192,10 +238,12 @@ def main(argv=None) -> int:
         (name + (f"+lookup-{k}{e}{at}" if k else ""), tree, k, t) for name, tree in trees.items() for k in args.lookup
         for e, t in (ends if k else ends[:1])]
     totals = collections.defaultdict(lambda: np.zeros(2))  # (run, category) -> tokens, steps
-    top = top_drafts(loaded.model, head, draft_vocab, top_k) if trees else None
+    top = top_drafts(loaded.model, head, draft_vocab, top_k) if trees or args.split else None
+    all_ranks = []  # per prompt: [positions][depths] ranks
     for (p, g), cat in zip(seqs, cats):
         seq = p + g
-        ranks = draft_ranks(top, seq, len(p), top_k) if trees else None
+        ranks = draft_ranks(top, seq, len(p), top_k) if top is not None else None
+        all_ranks.append(ranks)
         for name, tree, k, tab in runs:
             toks, steps = simulate(seq, len(p), ranks, tree, k, args.max_ngram, tab, args.anchor_depth if tree else 0)
             totals[name, cat] += (toks, steps)
@@ -207,7 +255,34 @@ def main(argv=None) -> int:
     for name, *_ in runs:
         print(f"| {name} | " + " | ".join(f"{totals[name, c][0] / max(totals[name, c][1], 1):.3f}"
                                           for c in categories) + " |")
+    if args.split:
+        split_table(args, seqs, all_ranks, table, top_k)
     return 0
+
+
+SPLIT_TOP_K = 8  # ranks a fitted subtree may use
+SPLIT_MAX_CHAIN = 6
+
+
+def split_table(args, seqs, all_ranks, table, top_k: int) -> None:
+    """Prints, for each drafted-token budget in `args.split` and chain length K, the head's subtree fitted beside
+    the chain (`fit_beside_chain`) and the merged tree's predicted tau (`simulate`)."""
+    kept = [i for i, r in enumerate(all_ranks) if r]  # replies with a decoding position
+    ranks = np.concatenate([np.asarray(all_ranks[i], np.int32) for i in kept])  # [positions, depths]
+    accepted = np.concatenate([chain_accepts(seqs[i][0] + seqs[i][1], len(seqs[i][0]), SPLIT_MAX_CHAIN,
+                                             args.max_ngram, table) for i in kept])  # [positions]
+    end = "-table" if table is not None else ""
+    print(f"\nhead subtree fitted beside a chain (ranks < {top_k}; chains{' with the table' if end else ''})")
+    print("\n| drafted tokens | chain K | head subtree | predicted tau |\n|---|---|---|---|")
+    for total in args.split:
+        for k in range(0, min(SPLIT_MAX_CHAIN, total) + 1):
+            tree = fit_beside_chain(ranks, np.minimum(accepted, k), total - k, top_k)
+            toks = steps = 0
+            for (p, g), r in zip(seqs, all_ranks):
+                t, s = simulate(p + g, len(p), r, tree, k, args.max_ngram, table)
+                toks, steps = toks + t, steps + s
+            shape = json.dumps([list(c) for c in sorted(tree, key=lambda c: (len(c), c))])
+            print(f"| {total} | {k}{end if k else ''} | `{shape}` | {toks / max(steps, 1):.3f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -76,6 +76,24 @@ def test_anchored_chain_counts_only_under_an_accepted_head_path():
     assert toks == head_only[0] and steps < head_only[1]
 
 
+def test_a_subtree_fitted_beside_a_chain_covers_what_the_chain_misses():
+    """`--split`: where the chain already accepts more than a head path could, the fit spends its nodes where the
+    chain fails; with no chain it builds the head's own best tree."""
+    ranks = np.asarray([[0, 0, 0], [0, 0, 0], [1, 5, 5], [2, 5, 5]])  # [positions, depths]
+    assert sim.fit_beside_chain(ranks, np.zeros(4, np.int32), 2, 3) == {(0,), (0, 0)}
+    assert sim.fit_beside_chain(ranks, np.asarray([3, 3, 0, 0]), 2, 3) == {(1,), (2,)}
+    tree = sim.fit_beside_chain(ranks, np.asarray([3, 3, 0, 0]), 9, 3)
+    assert len(tree) == 9 and all(len(c) == 1 or c[:-1] in tree for c in tree)  # a tree: every parent in it
+
+
+def test_chain_accepts_counts_the_matching_prefix():
+    seq = [9, 1, 2, 3, 4, 1, 2, 3, 7]  # prompt [9, 1, 2, 3] and reply [4, 1, 2, 3, 7]
+    acc = sim.chain_accepts(seq, 4, 3, 3)
+    assert len(acc) == 5
+    # after [.., 4, 1] the chain copies [2, 3, 4] after the earlier 1: the reply goes on 2, 3, 7
+    assert acc[1] == 2
+
+
 def test_reliability_table_and_calibration_error():
     spec_ = importlib.util.spec_from_file_location("head_calibration", ROOT / "bench" / "head_calibration.py")
     hc = importlib.util.module_from_spec(spec_)

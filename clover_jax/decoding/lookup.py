@@ -97,7 +97,7 @@ class NoHead(nnx.Module):
 class LookupDrafter:
     """A `Drafter` (`clover_jax.decoding.drafter`) that adds a prompt-lookup chain to `inner`'s tree (None: to the
     root alone), and, with `table`, the n-gram table's chain where lookup finds no match. Hashable by identity: built
-    once per (head type, tree, vocabulary, table) by `drafter_for`."""
+    once per (head type, tree, vocabulary, table) by `clover_jax.heads.registry.drafter_for`."""
 
     inner: Any
     spec: LookupTree
