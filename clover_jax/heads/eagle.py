@@ -12,8 +12,10 @@ and the next draft step feeds f^_{t+1} back in place of h_{t+1}. The layer's RoP
 `rope_theta` (the v1 reference builds its rotary embedding with the default 10000 whatever the base uses; None
 follows the base's own RoPE). Parameters start as the reference's training script leaves them (torch's
 `nn.Linear` default, U(-1/sqrt(fan_in), 1/sqrt(fan_in)); norms 1); `init="base_layer"` instead copies the
-base's last decoder layer and starts FC as [0 ; I] (the head starts as "run the last layer once more"), a
-cheaper start for short training budgets.
+base's last decoder layer and starts FC as [0 ; I] (the head starts as "run the last layer once more"). On
+SmolLM2-135M that start is the worse one: the copied layer meets the base's un-normalised features (this layer
+has no input norm), and on the same data it began at loss 58 against ~1 and drafted 5% right after 483 steps
+against 29% (docs/benchmarks.md, 2026-11-27).
 
 Training (`loss_from_features`): teacher forcing on the base's own features, the Clover-2 loss with one head:
 SmoothL1(f^_{t+1}, h_{t+1}) and the soft cross-entropy against softmax(h_{t+1} W_lm); EAGLE's weights are
