@@ -107,6 +107,16 @@ def lookup(ctx: list[int], max_ngram: int, k: int, table=None) -> list[int]:
     return table.chain(ctx, k)[0] if table is not None else [ctx[-1]] * k
 
 
+def matched(chain: list[int], rest: list[int]) -> int:
+    """How many of `chain`'s tokens match `rest` before the first difference (a chain's accepted drafts)."""
+    n = 0
+    for a, b in zip(chain, rest):
+        if a != b:
+            break
+        n += 1
+    return n
+
+
 def simulate(seq: list[int], prompt_len: int, ranks, tree: set | None, k: int, max_ngram: int,
              table=None, anchor: int = 0) -> tuple[int, int]:
     """(tokens, steps) of speculative decoding along `seq`'s reply with tree `tree` (a set of rank paths) and a
@@ -122,11 +132,8 @@ def simulate(seq: list[int], prompt_len: int, ranks, tree: set | None, k: int, m
         ap = 0
         on_path = anchor == 0 or (tree and list(ranks[c - prompt_len - 1][:anchor]) == [0] * anchor)
         if k and on_path and c + anchor < t:
-            ap = anchor  # the head's top-1 path below the chain
-            for a, b in zip(lookup(seq[1:c + anchor], max_ngram, k, table), seq[c + anchor:]):  # seq[0]: not in
-                if a != b:  # the drafter's history
-                    break
-                ap += 1
+            # the head's top-1 path below the chain (seq[0] is not in the drafter's history)
+            ap = anchor + matched(lookup(seq[1:c + anchor], max_ngram, k, table), seq[c + anchor:])
         n = min(max(ah, ap) + 1, t - c)
         c, steps, toks = c + n, steps + 1, toks + n
     return toks, steps
@@ -135,15 +142,8 @@ def simulate(seq: list[int], prompt_len: int, ranks, tree: set | None, k: int, m
 def chain_accepts(seq: list[int], prompt_len: int, k: int, max_ngram: int, table=None) -> np.ndarray:
     """`[positions]`: how many of the k-token lookup chain's tokens (`lookup`) match the reply at every decoding
     position (indexed as `draft_ranks`' rows)."""
-    out = []
-    for c in range(prompt_len + 1, len(seq) + 1):
-        a = 0
-        for x, y in zip(lookup(seq[1:c], max_ngram, k, table), seq[c:]):
-            if x != y:
-                break
-            a += 1
-        out.append(a)
-    return np.asarray(out, np.int32)
+    return np.asarray([matched(lookup(seq[1:c], max_ngram, k, table), seq[c:])
+                       for c in range(prompt_len + 1, len(seq) + 1)], np.int32)
 
 
 def fit_beside_chain(ranks: np.ndarray, chain: np.ndarray, nodes: int, top_k: int) -> set:
@@ -159,13 +159,12 @@ def fit_beside_chain(ranks: np.ndarray, chain: np.ndarray, nodes: int, top_k: in
                     if p + (r,) not in tree]
         if not frontier:
             break
-        gains = []
-        for c in frontier:
-            hit = np.all(ranks[:, :len(c)] == np.asarray(c), axis=1)  # [positions] the reply follows path c
-            gains.append(np.maximum(best, np.where(hit, len(c), 0)).sum())
-        c = frontier[int(np.argmax(gains))]
-        tree.add(c)
-        best = np.maximum(best, np.where(np.all(ranks[:, :len(c)] == np.asarray(c), axis=1), len(c), 0))
+        # [positions] drafts accepted with each frontier node added (the reply follows its path: its length)
+        with_node = [np.maximum(best, np.where(np.all(ranks[:, :len(c)] == np.asarray(c), axis=1), len(c), 0))
+                     for c in frontier]
+        i = int(np.argmax([w.sum() for w in with_node]))
+        tree.add(frontier[i])
+        best = with_node[i]
     return tree
 
 
