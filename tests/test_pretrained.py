@@ -20,6 +20,19 @@ TAU_FLOOR = 1.40
 FLOOR_PROMPTS = 4  # the first MT-Bench question of 4 categories
 
 
+def floor_prompts() -> list[str]:
+    """The first MT-Bench question of the first FLOOR_PROMPTS categories."""
+    rows = [json.loads(line) for line in questions_path("mt_bench").read_text().splitlines() if line.strip()]
+    first_of = {}
+    for r in rows:
+        first_of.setdefault(r["category"], r["turns"][0])
+    return list(first_of.values())[:FLOOR_PROMPTS]
+
+
+def tau_of(hist) -> float:
+    return float((hist * np.arange(1, len(hist) + 1)).sum() / hist.sum())
+
+
 def test_registry_resolves_names_and_paths(tmp_path):
     path = pretrained.head_path(NAME)
     assert path == pretrained.PRETRAINED_DIR / NAME and (path / "config.json").is_file()
@@ -64,19 +77,14 @@ def test_shipped_head_accepts_drafts_and_is_exact(smollm, layers):
     """Greedy, chain-4, 64 tokens, 4 MT-Bench prompts one at a time: output == autoregressive, tau >= floor.
     `unrolled`: both loops as `layers="auto"` runs them on a GPU (on one H100 the unrolled chain-3 loop gave
     lower tau and other outputs on short prompts, docs/benchmarks.md; on the CPU it agrees)."""
-    rows = [json.loads(line) for line in questions_path("mt_bench").read_text().splitlines() if line.strip()]
-    first_of = {}
-    for r in rows:
-        first_of.setdefault(r["category"], r["turns"][0])
-    firsts = list(first_of.values())[:FLOOR_PROMPTS]
     hist = None
-    for p in firsts:
+    for p in floor_prompts():
         ar = generate(smollm, [p], max_new_tokens=64, layers=layers)
         sp = generate(smollm, [p], max_new_tokens=64, mode="speculative", head=NAME, tree="chain-4", layers=layers)
         assert sp.token_ids == ar.token_ids
         h = np.asarray(sp.stats["accept_hist"])
         hist = h if hist is None else hist + h
-    tau = float((hist * np.arange(1, len(hist) + 1)).sum() / hist.sum())
+    tau = tau_of(hist)
     assert tau >= TAU_FLOOR, f"tau {tau:.3f} fell below the floor {TAU_FLOOR} (measured {TAU_MEASURED} when shipped)"
 
 
@@ -92,3 +100,60 @@ def test_shipped_head_default_tree_resolves_by_name_and_is_exact(smollm):
     assert len(sp.stats["accept_hist"]) == plan.drafter.max_depth + 1 == 5
     assert sp.token_ids == ar.token_ids
     assert sp.stats["tau"] > 1.5  # measured 2.4 on MT-Bench 80; a head or table that never drafted right gives ~1
+
+
+# ---------------------------------------------------------------- the EAGLE head shipped beside it
+EAGLE = "smollm2-135m-instruct-eagle"
+# tau of the EAGLE head on FLOOR_PROMPTS (greedy, chain-4, 64 new tokens, batch 1) when it was shipped (model card)
+EAGLE_TAU_MEASURED = 1.823  # hist [73, 38, 18, 6, 6] over 141 steps, 2026-11-27
+EAGLE_TAU_FLOOR = 1.70  # the Clover-2 head measured 1.488 on the same prompts
+
+
+def test_eagle_head_is_registered_and_reference_format():
+    from safetensors import safe_open
+
+    path = pretrained.head_path(EAGLE)
+    assert path == pretrained.PRETRAINED_DIR / EAGLE
+    assert pretrained.default_head("smollm2-135m-instruct") == NAME  # the Clover-2 head stays the model's default
+    assert pretrained.default_tree(EAGLE) == "fit-5-36f662+lookup-4-table"
+    # one n-gram table per base model: the EAGLE head drafts `-table` trees with the Clover-2 head's
+    assert pretrained.ngram_table_folder(EAGLE) == pretrained.head_path(NAME)
+    assert not (path / "ngram_table.npz").exists()
+    assert pretrained.ngram_table_folder(str(path)) == path  # by folder: only its own table
+    meta = json.loads((path / "config.json").read_text())
+    assert meta["head_type"] == "eagle" and meta["base_model"]["name_or_path"] == "smollm2-135m-instruct"
+    assert meta["rope_theta"] == 10000.0 and meta["rope_follows_base"] is False
+    size = sum(f.stat().st_size for f in path.iterdir())
+    assert size < 12 * 2**20, f"the shipped EAGLE head folder is {size / 2**20:.1f} MiB"
+    with safe_open(str(path / "model.safetensors"), framework="numpy") as f:
+        names = set(f.keys())
+        assert str(f.get_slice("fc.weight").get_dtype()).lower() in ("f16", "float16")
+    assert {"fc.weight", "fc.bias", "layers.0.self_attn.q_proj.weight", "layers.0.mlp.down_proj.weight"} <= names
+    assert not names & {"embed_tokens.weight", "lm_head.weight"}  # the base's frozen tensors are read from the base
+    assert np.array_equal(head_draft_vocab(EAGLE), head_draft_vocab(NAME))
+    card = (path / "README.md").read_text()
+    assert "tau" in card and "configs/smollm2-135m-eagle-gpu.yaml" in card
+
+
+@pytest.mark.slow
+def test_shipped_eagle_head_accepts_drafts_and_is_exact(smollm, tmp_path):
+    """As the Clover-2 head's floor test (chain-4: the head's drafts alone), and its default tree, a fitted tree
+    known only from its calibration.json beside lookup and the shared n-gram table, resolves by name and is exact."""
+    hist = None
+    for i, p in enumerate(floor_prompts()):
+        ar = generate(smollm, [p], max_new_tokens=64)
+        sp = generate(smollm, [p], max_new_tokens=64, mode="speculative", head=EAGLE, tree="chain-4")
+        assert sp.token_ids == ar.token_ids
+        h = np.asarray(sp.stats["accept_hist"])
+        hist = h if hist is None else hist + h
+        if i == 0:
+            plan = prepare_generate(smollm, [p], max_new_tokens=64, mode="speculative", head=EAGLE)
+            assert plan.drafter.spec.name == pretrained.default_tree(EAGLE)
+            assert generate(smollm, [p], max_new_tokens=64, mode="speculative", head=EAGLE).token_ids == ar.token_ids
+    tau = tau_of(hist)
+    assert tau >= EAGLE_TAU_FLOOR, f"tau {tau:.3f} fell below {EAGLE_TAU_FLOOR} (measured {EAGLE_TAU_MEASURED})"
+
+    from clover_jax.export import export_head_from_folder
+
+    copy = export_head_from_folder(EAGLE, tmp_path / "copy", include_embedding=False)  # the shared table travels
+    assert (copy / "ngram_table.npz").read_bytes() == (pretrained.head_path(NAME) / "ngram_table.npz").read_bytes()
