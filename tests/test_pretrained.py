@@ -8,6 +8,7 @@ import pytest
 
 from clover_jax import generate, pretrained
 from clover_jax.api import prepare_generate
+from clover_jax.decoding.acceptance_stats import tau as acceptance_tau
 from clover_jax.heads.draft_vocab import head_draft_vocab
 from clover_jax.heads.loading import load_head
 from clover_jax.io.prompts import questions_path
@@ -27,10 +28,6 @@ def floor_prompts() -> list[str]:
     for r in rows:
         first_of.setdefault(r["category"], r["turns"][0])
     return list(first_of.values())[:FLOOR_PROMPTS]
-
-
-def tau_of(hist) -> float:
-    return float((hist * np.arange(1, len(hist) + 1)).sum() / hist.sum())
 
 
 def test_registry_resolves_names_and_paths(tmp_path):
@@ -84,7 +81,7 @@ def test_shipped_head_accepts_drafts_and_is_exact(smollm, layers):
         assert sp.token_ids == ar.token_ids
         h = np.asarray(sp.stats["accept_hist"])
         hist = h if hist is None else hist + h
-    tau = tau_of(hist)
+    tau = acceptance_tau(hist)
     assert tau >= TAU_FLOOR, f"tau {tau:.3f} fell below the floor {TAU_FLOOR} (measured {TAU_MEASURED} when shipped)"
 
 
@@ -150,7 +147,7 @@ def test_shipped_eagle_head_accepts_drafts_and_is_exact(smollm, tmp_path):
             plan = prepare_generate(smollm, [p], max_new_tokens=64, mode="speculative", head=EAGLE)
             assert plan.drafter.spec.name == pretrained.default_tree(EAGLE)
             assert generate(smollm, [p], max_new_tokens=64, mode="speculative", head=EAGLE).token_ids == ar.token_ids
-    tau = tau_of(hist)
+    tau = acceptance_tau(hist)
     assert tau >= EAGLE_TAU_FLOOR, f"tau {tau:.3f} fell below {EAGLE_TAU_FLOOR} (measured {EAGLE_TAU_MEASURED})"
 
     from clover_jax.export import export_head_from_folder
