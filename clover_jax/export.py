@@ -60,9 +60,8 @@ def export_head_from_folder(folder, out, *, model=None, include_embedding=True, 
     for name in ("training_config.json", "training_config.yaml", DRAFT_VOCAB_FILE):
         if (src / name).is_file():
             (out / name).write_text((src / name).read_text())
-    table = pretrained.ngram_table_folder(folder) / NGRAM_FILE  # the n-gram draft table travels with the head
-    if table.is_file():  # (`clover_jax.decoding.ngram`; a registered head may share another's)
-        (out / NGRAM_FILE).write_bytes(table.read_bytes())
+    if (src / NGRAM_FILE).is_file():  # the n-gram draft table travels with the head (`clover_jax.decoding.ngram`)
+        (out / NGRAM_FILE).write_bytes((src / NGRAM_FILE).read_bytes())
     return out
 
 
