@@ -22,7 +22,9 @@ the fitted trees with the highest predicted speed are measured in a final round,
 fastest candidates measured again, and `auto` is the fastest tree of that final round (one baseline for all of
 them: on a 2-core AMD EPYC the first round's winner, `small-10` at 1.17x, ran at 0.98x on 52 Spec-Bench prompts
 where the fitted `fit-5-411aab`, 1.11x in the second round, ran at 1.13x). Fitted trees are named `fit-N-<hash>`
-(N nodes, root included); the calibration stores their shapes, so `auto` can pick one. The final round also runs
+(N nodes, root included); the calibration stores their shapes, so `auto` can pick one, and keeps the shapes of
+an entry it replaces (`kept_trees`), so a fitted tree named elsewhere (a registered head's default tree) still
+resolves after a new calibration fits other shapes. The final round also runs
 the best fitted tree and the first round's best static tree with a prompt-lookup chain of `LOOKUP_LENGTH` tokens
 beside them (`TREE+lookup-4`, `clover_jax.decoding.lookup`), so `auto` can pick a merged tree where it pays.
 
@@ -53,6 +55,7 @@ _MEMO: dict[tuple, dict] = {}  # (head, entry key) -> entry, for heads whose cal
 AUTO = "auto"
 AR = "ar"  # the calibration's answer when no tree beats autoregressive decoding
 FILE_NAME = "calibration.json"
+KEPT_TREES = "kept_trees"  # calibration.json: tree shapes of replaced entries, still resolvable by name
 STATIC_CANDIDATES = ("chain-1", "chain-2", "chain-3", "chain-4", "small-10", "clover2-26")
 DYNAMIC_CANDIDATES = ("dynamic-4", "dynamic-6", "dynamic-10", "dynamic-16", "dynamic-26")
 BEAM_CANDIDATES = ("beam-2x3", "beam-2x4", "beam-3x4", "beam-4x5")  # for beam-search drafters (ReDrafter)
@@ -197,6 +200,14 @@ def save_entry(head_source, key: str, entry: dict) -> Path | None:
     for path in calibration_files(head_source):
         try:
             data = _read(path)
+            replaced = data.get("entries", {}).get(key) or {}
+            # the shapes of the replaced entry's fitted trees stay in the file (`KEPT_TREES`): a name that a
+            # registry's default tree or a user's script holds (`fit-5-411aab`) keeps resolving after a new
+            # calibration fits other shapes
+            kept = data.setdefault(KEPT_TREES, {})
+            kept.update({n: t for n, t in (replaced.get("trees") or {}).items() if n not in kept})
+            if not kept:
+                del data[KEPT_TREES]
             data.setdefault("entries", {})[key] = entry
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(".tmp")
@@ -284,7 +295,9 @@ def register_saved_trees(head_source, trees) -> None:
     if not any(isinstance(t, str) and t.startswith(("fit-", "probe-")) for t in names):
         return
     for path in calibration_files(head_source):
-        for entry in _read(path).get("entries", {}).values():
+        data = _read(path)
+        register_trees({"trees": data.get(KEPT_TREES)})
+        for entry in data.get("entries", {}).values():
             register_trees(entry)
 
 

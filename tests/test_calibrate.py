@@ -97,6 +97,30 @@ def test_saved_beside_the_head_and_reused(tmp_path, monkeypatch):
         assert calibrate.load_entry(str(folder), calibrate.entry_key("cpu: test x2", "float32", 8)) is None
 
 
+def test_a_new_calibration_keeps_the_fitted_trees_it_replaces(tmp_path, monkeypatch):
+    """A registered head's default tree names a fitted tree of its calibration; calibrating again on the same
+    machine replaces that entry and may fit other shapes, and the old name must still resolve."""
+    from clover_jax.decoding import tree as tree_mod
+
+    folder = tmp_path / "head"
+    folder.mkdir()
+    (folder / "model.safetensors").write_bytes(b"0")
+    monkeypatch.setenv("CLOVER_JAX_CACHE", str(tmp_path / "cache"))
+    key = calibrate.entry_key("cpu: test x2", "float32", 1)
+    old = {"fit-3-aaaaaa": {"choices": [[0], [1]], "top_k": 2}}
+    new = {"fit-3-bbbbbb": {"choices": [[0], [0, 0]], "top_k": 1}}
+    calibrate.save_entry(str(folder), key, _entry("fit-3-aaaaaa") | {"trees": old})
+    calibrate.save_entry(str(folder), key, _entry("fit-3-bbbbbb") | {"trees": new})
+    calibrate.save_entry(str(folder), key, _entry("chain-2") | {"trees": {}})
+    data = json.loads((folder / "calibration.json").read_text())
+    assert list(data["entries"]) == [key] and data["entries"][key]["best"] == "chain-2"
+    assert data[calibrate.KEPT_TREES] == old | new
+    monkeypatch.setattr(tree_mod, "_REGISTERED", {})  # a fresh process
+    calibrate.register_saved_trees(str(folder), "fit-3-aaaaaa+lookup-4")
+    assert tree_mod.get_tree("fit-3-aaaaaa").choices == ((0,), (1,))
+    assert tree_mod.get_tree("fit-3-bbbbbb").choices == ((0,), (0, 0))
+
+
 def test_generate_auto_uses_the_saved_choice(tiny, tmp_path, monkeypatch, capsys):
     """A saved choice of "ar" runs autoregressive decoding; a tree name runs that tree; both exact."""
     loaded, head = tiny
