@@ -200,14 +200,12 @@ def save_entry(head_source, key: str, entry: dict) -> Path | None:
     for path in calibration_files(head_source):
         try:
             data = _read(path)
-            replaced = data.get("entries", {}).get(key) or {}
             # the shapes of the replaced entry's fitted trees stay in the file (`KEPT_TREES`): a name that a
             # registry's default tree or a user's script holds (`fit-5-411aab`) keeps resolving after a new
-            # calibration fits other shapes
-            kept = data.setdefault(KEPT_TREES, {})
-            kept.update({n: t for n, t in (replaced.get("trees") or {}).items() if n not in kept})
-            if not kept:
-                del data[KEPT_TREES]
+            # calibration fits other shapes (a fitted tree's name is a hash of its shape)
+            replaced = (data.get("entries", {}).get(key) or {}).get("trees") or {}
+            if replaced:
+                data[KEPT_TREES] = {**replaced, **data.get(KEPT_TREES, {})}
             data.setdefault("entries", {})[key] = entry
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(".tmp")
