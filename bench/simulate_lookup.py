@@ -12,9 +12,9 @@ path). A step then accepts the longest tree path whose ranks match, or the longe
 The loop's own tau for the same tree agrees (shipped head, `fit-5-411aab`, MT-Bench 80: 1.732 predicted, 1.741
 measured), so this explores tree and chain shapes in minutes; speed still has to be measured (`bench_spec.py`).
 `--table` also runs each chain as `...-table` (`clover_jax.decoding.ngram`): where lookup finds no match, the head's
-n-gram table (or `--ngram-table`'s) drafts the chain (`NgramTable.chain`, the host twin of the drafter's
-`ngram_chain`). `--anchor-depth D` asks a question no drafter implements: the chain hung under the head's top-1 path
-of depth D (drafted after the head's D tokens) instead of under the root.
+n-gram table (or `--ngram-table`'s; several tables compare in one run) drafts the chain (`NgramTable.chain`, the
+host twin of the drafter's `ngram_chain`). `--anchor-depth D` asks a question no drafter implements: the chain hung
+under the head's top-1 path of depth D (drafted after the head's D tokens) instead of under the root.
 
 `--split N [N ...]` asks how N drafted tokens are best shared between the head's tree and the chain (`--table` for
 the table's chains): for every chain length K <= 6 it fits the head's subtree of N - K nodes beside the chain
@@ -203,7 +203,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-ngram", type=int, default=3)
     ap.add_argument("--table", action="store_true", help="also run each chain with the head's n-gram table "
                     "(`TREE+lookup-K-table`)")
-    ap.add_argument("--ngram-table", help="with --table: this table (.npz or a folder) instead of the head's")
+    ap.add_argument("--ngram-table", nargs="+", help="with --table: these tables (.npz files or folders) instead "
+                    "of the head's; with several, each run's name ends in `-table[N]`, N its position here")
     ap.add_argument("--split", nargs="+", type=int, default=[], help="drafted tokens N: fit the head's subtree of "
                     "N - K nodes beside each chain of K <= 6 tokens and predict each merged tree's tau")
     ap.add_argument("--anchor-depth", type=int, default=0, help="hang the chain beside a tree under the head's "
@@ -227,11 +228,12 @@ def main(argv=None) -> int:
 
     if args.anchor_depth < 0:
         raise SystemExit(f"--anchor-depth must be >= 0, got {args.anchor_depth}")
-    table = (load_ngram_table(args.ngram_table) if args.ngram_table else head_ngram_table(args.head)) if args.table \
-        else None
-    if args.table and table is None:
+    tables = ([load_ngram_table(t) for t in args.ngram_table] if args.ngram_table else [head_ngram_table(args.head)]) \
+        if args.table else []
+    if args.table and tables[0] is None:
         raise SystemExit(f"--table: the head {args.head} ships no n-gram table (python -m clover_jax.decoding.ngram)")
-    ends = [("", None)] + ([("-table", table)] if table is not None else [])
+    table = tables[0] if tables else None  # the one --split uses
+    ends = [("", None)] + [(f"-table[{i}]" if len(tables) > 1 else "-table", t) for i, t in enumerate(tables)]
     at = f"@d{args.anchor_depth}" if args.anchor_depth else ""
     runs = [(f"lookup-{k}{e}", None, k, t) for k in args.lookup if k for e, t in ends] + [
         (name + (f"+lookup-{k}{e}{at}" if k else ""), tree, k, t) for name, tree in trees.items() for k in args.lookup

@@ -249,7 +249,8 @@ class DataConfig(_Section):
     self_distill_max_prompt_tokens: int = 256  # skip conversations whose first-turn prompt is longer
     self_distill_batch_size: int = 16  # prompts per generation batch
     # 0: greedy replies (what greedy speculative decoding sees); > 0: replies sampled at this temperature (seeded
-    # by data.seed), a second, different reply per prompt when written to another self_distill_dir
+    # by data.seed, which also orders the prompts), a second, different reply per prompt when written to another
+    # self_distill_dir
     self_distill_temperature: float = 0.0
     min_assistant_tokens: int = 1  # drop examples with fewer loss tokens (after truncation); 0 acts as 1
     system_prompt: Optional[str] = None  # prepended to conversations that have no system turn

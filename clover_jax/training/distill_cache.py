@@ -84,14 +84,20 @@ class SelfDistillCache:
 
 
 def generation_order(todo: Sequence[tuple[str, Sequence[dict[str, str]]]], batch_size: int,
-                     window: int = 8) -> list[tuple[str, Sequence[dict[str, str]]]]:
-    """The order `(id, prompt)` items are generated in: shuffled by a hash of each prompt (fixed, and new prompts
-    interleave with old ones as the set grows), then sorted by length within windows of `window` batches, so a
-    batch pads little while any prefix of the order is an even sample of the prompts' lengths and topics.
+                     window: int = 8, seed: int = 0) -> list[tuple[str, Sequence[dict[str, str]]]]:
+    """The order `(id, prompt)` items are generated in: shuffled by a hash of each prompt and `seed` (fixed, and new
+    prompts interleave with old ones as the set grows), then sorted by length within windows of `window` batches, so
+    a batch pads little while any prefix of the order is an even sample of the prompts' lengths and topics.
 
     (Sorting the whole set by length pads least, but a run stopped early then holds only the shortest prompts,
-    greetings and one-liners, and a head trained on their replies drafts worse for real questions.)"""
-    items = sorted(todo, key=lambda item: prompt_key(item[1]))
+    greetings and one-liners, and a head trained on their replies drafts worse for real questions.) A run stopped
+    early with another seed (a second sampled reply per prompt, `data.seed`) starts on other prompts, so two short
+    runs cover more of the set; seed 0 keeps the order of the replies generated before the seed took part."""
+    def rank(item) -> str:
+        key = prompt_key(item[1])
+        return hashlib.sha1(f"{seed}:{key}".encode()).hexdigest() if seed else key
+
+    items = sorted(todo, key=rank)
     span = max(1, batch_size * window)
     out = []
     for s in range(0, len(items), span):
@@ -101,14 +107,14 @@ def generation_order(todo: Sequence[tuple[str, Sequence[dict[str, str]]]], batch
 
 def build_self_distill(conversations: Sequence[Conversation], generate_fn: Callable[..., list[str]],
                        out_path: str | Path, batch_size: int = 8, max_new_tokens: int = 512, resume: bool = True,
-                       progress: bool = True) -> list[Conversation]:
+                       progress: bool = True, seed: int = 0) -> list[Conversation]:
     """Conversations whose (only) assistant turn is the base model's reply to their first-turn prompt.
 
     `generate_fn(list_of_message_lists) -> list[str]` generates the replies (it also gets
     `max_new_tokens=` when its signature takes it). Replies are cached in `out_path` (JSONL); with `resume`,
     prompts already there are not generated again, so a killed run continues where it stopped.
-    Each distinct prompt is generated once, in `generation_order`: a run stopped early (the generation is the
-    slow part) leaves a sample of the whole set, not its shortest prompts.
+    Each distinct prompt is generated once, in `generation_order` (by `seed`): a run stopped early (the generation
+    is the slow part) leaves a sample of the whole set, not its shortest prompts.
     """
     from tqdm import tqdm
 
@@ -123,7 +129,7 @@ def build_self_distill(conversations: Sequence[Conversation], generate_fn: Calla
         if key not in cache.records and key not in seen:
             seen.add(key)
             todo.append((c.id, p))
-    todo = generation_order(todo, batch_size)
+    todo = generation_order(todo, batch_size, seed=seed)
     params = inspect.signature(generate_fn).parameters
     takes_max = "max_new_tokens" in params or any(p.kind == p.VAR_KEYWORD for p in params.values())
     kwargs = {"max_new_tokens": max_new_tokens} if takes_max else {}

@@ -62,7 +62,8 @@ def self_distilled_conversations(cfg, loaded, convs=None, progress: bool = True,
     gen = make_generate_fn(loaded, temperature=cfg.data.self_distill_temperature, seed=cfg.data.seed, mesh=mesh)
     return build_self_distill(convs, gen, out,
                               batch_size=cfg.data.self_distill_batch_size,
-                              max_new_tokens=cfg.data.self_distill_max_new_tokens, progress=progress)
+                              max_new_tokens=cfg.data.self_distill_max_new_tokens, progress=progress,
+                              seed=cfg.data.seed)
 
 
 def export_chat_file(cache_path, out_path, id_suffix: str = "") -> int:

@@ -522,6 +522,28 @@ def test_self_distill_stopped_early_leaves_a_sample_of_all_lengths_not_the_short
     assert sorted(done + [length[p] for batch in rest.calls for p in batch]) == list(range(1, 161))
 
 
+def test_self_distill_stopped_early_with_another_seed_starts_on_other_prompts(tmp_path):
+    """Two short sampled runs (seeds 0 and 3, a reply each) begin on different prompts, so together they cover more
+    of the set; seed 0 keeps the order the replies kept in the repository were generated in."""
+    convs = [conv(f"c{i}", ("u", f"question {i:03d}"), ("a", "old")) for i in range(120)]
+    firsts = {}
+    for seed in (0, 3, 4):
+        gen = FakeGenerate(fail_after=3)
+        with pytest.raises(KeyboardInterrupt):
+            D.build_self_distill(convs, gen, tmp_path / f"s{seed}.jsonl", batch_size=4, progress=False, seed=seed)
+        firsts[seed] = {p for batch in gen.calls for p in batch}
+        assert len(firsts[seed]) == 12
+    assert len(firsts[0] & firsts[3]) <= 6 and firsts[3] != firsts[4]  # 1.2 shared by chance
+    from clover_jax.training.distill_cache import generation_order, prompt_key
+
+    todo = [(c.id, c.messages[:1]) for c in convs]
+    by_key = [i for i, _ in sorted(todo, key=lambda item: prompt_key(item[1]))]  # the order before the seed
+    for seed, same in ((0, True), (3, False)):
+        order = [i for i, _ in generation_order(todo, 4, seed=seed)]  # windows of 32 sorted by length
+        assert sorted(order) == sorted(by_key)
+        assert all((set(order[s:s + 32]) == set(by_key[s:s + 32])) == same for s in (0, 32, 64))
+
+
 def test_self_distill_generate_fn_without_max_new_tokens(tmp_path):
     seen = []
 
