@@ -127,8 +127,12 @@ def _main(argv=None) -> int:
         return 2
     lookup_only = False  # a prompt-lookup tree alone (lookup-K) drafts without a head
     if args.mode == "speculative" and not args.head and args.tree:
+        from clover_jax import pretrained
+        from clover_jax.calibrate import register_saved_trees
         from clover_jax.decoding.tree import LookupTree, get_tree
 
+        if pretrained.default_head(args.model):  # its fitted trees by name (`fit-5-411aab+lookup-6-table`)
+            register_saved_trees(pretrained.default_head(args.model), args.tree)
         lookup_only = args.tree.strip().lower() != "auto" and isinstance(get_tree(args.tree), LookupTree) \
             and get_tree(args.tree).inner is None
     if args.mode == "speculative" and not args.head and not lookup_only:

@@ -192,10 +192,13 @@ def _is_model(model) -> bool:
 def _lookup_only_head(tree):
     """The parameter-free head of a prompt-lookup-only tree (`lookup-K`), or an error: other trees need a head."""
     from clover_jax.decoding.lookup import NoHead
-    from clover_jax.decoding.tree import LookupTree, get_tree
+    from clover_jax.decoding.tree import LookupTree, TreeSpecError, get_tree
 
     if tree is not None and not (isinstance(tree, str) and tree.strip().lower() == "auto"):
-        spec = get_tree(tree)
+        try:
+            spec = get_tree(tree)
+        except TreeSpecError:  # e.g. a calibration's fitted tree, known only with its head: ask for the head first
+            spec = None
         if isinstance(spec, LookupTree) and spec.inner is None:
             return NoHead()
     raise InputError("head: mode='speculative' needs a draft head (head=...), or a prompt-lookup tree that needs "

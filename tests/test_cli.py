@@ -41,6 +41,17 @@ def test_infer_speculative_uses_the_shipped_head(capsys):
 
 
 @pytest.mark.slow
+def test_infer_names_a_fitted_tree_of_the_shipped_head(capsys):
+    """`--tree fit-5-411aab+lookup-6-table` with no --head: the shipped head drafts, its calibration naming the
+    fitted tree (before, the tree was looked up before the head was known, and unknown)."""
+    assert infer.main(["--prompt", "What is the capital of France?", "--max-new-tokens", "24", "--mode",
+                       "speculative", "--tree", "fit-5-411aab+lookup-6-table"]) == 0
+    captured = capsys.readouterr()
+    assert "shipped head smollm2-135m-instruct-clover2" in captured.err
+    assert "Paris" in captured.out and "tau = " in captured.out
+
+
+@pytest.mark.slow
 def test_infer_streams_the_reply(capsys):
     """`--stream` prints the reply while it is generated: the same answer, then the speed summary."""
     assert infer.main(["--prompt", "What is the capital of France?", "--max-new-tokens", "12", "--mode",

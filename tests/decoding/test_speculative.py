@@ -150,8 +150,9 @@ def test_bad_input(tiny):
         generate(base, [[5, 6, 7]], max_new_tokens=4, mode="speculative", head=head, tree="chain-0")
     with pytest.raises(TreeSpecError, match="known"):
         generate(base, [[5, 6, 7]], max_new_tokens=4, mode="speculative", head=head, tree="no-such-tree")
-    with pytest.raises(ValueError, match="needs a draft head"):
-        generate(base, [[5, 6, 7]], max_new_tokens=4, mode="speculative")
+    for tree in (None, "fit-5-411aab+lookup-6-table"):  # a fitted tree is known only with its head
+        with pytest.raises(ValueError, match="needs a draft head"):
+            generate(base, [[5, 6, 7]], max_new_tokens=4, mode="speculative", tree=tree)
     other = init_llama(LlamaConfig(vocab_size=64, hidden_size=48, intermediate_size=48, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, head_dim=12), seed=0)
     with pytest.raises(ValueError, match="hidden_size"):
