@@ -125,16 +125,11 @@ def _main(argv=None) -> int:
     if not prompts:
         print("error: give --prompt or --prompts-file", file=sys.stderr)
         return 2
-    lookup_only = False  # a prompt-lookup tree alone (lookup-K) drafts without a head
-    if args.mode == "speculative" and not args.head and args.tree:
-        from clover_jax import pretrained
-        from clover_jax.calibrate import register_saved_trees
-        from clover_jax.decoding.tree import LookupTree, get_tree
+    from clover_jax.decoding.tree import get_tree, is_lookup_only
 
-        if pretrained.default_head(args.model):  # its fitted trees by name (`fit-5-411aab+lookup-6-table`)
-            register_saved_trees(pretrained.default_head(args.model), args.tree)
-        lookup_only = args.tree.strip().lower() != "auto" and isinstance(get_tree(args.tree), LookupTree) \
-            and get_tree(args.tree).inner is None
+    # a prompt-lookup tree alone (lookup-K) drafts without a head; a fitted tree (fit-5-411aab+lookup-6-table) is
+    # resolved below, once the head whose calibration names it is known
+    lookup_only = args.mode == "speculative" and not args.head and is_lookup_only(args.tree)
     if args.mode == "speculative" and not args.head and not lookup_only:
         from clover_jax import pretrained
 
@@ -148,7 +143,6 @@ def _main(argv=None) -> int:
         tree_nodes = get_tree(args.tree).num_nodes
     elif args.mode == "speculative":  # the tree and the head's folder before the model is loaded
         from clover_jax import pretrained
-        from clover_jax.decoding.tree import get_tree
 
         if args.tree is None:
             args.tree = pretrained.default_tree(args.head) or _head_type_default_tree(args.head)

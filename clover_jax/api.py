@@ -192,15 +192,10 @@ def _is_model(model) -> bool:
 def _lookup_only_head(tree):
     """The parameter-free head of a prompt-lookup-only tree (`lookup-K`), or an error: other trees need a head."""
     from clover_jax.decoding.lookup import NoHead
-    from clover_jax.decoding.tree import LookupTree, TreeSpecError, get_tree
+    from clover_jax.decoding.tree import is_lookup_only
 
-    if tree is not None and not (isinstance(tree, str) and tree.strip().lower() == "auto"):
-        try:
-            spec = get_tree(tree)
-        except TreeSpecError:  # e.g. a calibration's fitted tree, known only with its head: ask for the head first
-            spec = None
-        if isinstance(spec, LookupTree) and spec.inner is None:
-            return NoHead()
+    if is_lookup_only(tree):
+        return NoHead()
     raise InputError("head: mode='speculative' needs a draft head (head=...), or a prompt-lookup tree that needs "
                      "none (tree='lookup-4')")
 

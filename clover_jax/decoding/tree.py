@@ -549,3 +549,16 @@ def get_tree(name_or_path: str | os.PathLike | TreeSpec | DynamicTree | BeamTree
         raise TreeSpecError(f"tree {key!r} is a calibration's fitted tree, not known in this process: ask for "
                             "tree='auto' (it loads the calibration's trees), or save it as JSON (TreeSpec.to_json)")
     raise TreeSpecError(f"unknown tree {key!r}; known names: {known}, or a path to a .json file")
+
+
+def is_lookup_only(tree) -> bool:
+    """Whether `tree` is a prompt-lookup chain alone (`lookup-K`, `lookup-K-table`), which drafts without a head.
+    False for None, "auto" and a name that cannot be resolved here (a calibration's fitted tree, known once its head
+    is given; a bad name is reported when the tree is resolved with the head)."""
+    if tree is None or (isinstance(tree, str) and tree.strip().lower() == "auto"):
+        return False
+    try:
+        spec = get_tree(tree)
+    except TreeSpecError:
+        return False
+    return isinstance(spec, LookupTree) and spec.inner is None
