@@ -1,0 +1,184 @@
+"""Render docs/results.md (and the results table of README.md) from the result files in results/.
+
+  python scripts/render_results.py            # rewrite docs/results.md and README.md's results block
+  python scripts/render_results.py --check    # exit 1 if either is not what the result files render to
+
+Each results/*.json holds one benchmark run: `title`, `date`, `machine`, `machine_short`, `settings`, `command`,
+`source` (how the numbers got into the file), `benchmark` (`bench_spec` or `bench_step`), the numbers, and optional
+`notes` and `summary` (the runs that also go into the short table of README.md). `bench_spec` files keep the layout
+of the results.json that `bench/bench_spec.py --out-dir` writes (`runs`, `greedy_compared`, `greedy_mismatches`);
+a new run's results.json can be dropped in with those keys added. Standard library only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "results"
+DOC = ROOT / "docs" / "results.md"
+README = ROOT / "README.md"
+BEGIN = "<!-- results:begin (rendered by scripts/render_results.py from results/*.json; do not edit) -->"
+END = "<!-- results:end -->"
+DV = "+dv"  # bench_spec.py's suffix for a run drafting from the head's draft vocabulary
+
+HEADER = """# Results
+
+Current measurements only, one table per benchmark run. Every table is rendered by `python scripts/render_results.py`
+from a file in `results/` that records the command, the machine, the date and the numbers; to add a run, add its file
+and render again (`--check` fails when this page is stale).
+
+Terms: **tau** is the mean number of tokens a speculative step yields (accepted drafts + 1); **vs our AR** is the
+speed-up over this library's own autoregressive loop, timed in the same process on the same prompts; intervals are
+95% bootstrap intervals over prompt batches (`clover_jax.evaluation.bootstrap_ci`). **differing** counts greedy
+speculative outputs that are not token for token the autoregressive output. Speed-ups depend on the machine, tau does
+not (greedy).
+"""
+
+
+def load() -> list[dict]:
+    out = []
+    for path in sorted(RESULTS.glob("*.json")):
+        d = json.loads(path.read_text())
+        for key in ("title", "date", "machine", "machine_short", "command", "benchmark"):
+            if key not in d:
+                raise SystemExit(f"{path}: missing key {key!r}")
+        d["_file"] = path.name
+        out.append(d)
+    # newest first; within a date, the file names' order
+    out.sort(key=lambda d: d["_file"])
+    return sorted(out, key=lambda d: d["date"], reverse=True)
+
+
+def name(run: str) -> str:
+    return run[: -len(DV)] if run.endswith(DV) else run
+
+
+def num(x, fmt="{:.3f}") -> str:
+    return "-" if x is None else fmt.format(x)
+
+
+def with_ci(value, ci, unit="") -> str:
+    if value is None:
+        return "-"
+    return f"{value:.3f}{unit}" + (f" ({ci[0]:.3f}-{ci[1]:.3f})" if ci else "")
+
+
+def vs_transformers(d: dict, r: dict):
+    """A run's speed-up over transformers: recorded, or its tokens/s over the peer's from the same run."""
+    if r.get("speedup_vs_transformers") is not None:
+        return r["speedup_vs_transformers"]
+    peer = d["runs"].get("transformers", {}).get("tokens_per_second")
+    if peer and r.get("tokens_per_second"):
+        return r["tokens_per_second"] / peer
+    return None
+
+
+def spec_table(d: dict) -> list[str]:
+    runs = d["runs"]
+    peer = "transformers" in runs
+    head = ["tree (verified tokens)", "tokens/s", "tau (95% CI)", "vs our AR (95% CI)"]
+    head += ["vs transformers"] if peer else []
+    head += ["accept rate per depth"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for key, r in runs.items():
+        if key == "transformers":
+            continue
+        if key == "ar":
+            label = "our autoregressive loop"
+        else:
+            label = f"`{name(key)}`" + (f" ({r['verified_tokens']})" if r.get("verified_tokens") else "")
+        acc = r.get("accept_rate_per_depth")
+        row = [label, num(r.get("tokens_per_second"), "{:.1f}"),
+               "-" if key == "ar" else with_ci(r.get("tau"), r.get("tau_ci95")),
+               "-" if key == "ar" else with_ci(r.get("speedup_vs_ar"), r.get("speedup_ci95"), "x")]
+        if peer:
+            row.append(num(vs_transformers(d, r), "{:.2f}x"))
+        row.append("-" if not acc else ", ".join(f"{a:.2f}" for a in acc))
+        lines.append("| " + " | ".join(row) + " |")
+    if peer:
+        row = ["transformers `generate` (torch, same prompts)", num(runs["transformers"].get("tokens_per_second"), "{:.1f}"),
+               "-", "-", "1x", "-"]
+        lines.append("| " + " | ".join(row) + " |")
+    lines.append("")
+    if "greedy_compared" in d:
+        lines.append(f"Greedy outputs differing from autoregressive decoding: **{d['greedy_mismatches']} of "
+                     f"{d['greedy_compared']}**.")
+    return lines
+
+
+def step_table(d: dict) -> list[str]:
+    lines = ["| tree (verified tokens, depth) | autoregressive step (ms) | speculative step (ms) | speculative / autoregressive |",
+             "|---|---|---|---|"]
+    for key, s in d["steps"].items():
+        lines.append(f"| `{key}` ({s['verified_tokens']}, {s['depth']}) | {s['ar_step_ms']:.2f} | "
+                     f"{s['speculative_step_ms']:.2f} | {s['ratio']:.2f} |")
+    return lines
+
+
+def section(d: dict) -> list[str]:
+    lines = [f"## {d['title']}", "",
+             f"- **Date:** {d['date']}",
+             f"- **Machine:** {d['machine']}"]
+    if d.get("settings"):
+        lines.append(f"- **Settings:** {d['settings']}")
+    lines += [f"- **Source:** `results/{d['_file']}` ({d.get('source', 'recorded by the command')})", "",
+              "```bash", d["command"], "```", ""]
+    lines += spec_table(d) if d["benchmark"] == "bench_spec" else step_table(d)
+    for note in d.get("notes", []):
+        lines += ["", note]
+    return lines + [""]
+
+
+def summary(results: list[dict]) -> list[str]:
+    lines = ["| benchmark | machine | tree | tau | vs our AR | vs transformers | differing |",
+             "|---|---|---|---|---|---|---|"]
+    for d in results:
+        for key in d.get("summary", []):
+            r = d["runs"][key]
+            vt = vs_transformers(d, r)
+            lines.append(f"| {d.get('questions') or d['title']} ({d['date']}) | {d['machine_short']} | `{name(key)}` | "
+                         f"{num(r.get('tau'))} | {num(r.get('speedup_vs_ar'), '{:.2f}x')} | "
+                         f"{num(vt, '{:.2f}x')} | {d.get('greedy_mismatches', '-')} of {d.get('greedy_compared', '-')} |")
+    return lines
+
+
+def render_doc(results: list[dict]) -> str:
+    lines = [HEADER, "## Summary", ""] + summary(results) + [""]
+    for d in results:
+        lines += section(d)
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def render_readme(text: str, results: list[dict]) -> str:
+    if BEGIN not in text or END not in text:
+        return text
+    pre, rest = text.split(BEGIN, 1)
+    _, post = rest.split(END, 1)
+    return pre + BEGIN + "\n" + "\n".join(summary(results)) + "\n" + END + post
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--check", action="store_true", help="exit 1 if docs/results.md or README.md is stale")
+    args = ap.parse_args(argv)
+    results = load()
+    targets = {DOC: render_doc(results)}
+    if README.is_file():
+        targets[README] = render_readme(README.read_text(), results)
+    stale = [p for p, text in targets.items() if not p.is_file() or p.read_text() != text]
+    if args.check:
+        for p in stale:
+            print(f"stale: {p.relative_to(ROOT)} (run python scripts/render_results.py)", file=sys.stderr)
+        return 1 if stale else 0
+    for p in stale:
+        p.write_text(targets[p])
+        print(f"wrote {p.relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
