@@ -33,7 +33,7 @@ and render again (`--check` fails when this page is stale).
 
 Terms: **tau** is the mean number of tokens a speculative step yields (accepted drafts + 1); **vs our AR** is the
 speed-up over this library's own autoregressive loop, timed in the same process on the same prompts; intervals are
-95% bootstrap intervals over prompt batches (`clover_jax.evaluation.bootstrap_ci`). **differing** counts greedy
+95% bootstrap intervals over prompt batches (`clover_jax.tuning.evaluation.bootstrap_ci`). **differing** counts greedy
 speculative outputs that are not token for token the autoregressive output. Speed-ups depend on the machine, tau does
 not (greedy).
 """
