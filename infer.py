@@ -15,7 +15,9 @@ import sys
 
 import jax.numpy as jnp
 
-from clover_jax.api import bucket_length, encode_prompts, prepare_generate, round_up, run_plan, stream_text
+from clover_jax.decoding.sizes import bucket_length, round_up
+from clover_jax.generation.api import prepare_generate, run_plan, stream_text
+from clover_jax.io.prompts import encode_prompts
 from clover_jax.cli import add_debug_argument, run_cli
 from clover_jax.decoding import acceptance_stats
 from clover_jax.io.loader import load_model
@@ -44,7 +46,7 @@ def parse_args(argv=None):
     p.add_argument("--head", help="draft head: a registered name (smollm2-135m-instruct-clover2), a training run dir "
                    "(Orbax) or an exported head folder; default: the model's shipped head, if it has one")
     p.add_argument("--tree", default=None, help="clover2-26 | small-10 | medusa-63 | chain-N | dynamic-N | auto "
-                   "(calibrated for this head and hardware, see python -m clover_jax.calibrate) | tree.json | "
+                   "(calibrated for this head and hardware, see python -m clover_jax.cli.calibrate) | tree.json | "
                    "TREE+lookup-K (a prompt-lookup chain of K tokens beside the head's tree) | lookup-K (prompt lookup "
                    "alone, no head) | TREE+lookup-K-table, lookup-K-table (where lookup finds no match, an n-gram "
                    "table's chain: --ngram-table) (default: the shipped head's tree, else clover2-26)")
@@ -146,12 +148,12 @@ def _main(argv=None) -> int:
 
         if args.tree is None:
             args.tree = pretrained.default_tree(args.head) or _head_type_default_tree(args.head)
-        if args.tree.strip().lower() == "auto":  # resolved by generate (clover_jax.calibrate); room for any candidate
-            from clover_jax.calibrate import max_candidate_nodes
+        if args.tree.strip().lower() == "auto":  # resolved by generate (clover_jax.tuning.calibrate); room for any candidate
+            from clover_jax.tuning.calibrate import max_candidate_nodes
 
             tree_nodes = max_candidate_nodes()
         else:
-            from clover_jax.calibrate import register_saved_trees
+            from clover_jax.tuning.calibrate import register_saved_trees
 
             register_saved_trees(args.head, args.tree)  # a calibration's fitted tree by name
             tree_nodes = get_tree(args.tree).num_nodes
@@ -171,7 +173,7 @@ def _main(argv=None) -> int:
     loaded = load_model(args.model, dtype=dtype, mesh=mesh)  # weights read straight onto the mesh
     head = None
     if args.mode == "speculative" and not lookup_only:
-        from clover_jax.heads.loading import load_head
+        from clover_jax.training.loading import load_head
 
         head = load_head(args.head, loaded.model)
     draft_vocab = None

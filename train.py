@@ -19,7 +19,7 @@ import sys
 
 
 def parse_args(argv=None):
-    from clover_jax.config import add_config_arguments
+    from clover_jax.training.config import add_config_arguments
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_config_arguments(p)
@@ -42,7 +42,7 @@ def main(argv=None) -> int:
 
 
 def _main(argv=None) -> int:
-    from clover_jax.config import config_from_args
+    from clover_jax.training.config import config_from_args
     from clover_jax.validation import InputError, check_int
 
     args = parse_args(argv)

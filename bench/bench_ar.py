@@ -23,7 +23,8 @@ def _count(tokens: list[int], eos: int) -> int:
 
 
 def bench_ours(loaded, prompt_ids, batch, max_new):
-    from clover_jax.api import bucket_length, generate, round_up
+    from clover_jax.decoding.sizes import bucket_length, round_up
+    from clover_jax.generation.api import generate
 
     total_tok = total_s = compile_s = 0.0
     seen = set()
@@ -86,7 +87,7 @@ def _main(argv=None):
     import torch
     import transformers
 
-    from clover_jax.api import encode_prompts
+    from clover_jax.io.prompts import encode_prompts
     from clover_jax.io.loader import load_model, resolve_model_path
     from clover_jax.io.prompts import read_prompts
 

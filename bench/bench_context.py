@@ -37,7 +37,7 @@ def _best(fn, repeat):
 
 
 def _ours(model, ids, new, cache, repeat, **spec):
-    from clover_jax.api import generate
+    from clover_jax.generation.api import generate
 
     mode = "speculative" if spec else "ar"
 
@@ -82,7 +82,8 @@ def _main(argv=None):
 
     from bench_spec import load_questions
 
-    from clover_jax.api import bucket_length, encode_prompts, round_up
+    from clover_jax.decoding.sizes import bucket_length, round_up
+    from clover_jax.io.prompts import encode_prompts
     from clover_jax.io.loader import load_model, resolve_model_path
 
     loaded = load_model(args.model)

@@ -31,9 +31,10 @@ def _main(argv=None):
     import jax
 
     from bench_spec import load_questions
-    from clover_jax.api import encode_prompts, generate
+    from clover_jax.generation.api import generate
+    from clover_jax.io.prompts import encode_prompts
     from clover_jax.heads.draft_vocab import head_draft_vocab
-    from clover_jax.heads.loading import load_head
+    from clover_jax.training.loading import load_head
     from clover_jax.io.loader import load_model
 
     lm = load_model(args.model)

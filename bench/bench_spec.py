@@ -6,7 +6,7 @@
 
 Writes results.json, results.md and PNG plots (tau per category, accepted-length histogram, speedup vs tree
 size) to --out-dir and prints the markdown table. tau and the speed-up come with a 95% bootstrap interval over the
-prompt batches (`clover_jax.evaluation.bootstrap_ci`; each batch is timed for every run back to back, so the
+prompt batches (`clover_jax.tuning.evaluation.bootstrap_ci`; each batch is timed for every run back to back, so the
 interval pairs them): two trees whose intervals overlap widely are not told apart by one run.
 """
 
@@ -100,9 +100,9 @@ def _main(argv=None):
     ap.add_argument("--questions", default="mt_bench", help="mt_bench | spec_bench | sharegpt_heldout | path to question.jsonl")
     ap.add_argument("--category")
     ap.add_argument("--limit", type=int, default=0)
-    ap.add_argument("--trees", nargs="+", default=["clover2-26"],  # "auto": the calibrated tree (clover_jax.calibrate)
+    ap.add_argument("--trees", nargs="+", default=["clover2-26"],  # "auto": the calibrated tree (clover_jax.tuning.calibrate)
                     help="tree names; a name ending in +dv (chain-3+dv) also uses --draft-vocab")
-    ap.add_argument("--draft-vocab", help="draft vocabulary JSON (python -m clover_jax.heads.draft_vocab)")
+    ap.add_argument("--draft-vocab", help="draft vocabulary JSON (python -m clover_jax.cli.draft_vocab)")
     ap.add_argument("--ngram-table", help="n-gram table for trees named ...-table (python -m "
                     "clover_jax.decoding.ngram); default: the one shipped beside the head")
     ap.add_argument("--batch-size", type=int, default=1)
@@ -119,8 +119,8 @@ def _main(argv=None):
     add_debug_argument(ap)
     args = ap.parse_args(argv)
 
-    from clover_jax.evaluation import evaluate
-    from clover_jax.heads.loading import load_head
+    from clover_jax.tuning.evaluation import evaluate
+    from clover_jax.training.loading import load_head
     from clover_jax.io.loader import load_model
 
     out = Path(args.out_dir)
@@ -134,12 +134,12 @@ def _main(argv=None):
 
     loaded = load_model(args.model, mesh=mesh, dtype=getattr(jnp, args.dtype))
     head = load_head(args.head, loaded.model)
-    from clover_jax.calibrate import register_saved_trees
+    from clover_jax.tuning.calibrate import register_saved_trees
 
     register_saved_trees(args.head, args.trees)  # --trees fit-N-<hash>: a tree fitted by the head's calibration
     prompts, cats = load_questions(args.questions, args.limit or None, args.category)
     t0 = time.time()
-    from clover_jax.evaluation import DV
+    from clover_jax.tuning.evaluation import DV
     from clover_jax.heads.draft_vocab import head_draft_vocab, load_draft_vocab
 
     draft_vocab = load_draft_vocab(args.draft_vocab) if args.draft_vocab else None
@@ -149,7 +149,7 @@ def _main(argv=None):
     ngram_table = resolve_ngram_table(args.ngram_table, args.head)
     auto = None
     if "auto" in args.trees:  # the calibrated choice for this head on this hardware (calibrates if none is saved)
-        from clover_jax.calibrate import AR, resolve_auto
+        from clover_jax.tuning.calibrate import AR, resolve_auto
 
         auto, _ = resolve_auto(loaded, head, args.head, batch_size=args.batch_size, mesh=mesh,
                                draft_vocab=trained_on if draft_vocab is None else draft_vocab,
@@ -178,7 +178,7 @@ def _main(argv=None):
 
         from bench_ar import bench_transformers
 
-        from clover_jax.api import encode_prompts
+        from clover_jax.io.prompts import encode_prompts
         from clover_jax.io.loader import resolve_model_path
 
         torch.set_num_threads(os.cpu_count() or 2)

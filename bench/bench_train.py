@@ -31,7 +31,7 @@ VARIANTS = {
 def _main(argv=None):
     import jax
 
-    from clover_jax.config import load_config
+    from clover_jax.training.config import load_config
     from clover_jax.parallel import make_mesh
     from clover_jax.training import data as data_lib
     from clover_jax.training.features import attach_features

@@ -75,12 +75,12 @@ def _main(argv=None):
 
     from bench_spec import load_questions
 
-    from clover_jax.calibrate import register_saved_trees
+    from clover_jax.tuning.calibrate import register_saved_trees
     from clover_jax.decoding.ngram import resolve_ngram_table
-    from clover_jax.evaluation import DV, evaluate
+    from clover_jax.tuning.evaluation import DV, evaluate
     from clover_jax.heads import registry
     from clover_jax.heads.draft_vocab import head_draft_vocab
-    from clover_jax.heads.loading import load_head
+    from clover_jax.training.loading import load_head
     from clover_jax.io.loader import load_model
 
     loaded = load_model(args.model)

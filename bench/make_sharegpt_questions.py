@@ -21,7 +21,7 @@ OUT = Path(__file__).resolve().parents[1] / "clover_jax" / "data" / "sharegpt_he
 
 
 def main(argv=None) -> int:
-    from clover_jax.api import encode_prompts
+    from clover_jax.io.prompts import encode_prompts
     from clover_jax.io.loader import load_tokenizer
     from clover_jax.training.distill_cache import first_turn_prompt
     from clover_jax.training.sources import read_sharegpt

@@ -44,7 +44,7 @@ def top_drafts(base, head, draft_vocab, top_k: int, with_logp: bool = False):
     import jax.numpy as jnp
     from flax import nnx
 
-    from clover_jax.training.loss import base_features
+    from clover_jax.heads.losses import base_features
 
     ids = jnp.asarray(draft_vocab, jnp.int32) if draft_vocab is not None else None
     (bg, bs), (hg, hs) = nnx.split(base), nnx.split(head)
@@ -171,7 +171,7 @@ def fit_beside_chain(ranks: np.ndarray, chain: np.ndarray, nodes: int, top_k: in
 def greedy_replies(loaded, prompts, max_new_tokens: int) -> list[tuple[list[int], list[int]]]:
     """`(prompt ids, greedy reply ids)` per prompt (chat template applied), from our autoregressive loop."""
     import clover_jax
-    from clover_jax.api import encode_prompts
+    from clover_jax.io.prompts import encode_prompts
 
     ids = encode_prompts(loaded.tokenizer, prompts)
     seqs = []
@@ -193,7 +193,7 @@ def add_reply_args(ap: argparse.ArgumentParser, *, questions: str, limit: int) -
 def main(argv=None) -> int:
     import clover_jax
     from bench_spec import load_questions
-    from clover_jax.api import resolve_head
+    from clover_jax.generation.api import resolve_head
     from clover_jax.decoding.tree import TreeSpec, get_tree
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -231,7 +231,7 @@ def main(argv=None) -> int:
     tables = ([load_ngram_table(t) for t in args.ngram_table] if args.ngram_table else [head_ngram_table(args.head)]) \
         if args.table else []
     if args.table and tables[0] is None:
-        raise SystemExit(f"--table: the head {args.head} ships no n-gram table (python -m clover_jax.decoding.ngram)")
+        raise SystemExit(f"--table: the head {args.head} ships no n-gram table (python -m clover_jax.cli.ngram)")
     table = tables[0] if tables else None  # the one --split uses
     ends = [("", None)] + [(f"-table[{i}]" if len(tables) > 1 else "-table", t) for i, t in enumerate(tables)]
     at = f"@d{args.anchor_depth}" if args.anchor_depth else ""

@@ -26,7 +26,8 @@ from typing import Any, Sequence
 import jax
 import numpy as np
 from flax import nnx
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from clover_jax.validation import InputError
 
@@ -58,7 +59,7 @@ _RULES: dict[str, tuple] = {
     "b_gate": ("tp",),  # [F]
     "b_up": ("tp",),  # [F]
     "b_down": (None,),  # [D]
-    # draft heads add their own rules through the head registry (`HeadType.sharding_rules`)
+    # draft heads add their own rules when their type is registered (`add_rules`, `HeadType.sharding_rules`)
 }
 
 # Decoding state (the jitted loops' carry and the drafters' states): name -> spec of every dim. Rows go over
@@ -73,12 +74,20 @@ _STATE_RULES: dict[str, tuple] = {
     "row_steps": (BATCH_AXES,),  # [B]
     "accept_hist": (BATCH_AXES, None),  # [B, Dmax+1]
     "node_hist": (BATCH_AXES, None),  # [B, U]
-    "s0": (BATCH_AXES, None),  # Clover-2 drafter: the Augmenting Block's last output [B, D]
-    "h": (BATCH_AXES, None),  # Medusa drafter: the last accepted token's normed hidden state [B, D]
-    "history": (BATCH_AXES, None),  # prompt-lookup drafter: each row's tokens [B, S]
-    "ngram_keys": (None,),  # prompt-lookup drafter's n-gram table [M], replicated (a few MB)
-    "ngram_tokens": (None,),  # [M]
+    # drafters add the rules of their own state's leaves (`add_rules(..., state=True)`)
 }
+
+
+def add_rules(rules: dict[str, tuple], *, state: bool = False) -> None:
+    """Adds parameter rules (`state=False`: name -> spec of the trailing dims) or decoding-state rules (name -> spec
+    of every dim). A draft head type's rules arrive when it is registered, a drafter's state rules where the drafter
+    is defined. A name already taken by another spec is an error (two rules would shard one leaf two ways)."""
+    table = _STATE_RULES if state else _RULES
+    for name, spec in rules.items():
+        spec = tuple(spec)
+        if table.get(name, spec) != spec:
+            raise ValueError(f"sharding rule {name!r}: already {table[name]}, not {spec}")
+        table[name] = spec
 
 
 class MeshError(InputError):
@@ -174,10 +183,6 @@ def leaf_name(path) -> str | None:
 def spec_for(name: str | None, shape: Sequence[int], mesh: Mesh) -> P:
     """The partition spec of a leaf named `name` with `shape` on `mesh` (non-dividing axes dropped)."""
     rule = _RULES.get(name or "")
-    if rule is None:
-        from clover_jax.heads.registry import sharding_rules
-
-        rule = sharding_rules().get(name or "")
     ndim = len(shape)
     if rule is None or ndim < len(rule):
         return P()

@@ -15,9 +15,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from clover_jax.api import PromptError, generate, prepare_generate
-from clover_jax.heads.clover2 import Clover2Config, Clover2Head
-from clover_jax.io.export import ExportError, export_base, export_head
+from clover_jax.generation.api import generate, prepare_generate
+from clover_jax.validation import PromptError
+from clover_jax.heads.clover2.model import Clover2Config, Clover2Head
+from clover_jax.heads.export import export_head
+from clover_jax.io.export import ExportError, export_base
 from clover_jax.io.loader import load_model, load_tokenizer, resolve_model_path
 from clover_jax.models.config import LlamaConfig
 from clover_jax.models.llama import init_llama
@@ -27,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import infer  # noqa: E402
-from clover_jax import export as export_cli  # noqa: E402
+from clover_jax.cli import export as export_cli  # noqa: E402
 
 CONTEXT = 256
 
@@ -268,11 +270,11 @@ def test_generate_checks_memory_before_compiling(files, monkeypatch):
     with pytest.raises(InsufficientMemoryError, match=r"batch=8 prompts, cache_size=4096.*KV cache.*1.0 MiB are "
                                                       r"free on a test device"):
         generate(files["base"], [[1, 2, 3]] * 8, max_new_tokens=8, cache_size=4096)
-    parts = validation.estimate_generate_memory(files["base"].config, batch=8, cache_size=4096, prompt_len=32,
+    parts = memory.estimate_generate_memory(files["base"].config, batch=8, cache_size=4096, prompt_len=32,
                                                 dtype_bytes=4)
     c = files["base"].config
     assert parts["KV cache"] == 2 * 2 * c.num_hidden_layers * 8 * 4096 * c.num_key_value_heads * c.head_dim * 4
-    free, where = validation.available_memory()
+    free, where = memory.available_memory()
     assert free is None or (free > 0 and where)
     # a long prompt's attention is planned per prefill block, for the draft head's prompt pass too (it runs in
     # blocks, `commit_prompt`): Llama-3-8B's 32 heads over an 8,192-token prompt, not [T, T] scores (17 GB)
@@ -281,7 +283,7 @@ def test_generate_checks_memory_before_compiling(files, monkeypatch):
     big = LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                       num_attention_heads=32, num_key_value_heads=8, head_dim=128)
     for nodes in (0, 26):
-        parts = validation.estimate_generate_memory(big, batch=1, cache_size=8448, prompt_len=8192, dtype_bytes=2,
+        parts = memory.estimate_generate_memory(big, batch=1, cache_size=8448, prompt_len=8192, dtype_bytes=2,
                                                     tree_nodes=nodes, head_layers=2, draft_rows=32000)
         assert parts["prefill attention"] == 2 * 32 * 256 * (256 + 256) * 4  # 33.6 MB
 
@@ -294,7 +296,7 @@ def test_good_input_still_generates(files):
 
 
 def test_load_model_and_load_head_bad_input(files):
-    from clover_jax.heads.loading import load_head
+    from clover_jax.training.loading import load_head
 
     with pytest.raises(WeightFileError, match=r"truncated.*model\.safetensors"):
         load_model(files["dir"] / "truncated")

@@ -1,4 +1,4 @@
-"""`tree="auto"` and `python -m clover_jax.calibrate`: candidates measured against autoregressive decoding in
+"""`tree="auto"` and `python -m clover_jax.cli.calibrate`: candidates measured against autoregressive decoding in
 one run, the choice saved beside the head and reused, "ar" when no tree pays, and what generate does with it."""
 
 import json
@@ -8,9 +8,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from clover_jax import api, calibrate
-from clover_jax.heads.clover2 import Clover2Config, init_from_base
-from clover_jax.heads.medusa import MedusaConfig, init_from_base as medusa_from_base
+from clover_jax.generation import api, calibration
+from clover_jax.tuning import calibrate
+from clover_jax.heads.clover2.model import Clover2Config, init_from_base
+from clover_jax.heads.medusa.head import MedusaConfig, init_from_base as medusa_from_base
 from clover_jax.io.loader import LoadedModel
 from clover_jax.models.llama import init_llama
 from word_tokenizer import WordTokenizer

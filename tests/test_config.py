@@ -4,8 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from clover_jax import config as C
-from clover_jax.config import ConfigError, load_config
+from clover_jax.training import config as C
+from clover_jax.training.config import ConfigError, load_config
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 NAMES = ["smollm2-135m-clover2", "vicuna-7b-v1.5-clover2", "llama3-8b-instruct-clover2"]

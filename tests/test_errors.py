@@ -5,7 +5,8 @@ import json
 import numpy as np
 import pytest
 
-from clover_jax.api import PromptError, generate
+from clover_jax.generation.api import generate
+from clover_jax.validation import PromptError
 from clover_jax.io.hf import load_hf_dir
 from clover_jax.io.loader import load_model
 from clover_jax.models.cache import CacheOverflowError

@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from clover_jax.evaluation import bootstrap_ci, evaluate
-from clover_jax.heads.clover2 import Clover2Config, init_from_base
+from clover_jax.tuning.evaluation import bootstrap_ci, evaluate
+from clover_jax.heads.clover2.model import Clover2Config, init_from_base
 from clover_jax.io.loader import LoadedModel
 from clover_jax.models.config import LlamaConfig
 from clover_jax.models.llama import init_llama

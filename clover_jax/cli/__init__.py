@@ -18,6 +18,8 @@ import sys
 import traceback
 from typing import Callable, Sequence
 
+import jax
+
 from clover_jax.validation import InputError
 
 # (module, class) of user-facing error types that are not InputErrors; a module that was never imported
@@ -64,8 +66,6 @@ def enable_compile_cache(path: str | None = None) -> str | None:
     (`$CLOVER_JAX_CACHE`, default `~/.cache/clover_jax`); `CLOVER_JAX_COMPILE_CACHE=off` turns it off, and a cache
     the user configured through JAX (`JAX_COMPILATION_CACHE_DIR`) is left as it is. Returns the folder in use, or
     None."""
-    import jax
-
     root = os.environ.get("CLOVER_JAX_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "clover_jax")
     path = path or os.environ.get(COMPILE_CACHE_ENV) or os.path.join(root, "xla")
     if path.strip().lower() in ("off", "0", "false", "no", "none"):

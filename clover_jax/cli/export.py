@@ -1,8 +1,8 @@
 """Export trained heads and base models as Hugging Face folders, optionally pushing them to the hub.
 
-  python -m clover_jax.export head --checkpoint runs/smollm2-135m-clover2 [--step N] --out exported/head
-  python -m clover_jax.export head --checkpoint smollm2-135m-instruct-clover2 --out exported/head  # shipped head
-  python -m clover_jax.export base --model smollm2-135m-instruct --out exported/smollm2
+  python -m clover_jax.cli.export head --checkpoint runs/smollm2-135m-clover2 [--step N] --out exported/head
+  python -m clover_jax.cli.export head --checkpoint smollm2-135m-instruct-clover2 --out exported/head  # shipped head
+  python -m clover_jax.cli.export base --model smollm2-135m-instruct --out exported/smollm2
   ... --push-to-hub USER/REPO   (needs network and a token; fails fast without, the local folder stays)
 """
 
@@ -14,9 +14,20 @@ import socket
 import sys
 from pathlib import Path
 
+import ml_dtypes
+import numpy as np
+
+from clover_jax import pretrained
+from clover_jax.cli import add_debug_argument, run_cli
 from clover_jax.decoding.ngram import NGRAM_FILE
+from clover_jax.heads.clover2.export import HEAD_CONFIG_KEYS
 from clover_jax.heads.draft_vocab import DRAFT_VOCAB_FILE
-from clover_jax.io.export import HEAD_CONFIG_KEYS, ExportError, export_base, export_head
+from clover_jax.heads.export import default_model_card, export_head, import_head
+from clover_jax.io.export import ExportError, export_base
+from clover_jax.io.loader import load_model
+from clover_jax.training.checkpoint import Checkpointer, checkpoint_dir_of, load_head_from_run
+from clover_jax.validation import check_float, check_int
+from huggingface_hub import HfApi
 
 
 def push_to_hub(folder: Path, repo_id: str, private: bool = False, timeout: float = 5.0) -> str:
@@ -26,8 +37,6 @@ def push_to_hub(folder: Path, repo_id: str, private: bool = False, timeout: floa
     except OSError as e:
         raise ExportError(f"cannot reach huggingface.co ({e}); nothing was uploaded, the exported folder "
                           f"{folder} is intact: push it later with this command or `huggingface-cli upload`") from None
-    from huggingface_hub import HfApi
-
     api = HfApi()
     try:
         api.create_repo(repo_id, private=private, exist_ok=True)
@@ -42,9 +51,6 @@ def export_head_from_folder(folder, out, *, model=None, include_embedding=True, 
                             dtype="float32") -> Path:
     """Re-exports an exported head folder or a registered head (`clover_jax.pretrained`), e.g. to add the frozen
     tensors a shipped head leaves out; its model card, training config and draft vocabulary come along."""
-    from clover_jax import pretrained
-    from clover_jax.io.export import import_head
-    from clover_jax.io.loader import load_model
 
     src = pretrained.head_path(folder)
     meta = json.loads((src / "config.json").read_text())
@@ -66,25 +72,17 @@ def export_head_from_folder(folder, out, *, model=None, include_embedding=True, 
 
 
 def _np_dtype(name: str):
-    import numpy as np
-
     if name == "bfloat16":
-        import ml_dtypes
-
         return ml_dtypes.bfloat16
     return np.dtype(name)
 
 
 def export_head_from_run(run_dir, out, *, step=None, model=None, include_embedding=True, overwrite=False,
                          dtype="float32") -> Path:
-    from clover_jax import pretrained
-    from clover_jax.io.export import default_model_card
 
     if (pretrained.head_path(run_dir) / "config.json").is_file() and not (Path(run_dir) / "checkpoints").exists():
         return export_head_from_folder(run_dir, out, model=model, include_embedding=include_embedding,
                                        overwrite=overwrite, dtype=dtype)
-    from clover_jax.io.loader import load_model
-    from clover_jax.training.checkpoint import Checkpointer, checkpoint_dir_of, load_head_from_run
 
     ckpt = Checkpointer(checkpoint_dir_of(run_dir), read_only=True, async_save=False, save_on_preemption=False)
     try:
@@ -111,16 +109,12 @@ def export_head_from_run(run_dir, out, *, step=None, model=None, include_embeddi
 
 
 def main(argv=None) -> int:
-    from clover_jax.cli import run_cli
-
     return run_cli(_main, argv)
 
 
 def _main(argv=None) -> int:
-    from clover_jax.cli import add_debug_argument
-    from clover_jax.validation import check_float, check_int
 
-    ap = argparse.ArgumentParser(prog="python -m clover_jax.export", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m clover_jax.cli.export", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="what", required=True)
     h = sub.add_parser("head", help="export a trained draft head from a training run")
@@ -153,8 +147,6 @@ def _main(argv=None) -> int:
                                    include_embedding=not args.no_embedding, overwrite=args.overwrite,
                                    dtype=args.dtype)
     else:
-        from clover_jax.io.loader import load_model
-
         loaded = load_model(args.model)
         out = export_base(loaded.model, args.out, tokenizer=loaded.tokenizer,
                           max_shard_bytes=int(args.max_shard_gb * 1024**3), overwrite=args.overwrite)

@@ -15,9 +15,12 @@ from flax import nnx, struct
 
 from clover_jax import parallel
 from clover_jax.decoding import streaming
-from clover_jax.decoding.sampling import next_token
+from clover_jax.decoding.memory import available_memory
+from clover_jax.decoding.sizes import PREFILL_CHUNK
+from clover_jax.decoding.sampling import SamplingParams, next_token
 from clover_jax.models.cache import KVCache, causal_mask, prefix_mask
 from clover_jax.models.llama import Llama
+from clover_jax.validation import InputError
 
 
 @struct.dataclass
@@ -41,16 +44,12 @@ class _ARState:
     key: jax.Array
 
 
-PREFILL_CHUNK = 256  # prompt tokens per prefill block (a prompt bucket above it is a multiple of it)
-
 DECODE_LAYERS = ("auto", "unrolled", "scan")
 
 
 def check_layers(layers: str | None, mesh=None) -> str:
     """`layers` (`None` means `"auto"`) if it is one of `DECODE_LAYERS` and fits `mesh`, else an `InputError` naming
     it; `decode_layers` and `generate` check with it before anything compiles."""
-    from clover_jax.validation import InputError
-
     layers = layers or "auto"
     if layers not in DECODE_LAYERS:
         raise InputError(f"layers must be one of {DECODE_LAYERS}, got {layers!r}")
@@ -100,8 +99,6 @@ def decode_layers(layers: str | None = None, mesh=None, *, tokens_per_step: int 
     if backend == "cpu" and (tokens_per_step != 1 or (model is not None and jnp.dtype(model.dtype) != jnp.float32)):
         return "scan"
     if model is not None:
-        from clover_jax.validation import available_memory
-
         free, _ = available_memory()
         if free is not None and 2 * layer_weight_bytes(model) > free:
             return "scan"
@@ -317,14 +314,12 @@ def row_inputs(prompt, prompt_lengths, max_new_tokens, mesh=None):
 def ar_generate(model: Llama, prompt, prompt_lengths, *, max_new_tokens, cache_size: int, sampling=None,
                 key=None, eos_ids=None, cache_dtype=None, mesh=None, layers: str | None = None,
                 stream: bool = False) -> DecodeOutput:
-    """Jitted autoregressive generation on padded prompts. Inputs are validated by `clover_jax.api`.
+    """Jitted autoregressive generation on padded prompts. Inputs are validated by `clover_jax.generation.api`.
 
     With a `mesh` (`clover_jax.parallel`), the weights are placed by the sharding rules (no copy when the
     model was loaded onto that mesh), the rows split over its batch axes and the KV cache over rows and KV
     heads. `layers`: see `decode_layers`. `stream`: hand each step's tokens to the host as they come
     (`clover_jax.decoding.streaming`; one device only)."""
-    from clover_jax.decoding.sampling import SamplingParams
-
     sampling = sampling or SamplingParams()
     graphdef, state = nnx.split(model)
     state = parallel.place(state, mesh)

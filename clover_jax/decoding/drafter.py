@@ -37,6 +37,7 @@ from flax import struct
 from clover_jax.decoding.autoregressive import PREFILL_CHUNK, run_blocks
 from clover_jax.decoding.topology import TreeTopology
 from clover_jax.decoding.tree import TreeBuffers
+from clover_jax.validation import InputError, check_draft_vocab
 
 
 @struct.dataclass
@@ -125,16 +126,12 @@ class TreeDrafterBase:
     def check_tree(self, num_heads: int, vocab_size: int, what: str = "the head") -> None:
         """An `InputError` if the tree is deeper than the head's `num_heads` or asks for more candidates (top_k)
         than the drafting vocabulary holds, or if the draft vocabulary is not valid for `vocab_size`."""
-        from clover_jax.validation import InputError
-
         if self.max_depth > num_heads:
             raise InputError(f"tree {self.spec.name!r} is {self.max_depth} drafts deep but {what} has only "
                              f"{num_heads} heads; use a shallower tree or a head with more heads")
         if self.spec.top_k > vocab_size:
             raise InputError(f"tree top_k={self.spec.top_k} exceeds the vocabulary ({vocab_size})")
         if self.draft_vocab is not None:
-            from clover_jax.validation import check_draft_vocab
-
             check_draft_vocab(self.draft_vocab, vocab_size)
             if self.spec.top_k > len(self.draft_vocab):
                 raise InputError(f"tree top_k={self.spec.top_k} exceeds the draft vocabulary "

@@ -38,10 +38,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
+from clover_jax import parallel
 from clover_jax.decoding.drafter import Proposal, cached_arrays
 from clover_jax.decoding.ngram import NgramTable, ngram_chain
 from clover_jax.decoding.topology import TreeTopology, topology_from_parents
 from clover_jax.decoding.tree import LookupTree
+from clover_jax.validation import InputError
 
 
 def lookup_chain(history: jax.Array, length: jax.Array, k: int, max_ngram: int) -> tuple[jax.Array, jax.Array]:
@@ -74,6 +76,11 @@ def lookup_chain(history: jax.Array, length: jax.Array, k: int, max_ngram: int) 
     at = pick[:, None] + jnp.arange(k, dtype=jnp.int32)[None, :]  # [B, Z]
     at = jnp.where((ngram[:, None] > 0) & (at <= last[:, None]), at, last[:, None])
     return history[rows, at], ngram
+
+
+# the state's leaves on a decoding mesh: each row's tokens over the batch axes, the n-gram table replicated
+parallel.add_rules({"history": (parallel.BATCH_AXES, None),  # [B, S]
+                    "ngram_keys": (None,), "ngram_tokens": (None,)}, state=True)  # [M] (a few MB)
 
 
 @struct.dataclass
@@ -120,8 +127,6 @@ class LookupDrafter:
         return self.spec.top_k
 
     def check(self, head, base) -> None:
-        from clover_jax.validation import InputError
-
         if self.table is not None and self.table.vocab_size != base.config.vocab_size:
             raise InputError(f"tree {self.spec.name!r}: the n-gram table ({self.table.source or 'given'}) was built "
                              f"for a {self.table.vocab_size}-token vocabulary, the model has "

@@ -2,7 +2,7 @@
 (similar prompts share a compiled loop) and the KV cache's number of slots, with a clear error where the asked
 lengths cannot fit the cache or the model's context.
 
-Below `clover_jax.api` and the decoding loops alike: both plan with it, neither imports the other for it.
+Below `clover_jax.generation.api` and the decoding loops alike: both plan with it, neither imports the other for it.
 """
 
 from __future__ import annotations
@@ -11,6 +11,8 @@ import numpy as np
 
 from clover_jax.models.cache import CacheOverflowError
 from clover_jax.validation import PromptError
+
+PREFILL_CHUNK = 256  # prompt tokens per prefill block (a prompt bucket above it is a multiple of it)
 
 
 def bucket_length(n: int, minimum: int = 32) -> int:
@@ -60,3 +62,12 @@ def check_context(prompt_lens: np.ndarray, max_new_tokens: int, max_positions: i
             + (f" and drafts {tree_depth} deep" if tree_depth else "")
             + f" it reaches position {need}, past the model's context max_position_embeddings={max_positions}"
             + (f"; use max_new_tokens <= {room}" if room >= 1 else "; shorten the prompt"))
+
+
+def pad_prompts(ids: list[list[int]], pad_id: int, bucket: int | None = None):
+    lens = np.array([len(x) for x in ids], np.int32)
+    t = bucket or bucket_length(int(lens.max()))
+    arr = np.full((len(ids), t), pad_id, np.int32)
+    for i, x in enumerate(ids):
+        arr[i, : len(x)] = x
+    return arr, lens

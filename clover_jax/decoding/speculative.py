@@ -19,12 +19,22 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx, struct
 
 from clover_jax import parallel
 from clover_jax.decoding import acceptance_stats, streaming, verify
-from clover_jax.decoding.autoregressive import (DecodeOutput, decode_cache, decode_forward, decode_layers,
-                                                 is_eos, prefill, products_precision, row_inputs, traced_with)
+from clover_jax.decoding.autoregressive import (
+    DecodeOutput,
+    decode_cache,
+    decode_forward,
+    decode_layers,
+    is_eos,
+    prefill,
+    products_precision,
+    row_inputs,
+    traced_with,
+)
 from clover_jax.decoding.drafter import check_proposal, check_state
 from clover_jax.decoding.sampling import SamplingParams, next_token, warp_probs
 from clover_jax.decoding.sizes import plan_cache
@@ -213,8 +223,6 @@ def spec_generate(base, head, prompt, prompt_lengths, *, max_new_tokens, cache_s
     and KV heads. `stat_rows`: count only the first rows in the statistics (the rest pad the batch). `layers`:
     how the base model's layers run (`clover_jax.decoding.autoregressive.decode_layers`). `stream`: hand each step's
     accepted tokens to the host as they come (`clover_jax.decoding.streaming`; one device only)."""
-    import numpy as np
-
     drafter.check(head, base)
     lens = np.asarray(prompt_lengths)
     cache_size = plan_cache(lens, int(np.max(max_new_tokens)), drafter.num_nodes, cache_size, None)

@@ -9,7 +9,7 @@ them in order while the loop runs, and the values the loop computes are unchange
 The host side is one sink per process at a time (`streaming_to`): a callable `sink(row, token_ids)` that
 `clover_jax.generate(..., stream=sink)` installs around its call. An exception in the sink is kept, later calls of
 the sink are skipped, and it is raised when the loop has finished (a callback must not raise inside the loop).
-`clover_jax.api.stream_text` builds a generator of text pieces on top.
+`clover_jax.generation.api.stream_text` builds a generator of text pieces on top.
 
 Streaming costs one device-to-host transfer per step (small: `[B, A]` int32), and a second compiled loop; a mesh is
 not supported (the rows of a sharded batch live on several devices).
@@ -27,6 +27,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import io_callback
+
+from clover_jax.validation import InputError
 
 Sink = Callable[[int, list], None]  # sink(row, token_ids) with the row's new tokens, in order
 
@@ -59,8 +61,6 @@ def streaming_to(sink: Sink | None):
     if sink is None:
         yield
         return
-    from clover_jax.validation import InputError
-
     if not _lock.acquire(blocking=False):
         raise InputError("stream: another streaming generate is running in this process (one at a time)")
     _state.update(sink=sink, error=None)

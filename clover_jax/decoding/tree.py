@@ -23,11 +23,12 @@ import json
 import operator
 import os
 import re
-from typing import Any, Sequence
+from typing import Any, ClassVar, Sequence
 
 import numpy as np
 from flax import struct
 
+from clover_jax.decoding.topology import TreeTopology
 from clover_jax.validation import InputError
 
 MAX_DEPTH = 32  # deeper trees are rejected: no drafter is useful that far out
@@ -59,6 +60,8 @@ class TreeSpec:
     Raises `TreeSpecError` for: no paths, an empty path, a negative rank, a rank >= `top_k`, a
     duplicate path, a path whose parent path is not in the tree, or a depth over `MAX_DEPTH`.
     """
+
+    kind: ClassVar[str] = "static trees (clover2-26, small-10, medusa-63, chain-N, fitted trees, JSON files)"
 
     choices: tuple[tuple[int, ...], ...]
     top_k: int = DEFAULT_TOP_K
@@ -170,8 +173,6 @@ class TreeBuffers:
 
     def topology(self):
         """The verification view (`topology.TreeTopology`) of these buffers, without the expansion plan."""
-        from clover_jax.decoding.topology import TreeTopology
-
         return TreeTopology(mask=self.mask, depth=self.depth, parent=self.parent, rank=self.rank,
                             children=self.children, num_children=self.num_children, paths=self.paths,
                             path_len=self.path_len)
@@ -369,6 +370,8 @@ class DynamicTree:
     what is kept is ranked by joint probability into the same budget, so a confident head verifies fewer tokens
     (the slots left over are unused). Name suffix `-pP`, e.g. `dynamic-10-p0.8`."""
 
+    kind: ClassVar[str] = "dynamic trees (dynamic-N, dynamic-N-pP)"
+
     budget: int
     depth: int = 5
     top_k: int = 8
@@ -415,6 +418,8 @@ class BeamTree:
     keeps the best beams whole and cuts the later ones, and slots that dedup left empty are unused (verified but
     never accepted). Name: `beam-WxL`, optionally `beam-WxL-uN`."""
 
+    kind: ClassVar[str] = "beam-search trees (beam-WxL)"
+
     width: int
     length: int
     budget: int = 0
@@ -456,6 +461,8 @@ class LookupTree:
     (no head), `TREE+lookup-K[-nN][-table]` (N = `max_ngram`, default 3; `-table`: where the sequence has no match,
     the chain comes from an n-gram table of the base model's replies, `clover_jax.decoding.ngram`)."""
 
+    kind: ClassVar[str] = "prompt-lookup trees (lookup-K, TREE+lookup-K)"
+
     inner: Any  # TreeSpec, DynamicTree or BeamTree (a head drafts it), or None: the root alone
     length: int
     max_ngram: int = 3
@@ -490,6 +497,11 @@ class LookupTree:
 
 
 TreePolicy = (TreeSpec, DynamicTree, BeamTree, LookupTree)
+
+
+def policy_kind(policy_type: type) -> str:
+    """What a tree-policy type is called in messages, with the names that give one."""
+    return getattr(policy_type, "kind", policy_type.__name__)
 
 # trees named at run time (the fitted trees of a calibration, `clover_jax.decoding.tree_fit`): name -> spec
 _REGISTERED: dict[str, TreeSpec] = {}

@@ -13,7 +13,7 @@ a depth limit is one more constraint on the same expansion (`best_tree`). Sequoi
 for its sampling-without-replacement acceptance model; under greedy verification (one target token per node,
 so the events "rank r accepted" are disjoint and `sum_r p[d, r] <= 1`) the greedy expansion is exact (tested
 against exhaustive search). Which size pays depends on the hardware's price per verified token: the
-calibration (`clover_jax.calibrate`) measures it and picks among fitted trees by measured speed.
+calibration (`clover_jax.tuning.calibrate`) measures it and picks among fitted trees by measured speed.
 
 Estimating `p` (`rank_acceptance`): the speculative loop counts how often each tree node was on the accepted
 path (`node_hist`); for a static tree a node is a path of child ranks, so `p[d, r]` is the number of

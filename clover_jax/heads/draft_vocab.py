@@ -11,12 +11,11 @@ token missing from the set can only cost acceptance, never correctness (greedy a
     save_draft_vocab("runs/x/draft_vocab.json", ids, source="runs/sd_chat_all.jsonl")
     generate(model, prompts, mode="speculative", head=head, draft_vocab=load_draft_vocab(path))
 
-CLI: `python -m clover_jax.heads.draft_vocab --data chat.jsonl --size 8192 --out draft_vocab.json`.
+CLI: `python -m clover_jax.cli.draft_vocab --data chat.jsonl --size 8192 --out draft_vocab.json`.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 from collections import Counter
 from pathlib import Path
@@ -24,6 +23,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
+from clover_jax import pretrained
 from clover_jax.validation import InputError, check_draft_vocab  # noqa: F401  (re-exported)
 
 
@@ -57,8 +57,6 @@ def head_draft_vocab(head_path) -> np.ndarray | None:
     directory or an exported head folder then holds `draft_vocab.json` with `"head_trained_on_it": true`.
     A draft vocabulary written only as an inference option (the flag false or absent) gives None.
     `head_path` may also be a registered head name (`clover_jax.pretrained`)."""
-    from clover_jax import pretrained
-
     path = pretrained.head_path(head_path) / DRAFT_VOCAB_FILE
     if not path.is_file():
         return None
@@ -101,38 +99,3 @@ def coverage(ids, sequences: Iterable[Sequence[int]]) -> float:
         total += len(seq)
         hit += sum(int(t) in s for t in seq)
     return hit / total if total else float("nan")
-
-
-def reply_tokens(chat_path, tokenizer) -> list[list[int]]:
-    """Token ids of the assistant turns of a chat JSONL file (`{"messages": [...]}` per line)."""
-    out = []
-    with open(chat_path) as fh:
-        for line in fh:
-            if line.strip():
-                for m in json.loads(line)["messages"]:
-                    if m["role"] == "assistant":
-                        out.append(tokenizer.encode(m["content"], add_special_tokens=False))
-    return out
-
-
-def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description="Build a draft vocabulary from the assistant replies of a chat file.")
-    ap.add_argument("--data", required=True, help="chat JSONL file ({'messages': [...]} per line)")
-    ap.add_argument("--model", default="smollm2-135m-instruct", help="whose tokenizer (name or path)")
-    ap.add_argument("--size", type=int, default=8192)
-    ap.add_argument("--out", required=True)
-    args = ap.parse_args(argv)
-
-    from clover_jax.io.loader import load_tokenizer
-
-    tok = load_tokenizer(args.model)
-    seqs = reply_tokens(args.data, tok)
-    eos = [t for t in (tok.eos_token_id,) if t is not None]
-    ids = frequent_tokens(seqs, args.size, always=eos)
-    save_draft_vocab(args.out, ids, source=str(args.data), model=args.model, replies=len(seqs))
-    print(f"{len(ids)} ids from {len(seqs)} replies; coverage of those replies {coverage(ids, seqs):.4f}; "
-          f"written to {args.out}")
-
-
-if __name__ == "__main__":
-    main()

@@ -19,14 +19,68 @@ O(B * chunk * num_heads * V) in the forward and the backward.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from clover_jax.config import LossConfig  # noqa: F401 (the loss functions' cfg; re-exported)
 from clover_jax.models.cache import causal_mask
 from clover_jax.models.llama import Llama, rms_norm
+from clover_jax.sections import Section
+
+
+@dataclasses.dataclass(frozen=True)
+class LossConfig(Section):
+    """L = sum_i decay^i (v_weight * vloss_i + p_weight * ploss_i), as the Clover-2 reference."""
+
+    _name = "loss"
+    decay: float = 0.7
+    v_weight: float = 10.0  # SmoothL1 regression to the base post-norm hidden state
+    p_weight: float = 1.0  # soft-label cross-entropy against the base distribution
+    head_weight: float = 1.0  # the reference's heads_coefficient: every head's term scaled by it
+    vocab_chunk: int = 0  # positions per chunk when computing [.., V] logits; 0 = no chunking
+    # the reference's --label_mask (get_id_mask, off there and here): a position trains head i only where the
+    # base ranks each of the i + 1 true next tokens among its top `label_mask_topk` (0: all V) tokens, stopping
+    # once `label_mask_topp` (0: 1.0) of its mass is seen; on when either is set
+    label_mask_topk: int = 0
+    label_mask_topp: float = 0.0
+    # Cross-entropy positions per row: 0 = every trained position (the reference); K > 0 computes the
+    # vocabulary-sized terms only at (up to) K trained positions per row, a random subset where a row has
+    # more, so prompt and padding positions cost nothing (the regression term still sees every position).
+    vocab_positions_per_row: int = 0
+    # Cross-entropy over the draft vocabulary (the train.draft_vocab_size most frequent trained tokens, the
+    # ids written to draft_vocab.json) instead of all V: teacher and student distributions both restricted
+    # to it, as the head drafts with `draft_vocab=` at inference. Costs Q/V of the vocabulary terms.
+    draft_vocab: bool = False
+    # cross-entropy against the data's next tokens instead of the base's soft labels (the ReDrafter reference's
+    # public training code trains so); the regression term, where a head has one, is unchanged
+    hard_labels: bool = False
+    # EAGLE's training noise on the head's input features (SafeAILab/EAGLE v1 `AddUniformNoise`, std 0.2 in its
+    # recipe): uniform, amplitude feature_noise * 512 / (the row's length), on inputs only; 0 = off. Only head
+    # types that read the base's features as inputs support it (HeadType.feature_noise)
+    feature_noise: float = 0.0
+
+    def _validate(self):
+        self._need(0 < self.decay <= 1, "decay", "must be in (0, 1]")
+        self._need(self.feature_noise >= 0, "feature_noise", "must be >= 0 (0 = off)")
+        self._need(self.v_weight >= 0, "v_weight", "must be >= 0")
+        self._need(self.p_weight >= 0, "p_weight", "must be >= 0")
+        self._need(self.head_weight > 0, "head_weight", "must be > 0")
+        self._need(self.v_weight + self.p_weight > 0, "p_weight", "v_weight and p_weight cannot both be 0")
+        self._need(self.vocab_chunk >= 0, "vocab_chunk", "must be >= 0")
+        self._need(self.label_mask_topk >= 0, "label_mask_topk", "must be >= 0")
+        self._need(0 <= self.label_mask_topp <= 1, "label_mask_topp", "must be in [0, 1]")
+        self._need(self.vocab_positions_per_row >= 0, "vocab_positions_per_row", "must be >= 0 (0 = all)")
+        self._need(not (self.vocab_positions_per_row and (self.label_mask_topk or self.label_mask_topp)),
+                   "vocab_positions_per_row", "cannot be combined with the label mask (it needs the teacher "
+                   "at every position); set it to 0")
+
+    @property
+    def label_mask(self) -> bool:
+        """Whether the reference's label mask is on (`label_mask_topk` or `label_mask_topp` set)."""
+        return self.label_mask_topk > 0 or self.label_mask_topp > 0
 
 
 def smooth_l1(x: jax.Array, y: jax.Array, beta: float = 1.0) -> jax.Array:
@@ -313,7 +367,6 @@ def pack_positions(loss_mask, valid, per_row: int, rng=None):
     """Host side: `index [B, per_row]` int32 of trained positions per row (`trained_positions`), for
     `kd_loss_packed`. Rows with more than `per_row` of them keep a uniformly random subset (sorted) drawn
     from `rng` (a `numpy.random.Generator`; None keeps the first ones); -1 fills the rest."""
-    import numpy as np
 
     loss_mask, valid = np.asarray(loss_mask, bool), np.asarray(valid, bool)
     valid_next = np.pad(valid[:, 1:], ((0, 0), (0, 1)))

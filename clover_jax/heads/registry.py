@@ -1,14 +1,15 @@
 """The one place that knows the draft-head types.
 
-A head type is a `HeadType` entry: its config class and module, how an experiment config builds its config,
-its initialisation from the base model, its drafter for a tree, its training loss, its export / import
-under the reference project's parameter names and its sharding rules. The speculative loop, the trainer,
-checkpoints, export and `load_head` look a type up here and never import a head module themselves, so a new
-head is one new module that calls `register(...)` plus one line in `BUILTIN`.
+A head type is one package, `clover_jax/heads/<type>/`, whose `__init__` registers a `HeadType`: its module and
+config classes, its experiment-config section (`HeadOptions`), its initialisation from the base model, the
+drafter it builds for each tree policy it can draft, its training loss, its export / import under the reference
+project's parameter names and its sharding rules. The trainer, checkpoints, export, `load_head` and the generation
+API look a type up here and never import a head package themselves; the speculative loop takes the drafter this
+module builds. A new built-in head is one package plus one line in `BUILTIN`; a head defined elsewhere (a user's
+own package, a test) calls `register(...)` when it is imported.
 
   ht = registry.get("medusa")            # by the name an experiment config or checkpoint uses
   ht = registry.of_head(head)            # by a head module instance (or its class)
-  drafter = ht.make_drafter(tree_spec, draft_vocab)
   drafter = registry.drafter_for(type(head), "fit-5-411aab+lookup-4-table", draft_vocab, ngram_table)  # cached,
                                          # prompt lookup and n-gram tables included: what the speculative loop takes
 """
@@ -20,12 +21,17 @@ import functools
 import importlib
 from typing import Any, Callable
 
+import jax.numpy as jnp
+
+from clover_jax import parallel
+from clover_jax.decoding.lookup import LookupDrafter, NoHead
+from clover_jax.decoding.tree import LookupTree, get_tree, policy_kind
 from clover_jax.validation import InputError
 
-# name -> the module whose import registers it (imported on first lookup)
+# name -> the package whose import registers it (imported on first lookup)
 BUILTIN = {
     "clover1": "clover_jax.heads.clover1",
-    "clover2": "clover_jax.heads.clover2_type",
+    "clover2": "clover_jax.heads.clover2",
     "eagle": "clover_jax.heads.eagle",
     "medusa": "clover_jax.heads.medusa",
     "redrafter": "clover_jax.heads.redrafter",
@@ -38,12 +44,15 @@ _TYPES: dict[str, "HeadType"] = {}
 class HeadType:
     """Everything the rest of the library needs to know about one kind of draft head.
 
+    Classes: `module_cls` the head (an `nnx.Module`), `config_cls` its architecture config, `options_cls` the
+    `head:` section of an experiment config (`clover_jax.heads.options.HeadOptions`; `.head_config(dtype, remat)`).
+    `drafters` maps each tree-policy type the head can draft (`clover_jax.decoding.tree`: `TreeSpec`,
+    `DynamicTree`, `BeamTree`) to its drafter class, called as `cls(spec, draft_vocab=...)`; a prompt-lookup chain
+    (`LookupTree`) wraps any of them.
     Callables (all pure Python; the model pieces run under `jax.jit` where the caller jits):
-      from_experiment(cfg) -> config       the head config of an `ExperimentConfig` (its `head` section)
       init_from_base(base, config, seed)   a fresh head for a base model (the reference's initialisation)
-      make_drafter(tree_spec, draft_vocab) the `Drafter` the speculative loop runs (static, hashable)
       loss_from_features(head, base, f, tokens, loss_mask, valid, loss_cfg, *, index, vocab_ids)
-                                           -> (loss, metrics) of `clover_jax.training.loss.kd_loss`'s keys
+                                           -> (loss, metrics) of `clover_jax.heads.losses.kd_loss`'s keys
       to_reference(head, base, include_frozen) -> {reference name: numpy array}
       from_reference(folder, meta, base, dtype) -> head   (meta: the folder's config.json)
       config_dict(head, base_name) -> the exported config.json (with `head_type`)
@@ -57,10 +66,10 @@ class HeadType:
     name: str
     config_cls: type
     module_cls: type
+    options_cls: type
     fields: tuple[str, ...]
-    from_experiment: Callable[[Any], Any]
     init_from_base: Callable[..., Any]
-    make_drafter: Callable[..., Any]
+    drafters: dict[type, Callable[..., Any]]
     loss_from_features: Callable[..., Any]
     to_reference: Callable[..., dict]
     from_reference: Callable[..., Any]
@@ -74,10 +83,16 @@ class HeadType:
     feature_noise: bool = False
     recognizes: Callable[[dict, Any], bool] | None = None
 
+    def make_drafter(self, spec, draft_vocab=None):
+        """The drafter of this head type for a tree policy (an error naming the policies it drafts otherwise)."""
+        cls = next((c for kind, c in self.drafters.items() if isinstance(spec, kind)), None)
+        if cls is None:
+            can = ", ".join(policy_kind(kind) for kind in self.drafters)
+            raise InputError(f"{self.name} heads draft {can}; {spec.name!r} is a {policy_kind(type(spec))}")
+        return cls(spec, draft_vocab=draft_vocab)
+
     def config_to_meta(self, config) -> dict[str, Any]:
         """The JSON-able architecture fields of `config` plus its dtypes (checkpoint metadata)."""
-        import jax.numpy as jnp
-
         out = {k: getattr(config, k) for k in self.fields}
         out["dtype"] = jnp.dtype(config.dtype).name
         out["param_dtype"] = jnp.dtype(config.param_dtype).name
@@ -85,8 +100,6 @@ class HeadType:
 
     def config_from_meta(self, meta: dict[str, Any], dtype=None, remat: bool = False):
         """The config written by `config_to_meta` (`dtype` overrides the saved compute dtype)."""
-        import jax.numpy as jnp
-
         missing = [k for k in self.fields if k not in meta]
         if missing:
             raise InputError(f"{self.name} head metadata lacks {missing}")
@@ -96,11 +109,12 @@ class HeadType:
 
 
 def register(head_type: HeadType) -> HeadType:
-    """Adds a head type (a module calls this at import). Registering a name twice with different classes
-    is an error; re-importing the same module is not."""
+    """Adds a head type (its package calls this at import) and its parameters' sharding rules. Registering a name
+    twice with different classes is an error; re-importing the same module is not."""
     old = _TYPES.get(head_type.name)
     if old is not None and old.module_cls is not head_type.module_cls:
         raise ValueError(f"head type {head_type.name!r} is already registered ({old.module_cls.__name__})")
+    parallel.add_rules(head_type.sharding_rules)
     _TYPES[head_type.name] = head_type
     return head_type
 
@@ -152,20 +166,10 @@ def of_config(config) -> HeadType:
     raise InputError(f"{type(config).__name__} is not the config of a registered draft head type")
 
 
-def sharding_rules() -> dict[str, tuple]:
-    """The parameter-name rules of every head type (for `clover_jax.parallel`)."""
-    out: dict[str, tuple] = {}
-    for ht in load_all().values():
-        out.update(ht.sharding_rules)
-    return out
-
-
 def drafter_for(head_type: type, tree_key, draft_vocab=None, ngram_table=None) -> object:
     """The (cached) drafter of a head type for a tree, an optional draft vocabulary (token ids) and, for trees
     named `...-table`, an n-gram table (`clover_jax.decoding.ngram.NgramTable`; ignored by other trees): equal
     arguments give the same drafter object, so the jitted loop is reused."""
-    from clover_jax.decoding.tree import LookupTree, get_tree
-
     vocab = None if draft_vocab is None else tuple(int(i) for i in draft_vocab)
     spec = get_tree(tree_key)
     table = ngram_table if isinstance(spec, LookupTree) and spec.table else None
@@ -174,19 +178,15 @@ def drafter_for(head_type: type, tree_key, draft_vocab=None, ngram_table=None) -
 
 @functools.lru_cache(maxsize=32)
 def _drafter_for(head_type: type, tree_key, draft_vocab, ngram_table) -> object:
-    from clover_jax.decoding.tree import LookupTree, get_tree
-
     spec = get_tree(tree_key)
     if isinstance(spec, LookupTree):  # a prompt-lookup chain beside the head's tree (or alone)
-        from clover_jax.decoding.lookup import LookupDrafter, NoHead
-
         if spec.inner is not None and issubclass(head_type, NoHead):
             raise InputError(f"tree {spec.name!r} drafts {spec.inner.name!r} with a head: give head=..., or "
                              f"use {spec.name.rsplit('+', 1)[-1]!r} (prompt lookup alone)")
         if spec.table and ngram_table is None:
             raise InputError(f"tree {spec.name!r} falls back to an n-gram table, and none was given: use a head "
                              f"that ships one (ngram_table.npz beside it), pass ngram_table=... (--ngram-table), "
-                             f"build one with python -m clover_jax.decoding.ngram, or drop '-table' from the tree name")
+                             f"build one with python -m clover_jax.cli.ngram, or drop '-table' from the tree name")
         inner = None if spec.inner is None else of_head(head_type).make_drafter(spec.inner, draft_vocab)
         return LookupDrafter(inner, spec, ngram_table)
     return of_head(head_type).make_drafter(spec, draft_vocab)

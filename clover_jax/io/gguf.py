@@ -9,9 +9,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
 from clover_jax.models.config import ConfigError, LlamaConfig
 from clover_jax.validation import InputError, WeightFileError
+import gguf
+from gguf.quants import dequantize
 
 _GGUF_TO_HF = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -32,8 +35,6 @@ _BLOCK_TO_HF = {
 
 
 def _reader(path: str | Path):
-    import gguf
-
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file not found: {path}")
@@ -95,8 +96,6 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 def gguf_tensors(reader, config: LlamaConfig) -> dict[str, np.ndarray]:
     """Every tensor dequantised to float32 and renamed/un-permuted to HF names and layouts."""
-    from gguf.quants import dequantize
-
     out = {}
     for t in reader.tensors:
         try:
@@ -123,8 +122,7 @@ def gguf_tensors(reader, config: LlamaConfig) -> dict[str, np.ndarray]:
 
 def gguf_tokenizer(reader, source: str = "gguf"):
     """A transformers `PreTrainedTokenizerFast` built from the GGUF vocabulary (byte-level BPE), no torch."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast  # optional heavy import (seconds): only when a tokenizer is built
 
     model_kind = _field(reader, "tokenizer.ggml.model")
     if model_kind != "gpt2":

@@ -15,9 +15,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from safetensors import safe_open
 
+from clover_jax.io.torch_pickle import open_torch_file
 from clover_jax.models.config import LlamaConfig
 from clover_jax.models.llama import Llama
+from clover_jax.parallel import model_shardings
 from clover_jax.validation import InputError, WeightFileError
 
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
@@ -104,8 +107,6 @@ def model_from_params(config: LlamaConfig, params: dict, *, param_dtype=jnp.floa
                                             dtype=dtype, remat=remat))
     graphdef, state = nnx.split(abstract)
     if shardings is None and mesh is not None:
-        from clover_jax.parallel import model_shardings
-
         shardings = model_shardings(state, mesh)
     flat = dict(nnx.to_flat_state(state))
     shard_flat = dict(nnx.to_flat_state(shardings)) if shardings is not None else {}
@@ -191,10 +192,6 @@ def read_weights_dir(path: str | Path):
 def read_weights_file(file: str | Path):
     """`(getter(name) -> np.ndarray, keys)` of one weight file: safetensors, or a `torch.save` zip archive
     (`.bin`, `.pt`, `.pth`) read without torch. An unreadable file raises `WeightFileError` naming it."""
-    from safetensors import safe_open
-
-    from clover_jax.io.torch_pickle import open_torch_file
-
     file = Path(file)
     try:
         if file.suffix == ".safetensors":

@@ -18,6 +18,8 @@ import functools
 import re
 from pathlib import Path
 
+from huggingface_hub import HfApi, constants, snapshot_download
+
 HUB_PREFIX = "hf://"
 _PART = r"[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9_])?"
 _REPO_ID = re.compile(rf"^(?P<repo>{_PART}/{_PART})(?:@(?P<rev>[A-Za-z0-9][A-Za-z0-9._/-]*))?$")
@@ -81,8 +83,6 @@ def _has_safetensors(repo_id: str, revision: str | None) -> bool:
     """Whether the repository holds safetensors weights; False also when its file list cannot be had (offline:
     then the cache decides, and a cached copy holds only what was downloaded)."""
     try:
-        from huggingface_hub import HfApi, constants
-
         if constants.HF_HUB_OFFLINE:
             return False
         files = HfApi().list_repo_files(repo_id, revision=revision)
@@ -96,15 +96,9 @@ def _snapshot(repo_id: str, revision: str | None, allow: tuple[str, ...], skip: 
               name: str) -> Path:
     """One download (or cache lookup) per repository and revision per process."""
     try:
-        from huggingface_hub import snapshot_download
-    except ImportError:  # pragma: no cover - a dependency of transformers
-        raise HubError(f"{kind} {name!r}: reading from the Hugging Face hub needs `pip install huggingface_hub`")
-    try:
         folder = snapshot_download(repo_id, revision=revision, allow_patterns=list(allow),
                                    ignore_patterns=list(skip) or None)
     except Exception as e:  # noqa: BLE001 - the hub raises many types (network, auth, not found): one message
-        from huggingface_hub import constants
-
         offline = bool(constants.HF_HUB_OFFLINE)
         why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         hint = ("HF_HUB_OFFLINE is set and the hub cache holds no copy of it" if offline else

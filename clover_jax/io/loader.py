@@ -10,11 +10,15 @@ from pathlib import Path
 from typing import Any
 
 import jax.numpy as jnp
+from flax import nnx
 
+from clover_jax import parallel
 from clover_jax.io import gguf as gguf_io
+from clover_jax.io import hub
 from clover_jax.io.hf import hf_to_params, load_hf_dir, model_from_params
 from clover_jax.models.config import LlamaConfig
 from clover_jax.models.llama import Llama
+from clover_jax.parallel import parse_mesh
 from clover_jax.validation import InputError
 
 # Models that install from PyPI: name -> (distribution, file suffix inside it).
@@ -57,8 +61,6 @@ def resolve_model_path(name_or_path: str | os.PathLike) -> Path:
         if not hits:
             raise FileNotFoundError(f"package {dist!r} is installed but holds no {fname}")
         return Path(hits[0])
-    from clover_jax.io import hub
-
     snapshot = hub.resolve(key, "model")  # `owner/name[@revision]` that is not a local path
     if snapshot is not None:
         return snapshot
@@ -72,7 +74,7 @@ def resolve_model_path(name_or_path: str | os.PathLike) -> Path:
 
 
 def _gguf_tokenizer_cached(reader, path: Path):
-    from transformers import PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast  # optional heavy import (seconds): only for a tokenizer
 
     st = path.stat()
     tag = hashlib.sha1(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
@@ -93,7 +95,7 @@ def load_tokenizer(name_or_path: str | os.PathLike):
     path = resolve_model_path(name_or_path)
     if path.suffix == ".gguf":
         return _gguf_tokenizer_cached(gguf_io._reader(path), path)
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # optional heavy import (seconds): only for a tokenizer
 
     if not (path / "tokenizer.json").is_file() and not (path / "tokenizer_config.json").is_file():
         raise FileNotFoundError(f"{path}: no tokenizer.json / tokenizer_config.json")
@@ -130,8 +132,6 @@ def load_model(name_or_path: str | os.PathLike, *, dtype=jnp.float32, param_dtyp
             raise InputError(f"{arg}: expected a floating dtype (float32, bfloat16, float16), got {value!r}")
     param_dtype = dtype if param_dtype is None else param_dtype
     if mesh is not None:
-        from clover_jax.parallel import parse_mesh
-
         mesh = parse_mesh(mesh)
     path = resolve_model_path(name_or_path)
     if path.is_file() and path.suffix == ".gguf":
@@ -148,3 +148,19 @@ def load_model(name_or_path: str | os.PathLike, *, dtype=jnp.float32, param_dtyp
         tok = load_tokenizer(path) if with_tokenizer else None
         return LoadedModel(config, model, tok, str(path))
     raise InputError(f"{path}: expected a model folder or a .gguf file")
+
+
+def base_config_of(name_or_path: str) -> LlamaConfig:
+    """The base model's `LlamaConfig` without reading its weights (HF folder, .gguf file or known name)."""
+    path = resolve_model_path(name_or_path)
+    if path.is_file() and path.suffix == ".gguf":
+        return gguf_io.gguf_config(gguf_io._reader(path), source=str(path))
+    return LlamaConfig.from_json_file(path / "config.json")
+
+
+def load_model_on_mesh(name_or_path: str, mesh, *, dtype=jnp.float32, param_dtype=jnp.float32) -> LoadedModel:
+    """`load_model` with every weight placed on its sharding over `mesh` (`clover_jax.parallel`) as it is read."""
+    config = base_config_of(name_or_path)
+    abstract = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0), param_dtype=param_dtype, dtype=dtype))
+    shardings = parallel.model_shardings(nnx.state(abstract), mesh)
+    return load_model(name_or_path, dtype=dtype, param_dtype=param_dtype, shardings=shardings)

@@ -16,6 +16,7 @@ import pickle
 import zipfile
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 
 # torch's legacy typed-storage classes, as pickled, -> numpy dtype
@@ -34,8 +35,6 @@ class _StorageType:
     def __init__(self, name: str):
         dtype = _STORAGE_DTYPES[name]
         if dtype == "bfloat16":
-            import ml_dtypes
-
             dtype = ml_dtypes.bfloat16
         self.dtype = np.dtype(dtype)
 

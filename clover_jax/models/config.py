@@ -11,7 +11,9 @@ import math
 from pathlib import Path
 from typing import Any
 
-from clover_jax.validation import InputError
+import numpy as np
+
+from clover_jax.validation import ConfigError, InputError  # noqa: F401 (ConfigError re-exported)
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -20,10 +22,6 @@ SUPPORTED_ARCHITECTURES = (
 )
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 ROPE_SCALING_TYPES = ("default", "linear", "dynamic", "llama3")
-
-
-class ConfigError(InputError):
-    """A model config that clover_jax cannot use; the message names the field."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -214,8 +212,6 @@ def rope_inv_freq(config: LlamaConfig, seq_len_hint: int | None = None):
     enlarged once the length passes `max_position_embeddings`. clover_jax uses static
     cache sizes, so the length used is the cache size (`seq_len_hint`).
     """
-    import numpy as np
-
     h = config.head_dim
     base = config.rope_theta
     rs = config.rope_scaling

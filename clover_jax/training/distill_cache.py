@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from clover_jax.training.sources import Conversation, DataError
+from tqdm import tqdm
 
 log = logging.getLogger(__name__)
 
@@ -116,8 +117,6 @@ def build_self_distill(conversations: Sequence[Conversation], generate_fn: Calla
     Each distinct prompt is generated once, in `generation_order` (by `seed`): a run stopped early (the generation
     is the slow part) leaves a sample of the whole set, not its shortest prompts.
     """
-    from tqdm import tqdm
-
     out_path = Path(out_path)
     if not resume and out_path.exists():
         out_path.unlink()

@@ -33,7 +33,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from clover_jax.training.loss import base_features
+from clover_jax.heads.losses import base_features
+from tqdm import tqdm
 
 
 def compute_features(base, dataset, boundaries, batch_size: int = 8, dtype=jnp.bfloat16,
@@ -43,8 +44,6 @@ def compute_features(base, dataset, boundaries, batch_size: int = 8, dtype=jnp.b
 
     Examples go through the base in batches of `batch_size`, shortest first, each batch right-padded to
     the smallest of `boundaries` that holds it (one compile per boundary used)."""
-    from tqdm import tqdm
-
     graphdef, state = nnx.split(base)
 
     @jax.jit

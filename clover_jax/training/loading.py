@@ -6,6 +6,11 @@ import json
 import os
 from pathlib import Path
 
+from clover_jax import pretrained
+from clover_jax.heads.export import import_head
+from clover_jax.training.checkpoint import load_head_from_run
+from clover_jax.validation import InputError, check_int
+
 
 def load_head(path, base, step: int | None = None):
     """Loads a draft head (any registered type) for `base` from a registered name (`clover_jax.pretrained`, e.g.
@@ -13,8 +18,6 @@ def load_head(path, base, step: int | None = None):
     reference project publishes it (Medusa's `medusa_lm_head.pt`, EAGLE-1's `pytorch_model.bin`), a Hugging Face
     hub repository of any of these (`owner/name[@revision]`), or a training run directory (Orbax checkpoints; the
     latest step unless `step` is given)."""
-    from clover_jax import pretrained
-    from clover_jax.validation import InputError, check_int
 
     if not isinstance(path, (str, os.PathLike)) or not str(path).strip():
         raise InputError(f"head: expected a registered head name, a head folder or a run directory, got {path!r}")
@@ -28,17 +31,11 @@ def load_head(path, base, step: int | None = None):
                                 f"({known})")
     cfg = path / "config.json"
     if cfg.is_file() and ("head_type" in _read_json(cfg) or not (path / "checkpoints").is_dir()):
-        from clover_jax.io.export import import_head  # ours, or a reference project's published head
-
         return import_head(path, base)
-    from clover_jax.training.checkpoint import load_head_from_run
-
     return load_head_from_run(path, base, step=step)
 
 
 def _read_json(path: Path) -> dict:
-    from clover_jax.validation import InputError
-
     try:
         out = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:

@@ -14,50 +14,37 @@ from pathlib import Path
 from typing import Any, Callable
 
 import jax
-from flax import nnx
 
 from clover_jax import parallel
-from clover_jax.config import ConfigError, ExperimentConfig, config_to_dict, save_config
+from clover_jax.heads.draft_vocab import coverage, frequent_tokens, head_draft_vocab, load_draft_vocab, save_draft_vocab
+from clover_jax.io.loader import base_config_of, load_model_on_mesh
+from clover_jax.training import data as data_lib
 from clover_jax.training import steps as steps_lib
 from clover_jax.training.checkpoint import Checkpointer, CheckpointError, head_metadata
+from clover_jax.training.config import ConfigError, ExperimentConfig, config_to_dict, save_config
+from clover_jax.training.features import attach_features
+from clover_jax.training.self_distill import self_distilled_conversations
 from clover_jax.training.trainer import Trainer
 
 log = logging.getLogger(__name__)
 
 
-def base_config_of(name_or_path: str):
-    """The base model's `LlamaConfig` without reading its weights (HF folder, .gguf file or known name)."""
-    from clover_jax.io import gguf as gguf_io
-    from clover_jax.io.loader import resolve_model_path
-    from clover_jax.models.config import LlamaConfig
-
-    path = resolve_model_path(name_or_path)
-    if path.is_file() and path.suffix == ".gguf":
-        return gguf_io.gguf_config(gguf_io._reader(path), source=str(path))
-    return LlamaConfig.from_json_file(path / "config.json")
-
-
 def load_base(cfg: ExperimentConfig, mesh) -> Any:
-    """`LoadedModel` (config, model, tokenizer) with the weights placed on their shardings as they are read."""
-    from clover_jax.io.loader import load_model
-    from clover_jax.models.llama import Llama
-
-    dtype, pdtype = steps_lib.DTYPES[cfg.model.dtype], steps_lib.DTYPES[cfg.model.param_dtype]
-    config = base_config_of(cfg.model.name_or_path)
-    abstract = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0), param_dtype=pdtype, dtype=dtype))
-    shardings = parallel.model_shardings(nnx.state(abstract), mesh)
-    return load_model(cfg.model.name_or_path, dtype=dtype, param_dtype=pdtype, shardings=shardings)
+    """The config's base model (`LoadedModel`) in its dtypes, the weights placed on `mesh` as they are read."""
+    return load_model_on_mesh(cfg.model.name_or_path, mesh, dtype=steps_lib.DTYPES[cfg.model.dtype],
+                              param_dtype=steps_lib.DTYPES[cfg.model.param_dtype])
 
 
-def build_data(cfg: ExperimentConfig, loaded, mesh=None) -> tuple[Any, list[dict[str, Any]]]:
-    """(train batcher, held-out batches for evaluation) from `cfg.data` (see `clover_jax.training.data`)."""
-    from clover_jax.training import data as data_lib
-    from clover_jax.training.features import attach_features
-
+def build_data(cfg: ExperimentConfig, loaded, mesh=None, make_generate_fn=None) -> tuple[Any, list[dict[str, Any]]]:
+    """(train batcher, held-out batches for evaluation) from `cfg.data` (see `clover_jax.training.data`).
+    `data.self_distill` generates the base model's replies with `make_generate_fn` (see
+    `clover_jax.training.self_distill.self_distilled_conversations`)."""
     if cfg.data.self_distill:  # the base model's own first-turn replies, generated once and cached on disk
-        from clover_jax.training.self_distill import self_distilled_conversations
-
-        convs = self_distilled_conversations(cfg, loaded, progress=jax.process_index() == 0, mesh=mesh)
+        if make_generate_fn is None:
+            raise ConfigError("data.self_distill: generating the base model's replies needs make_generate_fn= "
+                              "(clover_jax.generation.replies.make_generate_fn; train.py passes it)")
+        convs = self_distilled_conversations(cfg, loaded, make_generate_fn, progress=jax.process_index() == 0,
+                                             mesh=mesh)
     else:
         convs = data_lib.load_conversations(cfg.data)
     train, held = data_lib.build_datasets(cfg.data, loaded.tokenizer, convs, progress=jax.process_index() == 0)
@@ -93,8 +80,6 @@ def _warn_small_data(cfg: ExperimentConfig, train) -> None:
 def draft_vocab_of(dataset, size: int, eos_ids) -> tuple[Any, float]:
     """(ids, coverage): the `size` most frequent trained (loss-mask) tokens of `dataset` plus the EOS ids, and
     the share of the trained tokens they cover."""
-    from clover_jax.heads.draft_vocab import coverage, frequent_tokens
-
     seqs = [ex.tokens[ex.loss_mask.astype(bool)] for ex in (dataset[i] for i in range(len(dataset)))]
     ids = frequent_tokens(seqs, size, always=list(eos_ids or ()))
     return ids, coverage(ids, seqs)
@@ -104,8 +89,6 @@ def run_draft_vocab(cfg, dataset, eos_ids) -> tuple[Any, float, str]:
     """(ids, coverage of the trained tokens, source) of a run's draft vocabulary: the one `train.draft_vocab_from`
     names (a draft_vocab.json file, or a head whose training vocabulary it keeps, e.g. the head a warm start
     continues), else the `train.draft_vocab_size` most frequent trained tokens of `dataset`."""
-    from clover_jax.heads.draft_vocab import coverage, head_draft_vocab, load_draft_vocab
-
     src = cfg.train.draft_vocab_from
     if not src:
         ids, cov = draft_vocab_of(dataset, cfg.train.draft_vocab_size, eos_ids)
@@ -123,8 +106,6 @@ def write_draft_vocab(dataset, size: int, eos_ids, path: Path, head_trained_on_i
     """A draft vocabulary file: `ids` (with their coverage `cov`), by default `draft_vocab_of(dataset, size,
     eos_ids)`; `head_trained_on_it` marks the vocabulary of a head trained with `loss.draft_vocab` (which then
     drafts from it by default)."""
-    from clover_jax.heads.draft_vocab import save_draft_vocab
-
     if ids is None:
         ids, cov = draft_vocab_of(dataset, size, eos_ids)
     log.info("draft vocabulary: %d ids covering %.4f of the trained tokens -> %s", len(ids), cov, path)
@@ -184,8 +165,8 @@ def _resume_hint(e: CheckpointError, steps: list[int], bad_step: int | None) -> 
 
 def run_experiment(cfg: ExperimentConfig, *, resume: bool = False, progress: bool = True, mesh=None,
                    loaded=None, batcher=None, eval_batches=None,
-                   on_step: Callable[[int, Trainer], None] | None = None, from_step: int | None = None
-                   ) -> dict[str, Any]:
+                   on_step: Callable[[int, Trainer], None] | None = None, from_step: int | None = None,
+                   make_generate_fn: Callable | None = None) -> dict[str, Any]:
     """Trains a head as `cfg` says; returns the loop's summary. With `resume`, continues from the latest
     checkpoint in `cfg.checkpoint_dir` (or starts fresh when there is none, with a warning); without it, refuses
     to start where checkpoints already exist. `from_step` (with `resume`) continues from that step instead of
@@ -240,7 +221,7 @@ def run_experiment(cfg: ExperimentConfig, *, resume: bool = False, progress: boo
                 bad = next((s for s in existing if str(ckpt.step_dir(s)) in str(e)), None)
                 raise _resume_hint(e, existing, bad) from None
         if batcher is None:
-            batcher, eval_batches = build_data(cfg, loaded, mesh)
+            batcher, eval_batches = build_data(cfg, loaded, mesh, make_generate_fn)
         vocab_ids = None
         run_vocab = None
         if cfg.loss.draft_vocab or cfg.train.draft_vocab_size or cfg.train.draft_vocab_from:

@@ -9,30 +9,21 @@ The base model is loaded and decodes on the config's mesh (`mesh.data/fsdp/tp`, 
 that does not fit one chip (Llama-3-8B in bf16 on TPU v5e) generates tensor-parallel over `tp`, its rows split
 over the batch axes. One process only: multi-host generation is not supported (each host would decode alone).
 
-  python -m clover_jax.training.self_distill --config configs/smollm2-135m-clover2.yaml
-  python -m clover_jax.training.self_distill --config configs/llama3-8b-instruct-clover2.yaml --set mesh.tp=8
+  python -m clover_jax.cli.self_distill --config configs/smollm2-135m-clover2.yaml
+  python -m clover_jax.cli.self_distill --config configs/llama3-8b-instruct-clover2.yaml --set mesh.tp=8
 """
 
 from __future__ import annotations
 
-import argparse
+import gzip
+import json
 from pathlib import Path
 
-from clover_jax.api import encode_prompts, generate
+import jax
+
+from clover_jax.io.prompts import encode_prompts, questions_path
 from clover_jax.training.distill_cache import SelfDistillCache, build_self_distill, first_turn_prompt, prompt_key
 from clover_jax.training.sources import Conversation, DataError, load_conversations
-
-
-def make_generate_fn(loaded, temperature: float = 0.0, seed: int = 0, mesh=None):
-    """`generate_fn(list of message lists, max_new_tokens) -> list of reply strings` for build_self_distill,
-    decoding on `mesh` (a `jax.sharding.Mesh`, a string like "tp=8", or None for one device)."""
-
-    def generate_fn(message_lists, max_new_tokens: int = 256):
-        res = generate(loaded, [list(m) for m in message_lists], max_new_tokens=max_new_tokens,
-                       temperature=temperature, seed=seed, mesh=mesh)
-        return res.texts
-
-    return generate_fn
 
 
 def short_prompts(conversations, tokenizer, max_prompt_tokens: int) -> list[Conversation]:
@@ -45,15 +36,14 @@ def short_prompts(conversations, tokenizer, max_prompt_tokens: int) -> list[Conv
     return keep
 
 
-def self_distilled_conversations(cfg, loaded, convs=None, progress: bool = True, mesh=None) -> list[Conversation]:
-    """The configured conversations (or `convs`) with the base model's replies, generated once (on `mesh`, see
-    `make_generate_fn`) and cached in `<self_distill_dir>/replies.jsonl`; prompts longer than
+def self_distilled_conversations(cfg, loaded, make_generate_fn, convs=None, progress: bool = True,
+                                 mesh=None) -> list[Conversation]:
+    """The configured conversations (or `convs`) with the base model's replies, generated once (on `mesh`, by
+    `make_generate_fn(loaded, temperature=, seed=, mesh=)`: `clover_jax.generation.replies.make_generate_fn`) and cached in `<self_distill_dir>/replies.jsonl`; prompts longer than
     `data.self_distill_max_prompt_tokens` are skipped. Greedy unless `data.self_distill_temperature` > 0."""
-    import jax
-
     if jax.process_count() > 1:
         raise DataError(f"self-distillation runs in one process, not {jax.process_count()}: generate the replies "
-                        "on one host (python -m clover_jax.training.self_distill --config ... --export-chat "
+                        "on one host (python -m clover_jax.cli.self_distill --config ... --export-chat "
                         "replies.jsonl.gz) and train with data.self_distill: false, data.source: that file")
     convs = load_conversations(cfg.data) if convs is None else convs
     convs = short_prompts(convs, loaded.tokenizer, cfg.data.self_distill_max_prompt_tokens)
@@ -76,9 +66,6 @@ def export_chat_file(cache_path, out_path, id_suffix: str = "") -> int:
     ending in `.gz` is written gzip-compressed (`data.source` reads `.jsonl.gz`), small enough to keep the
     replies in a repository so they are generated once.
     """
-    import gzip
-    import json
-
     cache = SelfDistillCache(cache_path)
     gz = str(out_path).endswith(".gz")
     with (gzip.open(out_path, "wt", encoding="utf-8") if gz else open(out_path, "w", encoding="utf-8")) as f:
@@ -93,9 +80,6 @@ def import_chat_file(chat_path, cache_path, max_new_tokens: int | None = None) -
     """Adds the replies of a chat JSONL file (`export_chat_file`'s format, `.gz` or not) to the resumable cache,
     so a generation on a fresh machine continues after the replies kept in the repository instead of making them
     again. Each line's last message must be the assistant's reply; returns the number of replies added."""
-    import gzip
-    import json
-
     cache = SelfDistillCache(cache_path)
     opener = gzip.open if str(chat_path).endswith(".gz") else open
     items = []
@@ -115,9 +99,6 @@ def import_chat_file(chat_path, cache_path, max_new_tokens: int | None = None) -
 
 def _chat_prompts(path) -> set[str]:
     """The prompts (every message but the last) of a chat JSONL file, as `prompt_key`s."""
-    import gzip
-    import json
-
     with (gzip.open if str(path).endswith(".gz") else open)(path, "rt", encoding="utf-8") as f:
         return {prompt_key(json.loads(line)["messages"][:-1]) for line in f if line.strip()}
 
@@ -126,10 +107,6 @@ def evaluation_exclusions() -> tuple[set[str], set[str]]:
     """(original conversation ids, question texts) that training prompts must not share with the library's
     evaluation questions: the ShareGPT held-out questions (`sharegpt_heldout`; a ShareGPT V3 id `X_n` is part n of
     conversation X, so every part of X is excluded) and MT-Bench's first turns."""
-    import json
-
-    from clover_jax.io.prompts import questions_path
-
     ids, texts = set(), set()
     for name in ("sharegpt_heldout", "mt_bench"):
         for line in Path(questions_path(name)).read_text(encoding="utf-8").splitlines():
@@ -147,9 +124,6 @@ def export_prompts_file(convs, tokenizer, max_prompt_tokens: int, out_path, skip
     or a question text with the library's evaluation questions (`evaluation_exclusions`), and prompts that a chat
     file of `skip_answered` already answers. The file is a few MB where the ShareGPT JSON is 125 MB: what a
     generation run on another machine needs (`data.source`). Returns the count."""
-    import gzip
-    import json
-
     held_ids, held_texts = evaluation_exclusions()
     answered = set().union(*(_chat_prompts(p) for p in skip_answered)) if skip_answered else set()
     seen = set(answered)  # prompt keys already answered or already written
@@ -169,50 +143,3 @@ def export_prompts_file(convs, tokenizer, max_prompt_tokens: int, out_path, skip
             f.write(json.dumps({"id": c.id, "messages": prompt + [{"role": "assistant", "content": "-"}]},
                                ensure_ascii=False) + "\n")
     return len(keep)
-
-
-def main(argv=None):
-    from clover_jax import parallel
-    from clover_jax.config import add_config_arguments, config_from_args
-    from clover_jax.training.run import load_base
-
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_config_arguments(ap)
-    ap.add_argument("--export-chat", metavar="PATH", help="only write the cached replies as a chat JSONL file")
-    ap.add_argument("--import-chat", metavar="PATH",
-                    help="first add the replies of a chat JSONL file (e.g. data/self_distill/*.jsonl.gz) to the "
-                         "cache, then generate the rest")
-    ap.add_argument("--export-prompts", metavar="PATH",
-                    help="only write the configured conversations' short first-turn prompts as a chat JSONL file "
-                         "(less the library's evaluation questions)")
-    ap.add_argument("--skip-answered", metavar="FILE", nargs="+", default=(),
-                    help="with --export-prompts: leave out the prompts these chat JSONL files already answer")
-    ap.add_argument("--id-suffix", default="",
-                    help="with --export-chat: appended to every conversation id (e.g. /t0.7 for sampled replies "
-                         "trained beside greedy ones)")
-    args = ap.parse_args(argv)
-    cfg = config_from_args(args)
-    if args.export_chat:
-        n = export_chat_file(Path(cfg.self_distill_dir) / "replies.jsonl", args.export_chat, args.id_suffix)
-        print(f"{n} conversations written to {args.export_chat}")
-        return
-    if args.export_prompts:
-        from clover_jax.io.loader import load_tokenizer
-        from clover_jax.training.sources import load_conversations
-
-        n = export_prompts_file(load_conversations(cfg.data), load_tokenizer(cfg.model.name_or_path),
-                                cfg.data.self_distill_max_prompt_tokens, args.export_prompts, args.skip_answered)
-        print(f"{n} prompts written to {args.export_prompts}")
-        return
-    if args.import_chat:
-        n = import_chat_file(args.import_chat, Path(cfg.self_distill_dir) / "replies.jsonl",
-                             cfg.data.self_distill_max_new_tokens)
-        print(f"{n} replies imported from {args.import_chat}")
-    mesh = parallel.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tp)
-    loaded = load_base(cfg, mesh)  # the config's dtypes, the weights placed on the mesh as they are read
-    convs = self_distilled_conversations(cfg, loaded, mesh=mesh)
-    print(f"{len(convs)} self-distilled conversations in {cfg.self_distill_dir}")
-
-
-if __name__ == "__main__":
-    main()

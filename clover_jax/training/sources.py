@@ -4,7 +4,7 @@
 
 A `Conversation` is an id and a tuple of `{"role": "system"|"user"|"assistant", "content": str}`
 messages; `normalise_messages` maps ShareGPT (`from`/`value`) and OpenAI (`role`/`content`) turns to it.
-Each source kind (`clover_jax.config.source_kind`) has one reader in `READERS`; a new source is a new
+Each source kind (`clover_jax.training.config.source_kind`) has one reader in `READERS`; a new source is a new
 reader function registered there (and its kind in `source_kind`). Also the MT-Bench question reader.
 """
 
@@ -19,7 +19,7 @@ import logging
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
-from clover_jax.config import DataConfig, source_kind
+from clover_jax.training.config import DataConfig, source_kind
 from clover_jax.validation import InputError
 
 log = logging.getLogger(__name__)
@@ -187,7 +187,7 @@ def read_hf_dataset(directory: str | Path, limit: int | None = None,
     directory = Path(directory)
     if not directory.is_dir():
         raise FileNotFoundError(f"dataset folder not found: {directory}")
-    import datasets
+    import datasets  # optional heavy import (seconds): only for a datasets.save_to_disk folder
 
     ds = datasets.load_from_disk(str(directory))
     if isinstance(ds, datasets.DatasetDict):
@@ -228,7 +228,7 @@ def with_system_prompt(conversations: Sequence[Conversation], system_prompt: str
 
 
 
-# source kind (`clover_jax.config.source_kind`) -> reader(source, limit=, dropped=) -> [Conversation]
+# source kind (`clover_jax.training.config.source_kind`) -> reader(source, limit=, dropped=) -> [Conversation]
 READERS: dict[str, Callable[..., list[Conversation]]] = {
     "sharegpt": lambda source, limit=None, dropped=None: read_sharegpt(limit=limit, dropped=dropped),
     "json": read_chat_file,

@@ -26,13 +26,16 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from clover_jax.config import LossConfig
+from clover_jax.heads import registry
+from clover_jax.heads.losses import base_features, trained_positions
 from clover_jax.parallel import BATCH_AXES
-from clover_jax.training.loss import base_features, trained_positions
+from clover_jax.training.config import LossConfig
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 SUM_KEYS = ("v_sum", "p_sum", "correct", "chain_correct", "count", "p_count", "chain_count")
@@ -40,10 +43,9 @@ SUM_KEYS = ("v_sum", "p_sum", "correct", "chain_correct", "count", "p_count", "c
 
 # ------------------------------------------------------------------------------------------- config maps
 def head_config(cfg):
-    """The head's config (of the registered type `cfg.head.type`) from an `ExperimentConfig`."""
-    from clover_jax.heads import registry
-
-    return registry.get(cfg.head.type).from_experiment(cfg)
+    """The head's config (of the registered type `cfg.head.type`) from an `ExperimentConfig`: parameters in float32,
+    computed in `train.compute_dtype`."""
+    return cfg.head.head_config(DTYPES[cfg.train.compute_dtype], cfg.train.remat)
 
 
 def make_schedule(optim_cfg, total_steps: int) -> optax.Schedule:
@@ -133,8 +135,6 @@ def make_loss_fn(head_graphdef, base_graphdef, loss_cfg: LossConfig, vocab_ids=N
     (`HeadType.loss_from_features`), with the base run online or, when the batch carries `features` (the base's
     cached pre-norm hidden states), from those. `vocab_ids` (a draft vocabulary, or None for the full one)
     restricts the cross-entropy; `rng` draws `loss_cfg.feature_noise` (training steps only)."""
-    from clover_jax.heads import registry
-
     def forward(params, base_state, batch, rng=None):
         head = nnx.merge(head_graphdef, params)
         base = nnx.merge(base_graphdef, base_state)
@@ -238,8 +238,6 @@ def build_steps(head_graphdef, base_graphdef, tx: optax.GradientTransformation, 
 
 def summarize_eval(sums: list[dict[str, Any]], loss_cfg: LossConfig) -> dict[str, Any]:
     """Host-side aggregation of eval_step sums over batches -> exact held-out metrics (python floats)."""
-    import numpy as np
-
     tot = {k: np.sum([np.asarray(s[k], np.float64) for s in sums], axis=0) for k in (*SUM_KEYS, "tokens")}
     m = metrics_from_sums({k: jnp.asarray(tot[k]) for k in SUM_KEYS}, loss_cfg)
     out = {k: np.asarray(v).tolist() for k, v in m.items()}

@@ -31,11 +31,13 @@ import numpy as np
 from flax import nnx
 
 from clover_jax import parallel
-from clover_jax.config import ConfigError
 from clover_jax.heads import registry
+from clover_jax.heads.losses import pack_positions
 from clover_jax.training import steps as steps_lib
 from clover_jax.training.checkpoint import Checkpointer, CheckpointError, head_metadata, to_jsonable
-from clover_jax.training.loss import pack_positions
+from clover_jax.training.config import ConfigError, config_to_dict
+from clover_jax.training.loading import load_head
+from tqdm import tqdm
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +65,7 @@ class MetricsLogger:
         self._tb = None
         if tensorboard:
             try:
-                from tensorboardX import SummaryWriter
+                from tensorboardX import SummaryWriter  # optional: TensorBoard logging only where installed
 
                 # purge_step: TensorBoard discards the earlier events of steps >= it (a re-run's duplicates)
                 self._tb = SummaryWriter(str(self.run_dir / "tb"), purge_step=int(start_step) + 1)
@@ -165,8 +167,6 @@ def _same_sharding(x, sharding) -> bool:
 def warm_start(head, source: str, base):
     """`head` with the parameters of the head at `source` (a registered name, an exported folder or a run dir,
     see `load_head`); the two must be of the same type and architecture (`HeadType.fields`)."""
-    from clover_jax.heads.loading import load_head
-
     try:
         other = load_head(source, base)
     except FileNotFoundError as e:
@@ -306,8 +306,6 @@ class Trainer:
 
     def save(self, checkpointer: Checkpointer, data_state: dict[str, Any], force: bool = False,
              config: dict[str, Any] | None = None) -> bool:
-        from clover_jax.config import config_to_dict
-
         s = self.state
         return checkpointer.save(s.step, params=s.params, opt_state=s.opt_state, rng=s.rng,
                                  data_state=to_jsonable(data_state), head_meta=self.head_meta, force=force,
@@ -330,8 +328,6 @@ class Trainer:
 
         `batcher` yields host batches and has `state_dict()` (saved with each checkpoint). Returns a summary.
         """
-        from tqdm import tqdm
-
         tc = self.cfg.train
         total = int(steps or tc.steps)
         main = jax.process_index() == 0

@@ -13,10 +13,13 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from clover_jax.api import bucket_length, encode_prompts, generate, round_up
 from clover_jax.decoding import acceptance_stats
+from clover_jax.decoding.sizes import bucket_length, round_up
 from clover_jax.decoding.tree import get_tree
+from clover_jax.generation.api import generate
+from clover_jax.io.prompts import encode_prompts
 from clover_jax.validation import InputError
+from tqdm.auto import tqdm
 
 
 @dataclasses.dataclass
@@ -93,8 +96,6 @@ def evaluate(loaded, head, prompts: Sequence[str], *, trees: Sequence[str] = ("c
 
     A tree name ending in `+dv` (e.g. "chain-3+dv") runs that tree with the draft vocabulary `draft_vocab`
     (token ids, `clover_jax.heads.draft_vocab`), so both can be compared in one run."""
-    from tqdm.auto import tqdm
-
     ids = encode_prompts(loaded.tokenizer, list(prompts))
     runs = {"ar": RunStats("ar")} | {t: RunStats(t) for t in trees}
     if any(t.endswith(DV) for t in trees) and draft_vocab is None:

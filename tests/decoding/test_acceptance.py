@@ -23,7 +23,9 @@ import numpy as np
 import pytest
 from flax import nnx, struct
 
-from clover_jax.api import encode_prompts, generate, pad_prompts
+from clover_jax.decoding.sizes import pad_prompts
+from clover_jax.generation.api import generate
+from clover_jax.io.prompts import encode_prompts
 from clover_jax.decoding.autoregressive import ar_generate
 from clover_jax.decoding.sampling import SamplingParams
 from clover_jax.decoding.speculative import spec_generate

@@ -7,12 +7,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from clover_jax.api import generate
+from clover_jax.generation.api import generate
 from homogeneity import chi2_homogeneity
 from clover_jax.decoding.lookup import LookupDrafter, NoHead, lookup_chain
 from clover_jax.heads.registry import drafter_for
 from clover_jax.decoding.tree import LookupTree, TreeSpecError, get_tree
-from clover_jax.heads.clover2 import Clover2Config, Clover2Head, init_from_base
+from clover_jax.heads.clover2.model import Clover2Config, Clover2Head, init_from_base
 from clover_jax.models.config import LlamaConfig
 from clover_jax.models.llama import init_llama
 from clover_jax.validation import InputError

@@ -11,16 +11,18 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from clover_jax import api, parallel, validation
+from clover_jax import parallel, validation
+from clover_jax.decoding import memory
+from clover_jax.generation import api, plan
 from clover_jax.decoding import autoregressive, speculative
 from clover_jax.decoding.ngram import build_ngram_table
 from clover_jax.decoding.sampling import SamplingParams
 from clover_jax.heads import registry
-from clover_jax.heads.clover2 import Clover2Config, init_from_base
-from clover_jax.heads.clover1 import Clover1Config, init_from_base as clover1_from_base
-from clover_jax.heads.eagle import EagleConfig, init_from_base as eagle_from_base
-from clover_jax.heads.medusa import MedusaConfig, init_from_base as medusa_from_base
-from clover_jax.heads.redrafter import ReDrafterConfig, init_from_base as redrafter_from_base
+from clover_jax.heads.clover2.model import Clover2Config, init_from_base
+from clover_jax.heads.clover1.head import Clover1Config, init_from_base as clover1_from_base
+from clover_jax.heads.eagle.head import EagleConfig, init_from_base as eagle_from_base
+from clover_jax.heads.medusa.head import MedusaConfig, init_from_base as medusa_from_base
+from clover_jax.heads.redrafter.head import ReDrafterConfig, init_from_base as redrafter_from_base
 from clover_jax.models.cache import KVCache
 from clover_jax.models.config import LlamaConfig, RopeScaling
 from clover_jax.models.llama import init_llama
@@ -222,7 +224,7 @@ def test_memory_planning_on_mesh_names_the_numbers(tiny, monkeypatch):
                        match=r"on 8 CPU devices \(sharing host memory\).*KV cache.*larger mesh tp axis"):
         api.generate(base, _prompts(8), max_new_tokens=16, cache_size=4096, mesh="data=4,tp=2")
     # devices with their own memory are checked one by one, per device
-    parts = validation.split_over_mesh({"KV cache": 8 * 2 ** 30}, LLAMA3ISH, {"data": 1, "fsdp": 1, "tp": 4})
+    parts = memory.split_over_mesh({"KV cache": 8 * 2 ** 30}, LLAMA3ISH, {"data": 1, "fsdp": 1, "tp": 4})
     assert parts == {"KV cache": 2 * 2 ** 30}
 
     class Dev:
@@ -230,7 +232,7 @@ def test_memory_planning_on_mesh_names_the_numbers(tiny, monkeypatch):
 
     monkeypatch.setattr(validation, "available_memory", lambda device=None: (2 ** 30, "TPU_0 (bytes_limit)"))
     with pytest.raises(validation.InsufficientMemoryError, match=r"per device.*2.00 GiB.*weights placed on the mesh"):
-        validation.check_mesh_memory(parts, weights_bytes=2 ** 20, weights_to_place=2 ** 20, what="generate",
+        memory.check_mesh_memory(parts, weights_bytes=2 ** 20, weights_to_place=2 ** 20, what="generate",
                                      devices=[Dev()] * 4)
 
 

@@ -9,12 +9,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from clover_jax.api import generate
+from clover_jax.generation.api import generate
 from clover_jax.decoding.ngram import (NgramTable, build_ngram_table, context_hash, head_ngram_table,
                                        load_ngram_table, ngram_chain, save_ngram_table)
 from clover_jax.heads.registry import drafter_for
 from clover_jax.decoding.tree import get_tree
-from clover_jax.heads.clover2 import Clover2Head
+from clover_jax.heads.clover2.model import Clover2Head
 from clover_jax.models.config import LlamaConfig
 from clover_jax.models.llama import init_llama
 from clover_jax.validation import InputError

@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from clover_jax.api import generate, prepare_generate
+from clover_jax.generation.api import generate, prepare_generate
 from homogeneity import chi2_homogeneity
 from clover_jax.decoding import speculative
 from clover_jax.decoding.tree import TreeSpecError
 from clover_jax.heads import registry
-from clover_jax.heads.clover2 import Clover2Config, init_from_base
+from clover_jax.heads.clover2.model import Clover2Config, init_from_base
 from clover_jax.models.cache import CacheOverflowError
 from clover_jax.models.config import LlamaConfig
 from clover_jax.models.llama import init_llama

@@ -117,7 +117,7 @@ def test_dynamic_drafter_keeps_the_best_candidates_as_a_tree():
     from flax import nnx
 
     from clover_jax.heads.registry import drafter_for
-    from clover_jax.heads.clover2 import Clover2Config, Clover2Head, init_from_base
+    from clover_jax.heads.clover2.model import Clover2Config, Clover2Head, init_from_base
     from clover_jax.models.config import LlamaConfig
     from clover_jax.models.llama import init_llama
 

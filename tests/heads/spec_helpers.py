@@ -46,7 +46,7 @@ def ranked_medusa(ranks):
     exactly the path of child ranks `ranks`, and nothing off it."""
     from flax import nnx
 
-    from clover_jax.heads.medusa import MedusaConfig, init_from_base
+    from clover_jax.heads.medusa.head import MedusaConfig, init_from_base
 
     base = init_llama(CFG, seed=0)
     base.final_norm[...] = jnp.zeros_like(base.final_norm[...])

@@ -18,10 +18,10 @@ from clover_jax import parallel
 from clover_jax.heads.registry import drafter_for
 from clover_jax.decoding.tree import DynamicTree, TreeSpecError, get_tree
 from clover_jax.heads import registry
-from clover_jax.heads.clover1 import Clover1Config, Clover1Head, init_from_base
-from clover_jax.heads.clover2_draft import Clover2DynamicDrafter
+from clover_jax.heads.clover1.head import Clover1Config, Clover1Head, init_from_base
+from clover_jax.heads.clover2.drafter import Clover2DynamicDrafter
 from clover_jax.models.llama import init_llama
-from clover_jax.training.loss import base_features
+from clover_jax.heads.losses import base_features
 from clover_jax.validation import InputError
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "training"))  # training_helpers, test_trainer
@@ -116,9 +116,10 @@ def test_top_p_cut_leaves_unused_slots():
 
 
 def test_clover1_training_run_export_and_import(tmp_path):
-    from clover_jax.export import export_head_from_run
-    from clover_jax.heads.loading import load_head
-    from clover_jax.io.export import export_base, import_head
+    from clover_jax.cli.export import export_head_from_run
+    from clover_jax.training.loading import load_head
+    from clover_jax.heads.export import import_head
+    from clover_jax.io.export import export_base
     from clover_jax.training.data import BucketedBatcher
     from clover_jax.training.run import run_experiment
     from clover_jax.training.trainer import Trainer

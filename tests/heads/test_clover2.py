@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from clover_jax.heads.clover2 import (Clover2Config, Clover2Head, attention_decoder, check_compatible,
+from clover_jax.heads.clover2.model import (Clover2Config, Clover2Head, attention_decoder, check_compatible,
                                       init_from_base)
 from clover_jax.models.config import LlamaConfig
 from clover_jax.models.llama import init_llama
@@ -261,7 +261,7 @@ def test_attention_decoder_matches_torch(eps, scale):
 
 
 def test_blockwise_top_k_equals_lax_top_k():
-    from clover_jax.heads.clover2_draft import top_k_ids
+    from clover_jax.decoding.sampling import top_k_ids
 
     for v, k in [(49152, 10), (1000, 10), (50, 10), (300, 1), (129, 4)]:
         x = jax.random.normal(jax.random.key(v), (3, 2, v))

@@ -5,10 +5,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from clover_jax.api import generate
+from clover_jax.generation.api import generate
 from clover_jax.decoding.tree import get_tree
-from clover_jax.heads.clover2 import Clover2Config, init_from_base
-from clover_jax.heads.clover2_draft import Clover2Drafter
+from clover_jax.heads.clover2.model import Clover2Config, init_from_base
+from clover_jax.heads.clover2.drafter import Clover2Drafter
 from clover_jax.heads.draft_vocab import (check_draft_vocab, coverage, frequent_tokens, load_draft_vocab,
                                           save_draft_vocab)
 from clover_jax.models.llama import init_llama

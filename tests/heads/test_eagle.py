@@ -18,11 +18,11 @@ from flax import nnx
 from clover_jax import parallel
 from clover_jax.heads.registry import drafter_for
 from clover_jax.heads import registry
-from clover_jax.heads.eagle import EagleConfig, EagleDrafter, EagleDynamicDrafter, EagleHead, init_from_base
+from clover_jax.heads.eagle.head import EagleConfig, EagleDrafter, EagleDynamicDrafter, EagleHead, init_from_base
 from clover_jax.models.cache import causal_mask
 from clover_jax.models.config import LlamaConfig
 from clover_jax.models.llama import init_llama
-from clover_jax.training.loss import base_features
+from clover_jax.heads.losses import base_features
 from clover_jax.validation import InputError
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "training"))  # training_helpers, test_trainer
@@ -198,7 +198,7 @@ def test_export_loads_strictly_into_the_reference_and_computes_the_same(tmp_path
     torch = pytest.importorskip("torch")
     from safetensors.torch import load_file
 
-    from clover_jax.io.export import export_head, import_head
+    from clover_jax.heads.export import export_head, import_head
 
     base = init_llama(CFG, seed=0)
     head = _head(base)
@@ -230,9 +230,10 @@ def test_export_loads_strictly_into_the_reference_and_computes_the_same(tmp_path
 
 
 def test_eagle_training_run_export_and_import(tmp_path):
-    from clover_jax.export import export_head_from_run
-    from clover_jax.heads.loading import load_head
-    from clover_jax.io.export import export_base, import_head
+    from clover_jax.cli.export import export_head_from_run
+    from clover_jax.training.loading import load_head
+    from clover_jax.heads.export import import_head
+    from clover_jax.io.export import export_base
     from clover_jax.training.data import BucketedBatcher
     from clover_jax.training.run import run_experiment
     from clover_jax.training.trainer import Trainer
@@ -268,8 +269,8 @@ def test_feature_noise_is_eagles_uniform_noise_on_inputs_only():
     """`loss.feature_noise`: uniform in +-std*256/length on valid positions, 0 on padding; it changes the training
     loss (inputs only: with zero noise the loss is the clean one), a step's noise is fixed by the step number (a
     resumed run redraws the same), and head types that take no input features refuse it by name."""
-    from clover_jax.config import ConfigError
-    from clover_jax.training.loss import LossConfig, uniform_feature_noise
+    from clover_jax.training.config import ConfigError
+    from clover_jax.heads.losses import LossConfig, uniform_feature_noise
     from clover_jax.training.steps import build_steps
     from training_helpers import make_cfg
 

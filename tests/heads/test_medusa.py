@@ -19,11 +19,11 @@ from clover_jax.decoding.autoregressive import ar_generate
 from clover_jax.decoding.sampling import SamplingParams
 from clover_jax.decoding.speculative import spec_generate
 from clover_jax.heads import registry
-from clover_jax.heads.clover2 import Clover2Head
-from clover_jax.heads.medusa import MedusaConfig, MedusaDrafter, MedusaHead, init_from_base, node_index
+from clover_jax.heads.clover2.model import Clover2Head
+from clover_jax.heads.medusa.head import MedusaConfig, MedusaDrafter, MedusaHead, init_from_base, node_index
 from clover_jax.heads.registry import drafter_for
 from clover_jax.models.llama import init_llama, rms_norm
-from clover_jax.training.loss import LossConfig, kd_loss, pack_positions
+from clover_jax.heads.losses import LossConfig, kd_loss, pack_positions
 from clover_jax.validation import InputError
 from tiny_llama import TINY_LLAMA
 
@@ -63,7 +63,7 @@ def test_registry_knows_both_heads_and_names_the_unknown():
     with pytest.raises(InputError, match="not a registered draft head"):
         registry.of_head(int)
     assert isinstance(drafter_for(MedusaHead, "chain-3"), MedusaDrafter)
-    from clover_jax.config import ConfigError, load_config
+    from clover_jax.training.config import ConfigError, load_config
 
     with pytest.raises(ConfigError, match="head.type: must be a registered head type"):
         load_config(None, ["head.type=eagle9"])
@@ -129,7 +129,7 @@ def test_medusa_loss_is_the_soft_cross_entropy_of_each_heads_projection():
     tokens = jnp.asarray(rng.integers(0, 64, (2, 12)), jnp.int32)
     valid = jnp.asarray(np.arange(12)[None] < np.array([[12], [9]]))
     loss_mask = valid & (jnp.arange(12)[None] >= 2)
-    from clover_jax.training.loss import base_features
+    from clover_jax.heads.losses import base_features
 
     f = base_features(base, tokens, valid)
     ht = registry.get("medusa")
@@ -173,9 +173,10 @@ def test_medusa_training_run_checkpoint_export_and_reference_layout(tmp_path):
     torch = pytest.importorskip("torch")
     from safetensors import safe_open
 
-    from clover_jax.export import export_head_from_run
-    from clover_jax.heads.loading import load_head
-    from clover_jax.io.export import export_base, import_head
+    from clover_jax.cli.export import export_head_from_run
+    from clover_jax.training.loading import load_head
+    from clover_jax.heads.export import import_head
+    from clover_jax.io.export import export_base
     from clover_jax.training.data import BucketedBatcher
     from clover_jax.training.run import run_experiment
     from clover_jax.training.trainer import Trainer

@@ -16,19 +16,19 @@ import pytest
 from flax import nnx
 
 from clover_jax import parallel
-from clover_jax.api import generate
+from clover_jax.generation.api import generate
 from clover_jax.decoding.autoregressive import ar_generate
 from clover_jax.decoding.sampling import SamplingParams
 from clover_jax.decoding.speculative import spec_generate
 from clover_jax.decoding.tree import BeamTree, TreeSpecError, get_tree
 from clover_jax.heads import registry
-from clover_jax.heads.clover2 import Clover2Head
-from clover_jax.heads.redrafter import (BeamDrafter, ReDrafterConfig, ReDrafterHead, beam_search, beams_to_tree,
+from clover_jax.heads.clover2.model import Clover2Head
+from clover_jax.heads.redrafter.head import (BeamDrafter, ReDrafterConfig, ReDrafterHead, beam_search, beams_to_tree,
                                         init_from_base)
 from clover_jax.heads.registry import drafter_for
 from clover_jax.models.config import LlamaConfig
 from clover_jax.models.llama import init_llama, rms_norm
-from clover_jax.training.loss import LossConfig, pack_positions
+from clover_jax.heads.losses import LossConfig, pack_positions
 from clover_jax.validation import InputError
 from tiny_llama import TINY_LLAMA
 
@@ -227,7 +227,7 @@ def test_redrafter_loss_is_the_unrolled_soft_cross_entropy():
     tokens = jnp.asarray(rng.integers(0, 64, (2, 12)), jnp.int32)
     valid = jnp.asarray(np.arange(12)[None] < np.array([[12], [9]]))
     loss_mask = valid & (jnp.arange(12)[None] >= 2)
-    from clover_jax.training.loss import base_features
+    from clover_jax.heads.losses import base_features
 
     f = base_features(base, tokens, valid)
     ht = registry.get("redrafter")
@@ -277,7 +277,7 @@ def test_redrafter_loss_is_the_unrolled_soft_cross_entropy():
     np.testing.assert_allclose(float(loss_hp), float(loss_h), rtol=1e-5)
     # over a draft vocabulary, positions whose label is outside it have no target
     ids = jnp.asarray(sorted(set(np.asarray(tokens).ravel().tolist()))[::2], jnp.int32)
-    from clover_jax.training.loss import next_token_labels
+    from clover_jax.heads.losses import next_token_labels
 
     lab = np.asarray(next_token_labels(tokens, jnp.ones_like(valid), ids))
     toks = np.asarray(tokens)
@@ -300,9 +300,10 @@ def test_redrafter_training_run_export_and_reference_layout(tmp_path):
     torch = pytest.importorskip("torch")
     from safetensors import safe_open
 
-    from clover_jax.export import export_head_from_run
-    from clover_jax.heads.loading import load_head
-    from clover_jax.io.export import export_base, import_head
+    from clover_jax.cli.export import export_head_from_run
+    from clover_jax.training.loading import load_head
+    from clover_jax.heads.export import import_head
+    from clover_jax.io.export import export_base
     from clover_jax.training.data import BucketedBatcher
     from clover_jax.training.run import run_experiment
     from clover_jax.training.trainer import Trainer

@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from clover_jax.heads.clover2 import Clover2Config, init_from_base
-from clover_jax.io.export import ExportError, export_base, export_head, import_head
+from clover_jax.heads.clover2.model import Clover2Config, init_from_base
+from clover_jax.heads.export import export_head, import_head
+from clover_jax.io.export import ExportError, export_base
 from clover_jax.io.hf import load_hf_dir
 from clover_jax.models.config import LlamaConfig
 from clover_jax.models.llama import init_llama
@@ -131,7 +132,8 @@ def test_exported_smollm2_generates_same_text_in_transformers(tmp_path, smollm):
     torch = pytest.importorskip("torch")
     import transformers
 
-    from clover_jax.api import encode_prompts, generate
+    from clover_jax.generation.api import generate
+    from clover_jax.io.prompts import encode_prompts
 
     out = export_base(smollm.model, tmp_path / "smol", tokenizer=smollm.tokenizer)
     ref = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
@@ -147,12 +149,12 @@ def test_exported_smollm2_generates_same_text_in_transformers(tmp_path, smollm):
 def test_push_without_network_fails_fast_and_keeps_folder(tmp_path, base_and_head):
     import time
 
-    from clover_jax.export import main
+    from clover_jax.cli.export import main
 
     base, head = base_and_head
     out = export_head(head, tmp_path / "h", base=base)
     before = sorted(p.name for p in out.iterdir())
-    from clover_jax.export import push_to_hub
+    from clover_jax.cli.export import push_to_hub
 
     t0 = time.time()
     with pytest.raises(ExportError, match="nothing was uploaded.*intact"):
@@ -167,7 +169,7 @@ def test_a_head_given_by_path_is_loaded_once_per_base_and_version(tmp_path, base
     """`generate(head=folder)` in a loop reuses the loaded head; a changed folder or another base reloads it."""
     import os
 
-    from clover_jax.api import resolve_head
+    from clover_jax.generation.api import resolve_head
 
     base, head = base_and_head
     export_head(head, tmp_path / "h", base=base)

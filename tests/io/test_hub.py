@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from clover_jax.heads.clover2 import Clover2Config, init_from_base
+from clover_jax.heads.clover2.model import Clover2Config, init_from_base
 from clover_jax.io import hub
-from clover_jax.io.export import export_base, export_head
+from clover_jax.heads.export import export_head
+from clover_jax.io.export import export_base
 from clover_jax.io.loader import load_model
 from clover_jax.models.llama import init_llama
 from tiny_llama import TINY_LLAMA
@@ -70,8 +71,8 @@ def _params(module):
 
 
 def test_model_and_head_by_repo_id(tmp_path, offline_hub, monkeypatch):
-    from clover_jax.api import generate
-    from clover_jax.heads.loading import load_head
+    from clover_jax.generation.api import generate
+    from clover_jax.training.loading import load_head
 
     base = init_llama(CFG, seed=3)
     head = init_from_base(base, Clover2Config(num_heads=3), seed=4)
@@ -107,7 +108,7 @@ def test_model_and_head_by_repo_id(tmp_path, offline_hub, monkeypatch):
 
 
 def test_missing_repository_is_one_clear_error(tmp_path, offline_hub):
-    from clover_jax.heads.loading import load_head
+    from clover_jax.training.loading import load_head
 
     with pytest.raises(hub.HubError, match=r"model 'me/absent' is not a local path, and downloading the Hugging "
                                            r"Face hub repository 'me/absent' failed .*HF_HUB_OFFLINE is set"):

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from clover_jax.heads.clover2 import REFERENCE_ROPE_THETA, Clover2Config, init_from_base
-from clover_jax.io.export import export_head, import_head
+from clover_jax.heads.clover2.model import REFERENCE_ROPE_THETA, Clover2Config, init_from_base
+from clover_jax.heads.export import export_head, import_head
 from clover_jax.models.config import LlamaConfig, RopeScaling
 from clover_jax.models.llama import init_llama
 

@@ -7,7 +7,8 @@ torch = pytest.importorskip("torch")
 
 import jax.numpy as jnp  # noqa: E402
 
-from clover_jax.api import encode_prompts, generate  # noqa: E402
+from clover_jax.generation.api import generate  # noqa: E402
+from clover_jax.io.prompts import encode_prompts
 
 pytestmark = [pytest.mark.slow, pytest.mark.torch]
 
@@ -62,7 +63,7 @@ def test_greedy_generation_matches_transformers(smollm, smollm_torch, chat_promp
 def test_speculative_greedy_equals_autoregressive_random_head(smollm, chat_prompts):
     """Real model, randomly initialised Clover-2 head (most drafts rejected): identical tokens,
     batch 1 and a batch of 4 prompts of different lengths."""
-    from clover_jax.heads.clover2 import Clover2Config, init_from_base
+    from clover_jax.heads.clover2.model import Clover2Config, init_from_base
 
     head = init_from_base(smollm.model, Clover2Config(), seed=0)
     ids = encode_prompts(smollm.tokenizer, chat_prompts)

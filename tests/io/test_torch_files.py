@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from clover_jax.heads.loading import load_head
-from clover_jax.io.export import export_base, export_head
+from clover_jax.training.loading import load_head
+from clover_jax.heads.export import export_head
+from clover_jax.io.export import export_base
 from clover_jax.io.hf import read_weights_dir
 from clover_jax.io.loader import load_model
 from clover_jax.io.torch_pickle import TorchFileError, read_torch_file
@@ -138,7 +139,7 @@ def test_a_published_medusa_head_loads_and_computes_the_reference(tmp_path):
 def test_a_published_eagle_head_loads(tmp_path):
     """As SafeAILab publishes EAGLE-1 heads: the draft module's state dict as pytorch_model.bin (with the
     frozen embedding and the unused `layers.0.input_layernorm`), config.json a Llama config with one layer."""
-    from clover_jax.heads.eagle import EagleConfig, init_from_base
+    from clover_jax.heads.eagle.head import EagleConfig, init_from_base
     from clover_jax.io.hf import read_weights_file
 
     base = init_llama(CFG, seed=2)

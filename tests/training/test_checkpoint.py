@@ -212,7 +212,7 @@ def test_orbax_checkpoint_export_import_round_trip(uninterrupted, tmp_path):
     import jax
     import jax.numpy as jnp
 
-    from clover_jax.io.export import export_head, import_head
+    from clover_jax.heads.export import export_head, import_head
     from clover_jax.training.checkpoint import load_head_from_run
 
     run_dir, _, trainer, _ = uninterrupted

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from clover_jax.config import DataConfig
+from clover_jax.training.config import DataConfig
 from clover_jax.training import data as D
 
 
@@ -144,7 +144,7 @@ def test_a_list_of_sources_is_read_in_order_and_capped_in_total(tmp_path):
     empty.write_text(json.dumps({"id": "e", "messages": [{"role": "user", "content": "q"}]}) + "\n")
     with pytest.raises(D.DataError, match=r"data.source=.*empty\.jsonl.*no conversations left"):
         D.load_conversations(DataConfig(source=[a, str(empty)]))
-    from clover_jax.config import ConfigError
+    from clover_jax.training.config import ConfigError
 
     for bad, why in (([], "must not be an empty list"), ([a, a], "lists a source twice"),
                      ([a, "x.csv"], "unknown source kind 'x.csv'"), ([a, " "], "must not be empty")):
@@ -631,7 +631,7 @@ def test_prompt_files_leave_out_evaluation_questions_and_answered_prompts(tmp_pa
 
 def test_self_distillation_temperature_reaches_the_generator(monkeypatch, tmp_path):
     """`data.self_distill_temperature` > 0 samples the replies (seeded by data.seed); 0 is greedy; < 0 refused."""
-    from clover_jax.config import ConfigError
+    from clover_jax.training.config import ConfigError
     from clover_jax.training import self_distill as SD
 
     seen = {}

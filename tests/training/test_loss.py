@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from clover_jax.heads.clover2 import Clover2Config, Clover2Head
+from clover_jax.heads.clover2.model import Clover2Config, Clover2Head
 from clover_jax.models.cache import causal_mask
 from clover_jax.models.config import LlamaConfig
 from clover_jax.models.llama import init_llama, rms_norm
-from clover_jax.training.loss import (LossConfig, base_features, clover2_loss, clover2_loss_from_features, kd_loss,
+from clover_jax.heads.losses import (LossConfig, base_features, clover2_loss, clover2_loss_from_features, kd_loss,
                                       kd_loss_packed, pack_positions)
 
 NH, B, T, D, V = 5, 3, 11, 16, 40

@@ -11,7 +11,7 @@ import jax
 import pytest
 
 from clover_jax import parallel
-from clover_jax.config import ConfigError, load_config
+from clover_jax.training.config import ConfigError, load_config
 from clover_jax.training.checkpoint import CheckpointError
 from clover_jax.training.run import run_experiment
 from training_helpers import SyntheticBatcher, make_cfg, tiny_base

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from clover_jax import parallel
-from clover_jax.config import load_config
+from clover_jax.training.config import load_config
 from clover_jax.heads.draft_vocab import coverage, load_draft_vocab
 from clover_jax.training.run import build_data, write_draft_vocab
 from clover_jax.training.trainer import Trainer

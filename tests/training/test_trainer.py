@@ -141,8 +141,8 @@ def test_cli_config_errors_are_one_line(args, message):
 
 
 def test_warm_start_from_an_exported_head(tmp_path):
-    from clover_jax.config import ConfigError
-    from clover_jax.io.export import export_head
+    from clover_jax.training.config import ConfigError
+    from clover_jax.heads.export import export_head
 
     base = tiny_base()
     mesh = parallel.make_mesh(1, 1, 1, devices=jax.devices("cpu")[:1])
@@ -183,7 +183,7 @@ def _tiny_dataset(lengths=(5, 16, 9, 12, 3, 16, 7, 11, 14, 6, 15, 10), seed=0):
 def test_cached_base_features_give_the_online_step():
     from clover_jax.training.data import BucketedBatcher
     from clover_jax.training.features import attach_features
-    from clover_jax.training.loss import base_features
+    from clover_jax.heads.losses import base_features
 
     base, ds = tiny_base(), _tiny_dataset()
     batcher = attach_features(BucketedBatcher(ds, 8, [8, 16], seed=0), base, batch_size=3, dtype=jnp.float32,
@@ -258,8 +258,8 @@ def test_features_on_disk_are_cached_per_example_for_the_same_model(tmp_path, mo
 
 
 def test_draft_vocabulary_training_run_marks_its_vocabulary_and_exports_it(tmp_path):
-    from clover_jax.config import ConfigError
-    from clover_jax.export import export_head_from_run
+    from clover_jax.training.config import ConfigError
+    from clover_jax.cli.export import export_head_from_run
     from clover_jax.heads.draft_vocab import head_draft_vocab, load_draft_vocab
     from clover_jax.io.export import export_base
     from clover_jax.training.data import BucketedBatcher
@@ -288,7 +288,7 @@ def test_draft_vocabulary_training_run_marks_its_vocabulary_and_exports_it(tmp_p
     out = export_head_from_run(run, tmp_path / "head", model=str(base_dir))
     np.testing.assert_array_equal(head_draft_vocab(out), ids)  # the exported head drafts from it too
     from clover_jax.decoding.ngram import build_ngram_table, head_ngram_table, save_ngram_table
-    from clover_jax.export import export_head_from_folder
+    from clover_jax.cli.export import export_head_from_folder
 
     save_ngram_table(build_ngram_table([[1, 2, 3, 1, 2, 4]] * 2, base.config.vocab_size), out)
     copy = export_head_from_folder(out, tmp_path / "copy", model=str(base_dir))  # the n-gram table travels too

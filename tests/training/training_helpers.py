@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from clover_jax.config import load_config
+from clover_jax.training.config import load_config
 from clover_jax.models.config import LlamaConfig
 from clover_jax.models.llama import init_llama
 

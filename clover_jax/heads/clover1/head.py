@@ -48,9 +48,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from safetensors import safe_open
 
-from clover_jax.heads import registry
-from clover_jax.heads.clover2 import (EMBED_SOURCES, REFERENCE_ROPE_THETA, aug_block_config, attention_decoder)
+from clover_jax.heads.clover2.model import EMBED_SOURCES, REFERENCE_ROPE_THETA, attention_decoder, aug_block_config
+from clover_jax.heads.losses import clover2_loss_from_features
+from clover_jax.io.export import ExportError
 from clover_jax.models.cache import KVCache, attended_cache, causal_mask, check_room
 from clover_jax.models.config import LlamaConfig
 from clover_jax.models.llama import DecoderStack, Llama, rms_norm
@@ -222,16 +224,7 @@ def init_from_base(base: Llama, cfg: Clover1Config = Clover1Config(), seed: int 
     return head
 
 
-def make_drafter(spec, draft_vocab=None):
-    """Clover-2's drafters (static or dynamic trees): the head exposes the interface they call."""
-    from clover_jax.heads.clover2_type import make_drafter as clover2_make_drafter
-
-    return clover2_make_drafter(spec, draft_vocab)
-
-
 def loss_from_features(head, base, f, tokens, loss_mask, valid, loss_cfg, *, index=None, vocab_ids=None):
-    from clover_jax.training.loss import clover2_loss_from_features
-
     return clover2_loss_from_features(head, base, f, tokens, loss_mask, valid, loss_cfg, index=index,
                                       vocab_ids=vocab_ids)
 
@@ -266,10 +259,6 @@ def config_dict(head: Clover1Head, base_name=None, extra=None) -> dict:
 
 
 def from_reference(folder, meta: dict, base, dtype=None) -> Clover1Head:
-    from safetensors import safe_open
-
-    from clover_jax.io.export import ExportError
-
     file = Path(folder) / "model.safetensors"
     if not file.is_file():
         raise ExportError(f"{folder}: no model.safetensors")
@@ -299,25 +288,3 @@ def from_reference(folder, meta: dict, base, dtype=None) -> Clover1Head:
             node[parts[-1]] = jnp.asarray(a, cfg.param_dtype)
     nnx.replace_by_pure_dict(state, tree)
     return nnx.merge(graphdef, state)
-
-
-def from_experiment(cfg) -> Clover1Config:
-    from clover_jax.training.steps import DTYPES
-
-    return Clover1Config(num_heads=cfg.head.num_heads, num_aug_layers=cfg.head.num_aug_layers,
-                         embed_source=cfg.head.embed_source, rope_theta=cfg.head.rope_theta,
-                         dtype=DTYPES[cfg.train.compute_dtype], param_dtype=jnp.float32, remat=cfg.train.remat)
-
-
-CLOVER1 = registry.register(registry.HeadType(
-    name="clover1", config_cls=Clover1Config, module_cls=Clover1Head,
-    fields=("num_heads", "num_aug_layers", "embed_source", "rope_theta"),
-    from_experiment=from_experiment, init_from_base=init_from_base, make_drafter=make_drafter,
-    loss_from_features=loss_from_features, to_reference=to_reference, from_reference=from_reference,
-    config_dict=config_dict, check_compatible=check_compatible,
-    sharding_rules={"ad_wq": ("fsdp", "tp"), "ad_wk": ("fsdp", "tp"), "ad_wv": ("fsdp", "tp"),  # [n, D, D]
-                    "ad_bq": (None,), "ad_bk": (None,), "ad_bv": (None,), "ad_norm": (None,),
-                    "fc_w": ("fsdp", "tp"), "fc_b": (None,)},  # the Augmenting Block: the base's layer rules
-    description="Clover: Medusa-style heads with a regressive connection, attention decoders and an Augmenting "
-                "Block (Xiao et al. 2024, arXiv 2405.00263)",
-    default_tree="dynamic-10-p0.8"))

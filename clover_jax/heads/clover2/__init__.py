@@ -1,19 +1,31 @@
-"""The Clover-2 entry of the head registry (Xiao et al. 2024, arXiv 2408.00264; reference `XiaoBin1992/clover`).
+"""Clover-2 (Xiao et al. 2024, arXiv 2408.00264; reference `XiaoBin1992/clover`): an RNN draft head with an
+Augmenting Block over the base model's hidden states.
 
-The pieces live where they belong (the module in `clover2`, the drafter in `clover2_draft`, the loss in
-`clover_jax.training.loss`, the reference name table in `clover_jax.io.export`); this module ties them to the
-name "clover2".
+  model.py    the head module (`Clover2Head`) and its config
+  drafter.py  drafting over a static tree and a dynamic (EAGLE-2-style) tree
+  loss.py     the training loss from the base's features
+  export.py   the reference project's parameter names, export and import
+This module registers the type under the name "clover2".
 """
 
 from __future__ import annotations
 
-import jax.numpy as jnp
+import dataclasses
+from typing import Literal, Optional
 
+from clover_jax.decoding.tree import DynamicTree, TreeSpec
 from clover_jax.heads import registry
-from clover_jax.heads.clover2 import Clover2Config, Clover2Head, check_compatible, init_from_base
-from clover_jax.decoding.tree import BeamTree, DynamicTree
-from clover_jax.validation import InputError
-from clover_jax.heads.clover2_draft import Clover2Drafter, Clover2DynamicDrafter
+from clover_jax.heads.clover2.drafter import Clover2Drafter, Clover2DynamicDrafter
+from clover_jax.heads.clover2.export import config_dict, from_reference, to_reference
+from clover_jax.heads.clover2.loss import loss_from_features
+from clover_jax.heads.clover2.model import (
+    REFERENCE_ROPE_THETA,
+    Clover2Config,
+    Clover2Head,
+    check_compatible,
+    init_from_base,
+)
+from clover_jax.heads.options import HeadOptions
 
 FIELDS = ("num_heads", "num_aug_layers", "embed_source", "rope_theta")
 
@@ -25,61 +37,31 @@ SHARDING_RULES = {  # attention decoders AD1/AD2 (output dim split into heads), 
 }  # the Augmenting Block is a DecoderStack: the base model's layer rules apply
 
 
-def from_experiment(cfg) -> Clover2Config:
-    """The head's config from an `ExperimentConfig` (params fp32; compute dtype train.compute_dtype)."""
-    from clover_jax.training.steps import DTYPES
+@dataclasses.dataclass(frozen=True)
+class Clover2Options(HeadOptions):
+    """The `head:` section of a Clover-2 experiment (defaults: the reference recipe)."""
 
-    return Clover2Config(num_heads=cfg.head.num_heads, num_aug_layers=cfg.head.num_aug_layers,
-                         embed_source=cfg.head.embed_source, rope_theta=cfg.head.rope_theta,
-                         dtype=DTYPES[cfg.train.compute_dtype], param_dtype=jnp.float32, remat=cfg.train.remat)
+    config_cls = Clover2Config
+    type: str = "clover2"
+    num_aug_layers: int = 2  # decoder layers in the Augmenting Block
+    embed_source: Literal["lm_head", "input"] = "lm_head"  # reference: E = copy(W_lm)
+    # Augmenting-Block RoPE: a number = plain RoPE with that base; the default is the reference's 10000 (its layers
+    # ignore the base's rope_theta), so exported heads compute the same function in the reference code. null: the
+    # base model's own RoPE (rope_theta and rope_scaling).
+    rope_theta: Optional[float] = REFERENCE_ROPE_THETA
 
-
-def tree_drafter_factory(static_cls, dynamic_cls, what: str):
-    """`make_drafter(spec, draft_vocab)` for heads that draft through Clover-2's tree drafters: `static_cls` for a
-    static tree, `dynamic_cls` for a `DynamicTree` policy, a clear error for a beam policy."""
-    def make_drafter(spec, draft_vocab=None):
-        if isinstance(spec, BeamTree):
-            raise InputError(f"{spec.name!r} is a beam-search policy (ReDrafter); {what} draft static trees "
-                             "(clover2-26, chain-N, ...) or dynamic ones (dynamic-N, dynamic-N-pP)")
-        if isinstance(spec, DynamicTree):
-            return dynamic_cls(spec, draft_vocab=draft_vocab)
-        return static_cls(spec, draft_vocab=draft_vocab)
-
-    return make_drafter
-
-
-make_drafter = tree_drafter_factory(Clover2Drafter, Clover2DynamicDrafter, "Clover-2 and Clover-1")
-
-
-def loss_from_features(head, base, f, tokens, loss_mask, valid, loss_cfg, *, index=None, vocab_ids=None):
-    from clover_jax.training.loss import clover2_loss_from_features
-
-    return clover2_loss_from_features(head, base, f, tokens, loss_mask, valid, loss_cfg, index=index,
-                                      vocab_ids=vocab_ids)
-
-
-def to_reference(head, base=None, include_frozen: bool = True, include_lm_head: bool | None = None) -> dict:
-    from clover_jax.io.export import head_to_reference
-
-    return head_to_reference(head, base, include_frozen, include_frozen if include_lm_head is None
-                             else include_lm_head)
-
-
-def from_reference(folder, meta, base, dtype=None) -> Clover2Head:
-    from clover_jax.io.export import clover2_from_reference
-
-    return clover2_from_reference(folder, meta, base, dtype=dtype)
-
-
-def config_dict(head, base_name=None, extra=None) -> dict:
-    from clover_jax.io.export import head_config_dict
-
-    return head_config_dict(head, base_name, extra)
+    def _validate(self):
+        super()._validate()
+        self._need(self.num_aug_layers >= 1, "num_aug_layers", "must be >= 1")
+        self._need(self.rope_theta is None or self.rope_theta > 0, "rope_theta", "must be > 0")
 
 
 CLOVER2 = registry.register(registry.HeadType(
-    name="clover2", config_cls=Clover2Config, module_cls=Clover2Head, fields=FIELDS,
-    from_experiment=from_experiment, init_from_base=init_from_base, make_drafter=make_drafter,
+    name="clover2", config_cls=Clover2Config, module_cls=Clover2Head, options_cls=Clover2Options, fields=FIELDS,
+    init_from_base=init_from_base, drafters={TreeSpec: Clover2Drafter, DynamicTree: Clover2DynamicDrafter},
     loss_from_features=loss_from_features, to_reference=to_reference, from_reference=from_reference,
     config_dict=config_dict, check_compatible=check_compatible, sharding_rules=SHARDING_RULES,
     description="Clover-2: an RNN draft head with an Augmenting Block (Xiao et al. 2024, arXiv 2408.00264)"))
+
+__all__ = ["CLOVER2", "Clover2Config", "Clover2Drafter", "Clover2DynamicDrafter", "Clover2Head", "Clover2Options",
+           "init_from_base"]

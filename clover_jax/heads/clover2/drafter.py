@@ -19,13 +19,16 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from clover_jax.decoding.sampling import top_k_ids  # noqa: F401  (re-exported for callers of its old home)
+from clover_jax import parallel
+from clover_jax.decoding.drafter import Proposal, TreeDrafterBase, cached_arrays, commit_prompt, vocab_ids
+from clover_jax.decoding.sampling import top_k_ids
 from clover_jax.decoding.topology import topology_from_parents
 from clover_jax.decoding.tree import DynamicTree, TreeBuffers, TreeSpec, build_buffers
-from clover_jax.heads.clover2 import Clover2Head
-from clover_jax.decoding.drafter import Proposal, TreeDrafterBase, cached_arrays, commit_prompt, vocab_ids
+from clover_jax.heads import registry
+from clover_jax.heads.clover2.model import Clover2Head
 from clover_jax.models.cache import KVCache
-from clover_jax.validation import InputError
+
+parallel.add_rules({"s0": (parallel.BATCH_AXES, None)}, state=True)  # Clover2State.s0 [B, D]
 
 
 @struct.dataclass
@@ -52,8 +55,6 @@ class Clover2Drafter(TreeDrafterBase):
         object.__setattr__(self, "buffers", build_buffers(self.spec))
 
     def check(self, head: Clover2Head, base) -> None:
-        from clover_jax.heads import registry
-
         registry.of_head(head).check_compatible(head, base.config)  # Clover-2, or Clover-1 (same drafting)
         self.check_tree(head.cfg.num_heads, base.config.vocab_size)
 

@@ -44,10 +44,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from clover_jax.heads import registry
-from clover_jax.heads.clover2 import REFERENCE_ROPE_THETA, aug_block_config
-from clover_jax.heads.clover2_type import tree_drafter_factory
-from clover_jax.heads.clover2_draft import Clover2Drafter, Clover2DynamicDrafter, Clover2State
+from clover_jax.heads.clover2.drafter import Clover2Drafter, Clover2DynamicDrafter, Clover2State
+from clover_jax.heads.clover2.model import REFERENCE_ROPE_THETA, aug_block_config
+from clover_jax.heads.losses import clover2_loss_from_features, uniform_feature_noise
+from clover_jax.io.export import ExportError, merge_checked
+from clover_jax.io.hf import _layer_table, read_weights_dir
 from clover_jax.models.cache import KVCache, attended_cache, causal_mask, check_room, prefix_mask
 from clover_jax.models.config import LlamaConfig
 from clover_jax.models.llama import DecoderStack, Llama, rms_norm
@@ -282,7 +283,6 @@ class EagleDynamicDrafter(_EagleNodes, Clover2DynamicDrafter):
     """EAGLE-2's dynamic tree (`tree.DynamicTree`) drafted by an EAGLE-1 head."""
 
 
-make_drafter = tree_drafter_factory(EagleDrafter, EagleDynamicDrafter, "EAGLE")
 
 
 # ----------------------------------------------------------------------------------- export / import
@@ -293,8 +293,6 @@ def to_reference(head: EagleHead, base=None, include_frozen: bool = True, includ
     """{reference name: numpy array} (torch layouts): `fc.weight/bias`, `layers.0.*` under the HF Llama layer
     names (no `input_layernorm`), and with `include_frozen` the base's input embedding as `embed_tokens.weight`
     (the reference module holds a frozen copy)."""
-    from clover_jax.io.hf import _layer_table
-
     out = {}
     for ref, (ours, tr) in _FC.items():
         a = np.asarray(getattr(head, ours)[...], np.float32)
@@ -323,8 +321,6 @@ def config_dict(head: EagleHead, base_name=None, extra=None) -> dict:
 
 def from_reference(folder, meta: dict, base, dtype=None) -> EagleHead:
     """An EAGLE head from a folder (ours, or the reference's with its weights as safetensors)."""
-    from clover_jax.io.export import ExportError, merge_checked
-    from clover_jax.io.hf import _layer_table, read_weights_dir
 
     if int(meta.get("num_hidden_layers", NUM_LAYERS)) != NUM_LAYERS:
         raise ExportError(f"{folder}: the EAGLE draft has {meta.get('num_hidden_layers')} layers; EAGLE-1 has one")
@@ -356,8 +352,6 @@ def from_reference(folder, meta: dict, base, dtype=None) -> EagleHead:
 def recognizes(meta: dict, folder) -> bool:
     """A folder as SafeAILab/EAGLE publishes its EAGLE-1 heads: a Llama config.json with one hidden layer and
     weights (`pytorch_model.bin` or `model.safetensors`) holding `fc.weight` and the layer's `layers.0.*`."""
-    from clover_jax.io.hf import read_weights_dir
-
     if meta.get("num_hidden_layers") != NUM_LAYERS:
         return False
     try:
@@ -367,32 +361,12 @@ def recognizes(meta: dict, folder) -> bool:
     return "fc.weight" in keys and "layers.0.self_attn.q_proj.weight" in keys
 
 
-def from_experiment(cfg) -> EagleConfig:
-    from clover_jax.training.steps import DTYPES
-
-    return EagleConfig(rope_theta=cfg.head.rope_theta, init=cfg.head.init, dtype=DTYPES[cfg.train.compute_dtype],
-                       param_dtype=jnp.float32, remat=cfg.train.remat)
-
-
 def loss_from_features(head, base, f, tokens, loss_mask, valid, loss_cfg, *, index=None, vocab_ids=None, rng=None):
     """The Clover-2 loss with EAGLE's single output (`loss.v_weight` / `loss.p_weight` set EAGLE's 1.0 / 0.1).
     With `rng` and `loss_cfg.feature_noise > 0`, the input features get EAGLE's uniform training noise
     (`uniform_feature_noise`); the regression targets and the teacher's distribution stay clean."""
-    from clover_jax.training.loss import clover2_loss_from_features, uniform_feature_noise
-
     noise = None
     if rng is not None and loss_cfg.feature_noise:
         noise = uniform_feature_noise(rng, valid.astype(bool), f.shape[-1], loss_cfg.feature_noise)
     return clover2_loss_from_features(head, base, f, tokens, loss_mask, valid, loss_cfg, index=index,
                                       vocab_ids=vocab_ids, noise=noise)
-
-
-EAGLE = registry.register(registry.HeadType(
-    name="eagle", config_cls=EagleConfig, module_cls=EagleHead, fields=("rope_theta",),
-    from_experiment=from_experiment, init_from_base=init_from_base, make_drafter=make_drafter,
-    loss_from_features=loss_from_features, to_reference=to_reference, from_reference=from_reference,
-    config_dict=config_dict, check_compatible=check_compatible,
-    sharding_rules={"fc_w": ("fsdp", "tp"), "fc_b": (None,)},  # [2D, D], [D]; the layer: the base's rules
-    description="EAGLE-1: one decoder layer autoregressive over the base's features (Li et al. 2024, "
-                "arXiv 2401.15077)",
-    default_tree="clover2-26", feature_noise=True, recognizes=recognizes))

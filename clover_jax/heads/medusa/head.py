@@ -33,11 +33,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
+from clover_jax import parallel
+from clover_jax.decoding.drafter import Proposal, TreeDrafterBase, cached_arrays, vocab_ids
 from clover_jax.decoding.sampling import top_k_ids
 from clover_jax.decoding.topology import TreeTopology
 from clover_jax.decoding.tree import TreeBuffers, TreeSpec, build_buffers
-from clover_jax.heads import registry
-from clover_jax.decoding.drafter import Proposal, TreeDrafterBase, cached_arrays, vocab_ids
+from clover_jax.heads.losses import kd_loss, kd_loss_packed, next_token_labels, output_projection
+from clover_jax.io.export import ExportError
+from clover_jax.io.hf import read_weights_file
 from clover_jax.models.config import LlamaConfig
 from clover_jax.models.llama import Llama, rms_norm
 from clover_jax.validation import InputError
@@ -126,8 +129,6 @@ def loss_from_features(head: MedusaHead, base: Llama, f, tokens, loss_mask, vali
     """Distillation loss of the heads from the base's pre-norm features `f [B, T, D]`: `kd_loss`'s soft
     cross-entropy (teacher P_{t+1+i} = softmax(W_lm h_{t+1+i}) for head i at t) through each head's own
     projection, weights `loss_cfg.decay ** i`, no regression term (its metrics are reported as 0)."""
-    from clover_jax.training.loss import kd_loss, kd_loss_packed, next_token_labels, output_projection
-
     f = jax.lax.stop_gradient(f)
     h = rms_norm(f, jax.lax.stop_gradient(base.final_norm[...]), base.config.rms_norm_eps)  # [B, T, D]
     x = head.features(h)  # [n, B, T, D]
@@ -144,6 +145,9 @@ def loss_from_features(head: MedusaHead, base: Llama, f, tokens, loss_mask, vali
 
 
 # ------------------------------------------------------------------------------------------------ drafting
+parallel.add_rules({"h": (parallel.BATCH_AXES, None)}, state=True)  # MedusaState.h [B, D]
+
+
 @struct.dataclass
 class MedusaState:
     h: jax.Array  # [B, D] normed base hidden state of the last accepted token (the root's predecessor)
@@ -215,13 +219,6 @@ class MedusaDrafter(TreeDrafterBase):
         return Proposal(tokens=tokens, buffers=state.buffers)
 
 
-def make_drafter(spec: TreeSpec, draft_vocab=None) -> MedusaDrafter:
-    if not isinstance(spec, TreeSpec):
-        raise InputError(f"Medusa heads draft over static trees; {getattr(spec, 'name', spec)!r} is not one "
-                         "(use a preset, chain-N or a JSON tree)")
-    return MedusaDrafter(spec, draft_vocab=draft_vocab)
-
-
 # ----------------------------------------------------------------------------------- export / import
 def reference_names(num_heads: int, num_layers: int, prefix: str = "") -> dict[str, tuple[str, int, int | None]]:
     """Reference name -> (our parameter, head, block or None): `{i}.{j}.linear.weight|bias` for the residual
@@ -278,8 +275,6 @@ def from_reference(folder, meta: dict, base, dtype=None) -> MedusaHead:
 
     The number of heads and blocks is read from the tensor names: the reference's published Vicuna heads hold 5
     heads under a config.json that says `medusa_num_heads: 2` (its `from_pretrained` overrides it to 5)."""
-    from clover_jax.io.export import ExportError
-    from clover_jax.io.hf import read_weights_file
 
     folder = Path(folder)
     names = (WEIGHTS_FILE, "medusa_lm_head.pt", "model.safetensors")
@@ -325,21 +320,3 @@ def recognizes(meta: dict, folder) -> bool:
     """A folder as the reference publishes its heads: config.json with `medusa_num_heads`, or its weight file."""
     return "medusa_num_heads" in meta or any((Path(folder) / n).is_file()
                                              for n in (WEIGHTS_FILE, "medusa_lm_head.pt"))
-
-
-def from_experiment(cfg) -> MedusaConfig:
-    from clover_jax.training.steps import DTYPES
-
-    return MedusaConfig(num_heads=cfg.head.num_heads, num_layers=cfg.head.num_layers,
-                        dtype=DTYPES[cfg.train.compute_dtype], param_dtype=jnp.float32, remat=cfg.train.remat)
-
-
-MEDUSA = registry.register(registry.HeadType(
-    name="medusa", config_cls=MedusaConfig, module_cls=MedusaHead, fields=("num_heads", "num_layers"),
-    from_experiment=from_experiment, init_from_base=init_from_base, make_drafter=make_drafter,
-    loss_from_features=loss_from_features, to_reference=to_reference, from_reference=from_reference,
-    config_dict=config_dict, check_compatible=check_compatible,
-    sharding_rules={"res_w": ("fsdp", "tp"), "res_b": (None,), "proj": ("fsdp", "tp")},  # [D, D], [D], [D, V]
-    description="Medusa-1 heads: residual blocks on the base's last hidden state (Cai et al. 2024, "
-                "arXiv 2401.10774)",
-    weights_file=WEIGHTS_FILE, recognizes=recognizes))

@@ -45,11 +45,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
+from safetensors import safe_open
 
 from clover_jax.decoding.drafter import Proposal, TreeDrafterBase, cached_arrays, vocab_ids
 from clover_jax.decoding.topology import topology_from_parents
 from clover_jax.decoding.tree import BeamTree
-from clover_jax.heads import registry
+from clover_jax.heads.losses import kd_loss, kd_loss_packed, next_token_labels, output_projection
+from clover_jax.io.export import ExportError
 from clover_jax.models.config import LlamaConfig
 from clover_jax.models.llama import Llama, rms_norm
 from clover_jax.validation import InputError
@@ -159,8 +161,6 @@ def loss_from_features(head: ReDrafterHead, base: Llama, f, tokens, loss_mask, v
     """Distillation loss from the base's pre-norm features `f [B, T, D]`: `kd_loss`'s soft cross-entropy, step
     i at t against P_{t+1+i} = softmax(W_lm h_{t+1+i}) through the drafter's projection, weights
     `loss_cfg.decay ** i` (1.0: the reference's equal weights), no regression term."""
-    from clover_jax.training.loss import kd_loss, kd_loss_packed, next_token_labels, output_projection
-
     f = jax.lax.stop_gradient(f)
     h = rms_norm(f, jax.lax.stop_gradient(base.final_norm[...]), base.config.rms_norm_eps)  # [B, T, D]
     emb = jax.lax.stop_gradient(base.embed_tokens(tokens))  # [B, T, D]
@@ -283,13 +283,6 @@ class BeamDrafter(TreeDrafterBase):
         return Proposal(tokens=tokens, buffers=topo)
 
 
-def make_drafter(spec, draft_vocab=None) -> BeamDrafter:
-    if not isinstance(spec, BeamTree):
-        raise InputError(f"ReDrafter drafts by beam search: use a beam tree (beam-WxL, e.g. beam-4x5), not "
-                         f"{getattr(spec, 'name', spec)!r}")
-    return BeamDrafter(spec, draft_vocab=draft_vocab)
-
-
 # ----------------------------------------------------------------------------------- export / import
 def reference_names(num_layers: int, rnn: bool) -> dict[str, tuple[str, int | None]]:
     """Reference name -> (our parameter, block or None), as the reference's `Drafter` module names them:
@@ -329,10 +322,6 @@ def config_dict(head: ReDrafterHead, base_name=None, extra=None) -> dict:
 
 def from_reference(folder, meta: dict, base, dtype=None) -> ReDrafterHead:
     """A drafter from a folder holding the reference's `config.json` and `model.safetensors`."""
-    from safetensors import safe_open
-
-    from clover_jax.io.export import ExportError
-
     folder = Path(folder)
     file = folder / "model.safetensors"
     if not file.is_file():
@@ -371,22 +360,3 @@ def from_reference(folder, meta: dict, base, dtype=None) -> ReDrafterHead:
         params.setdefault(ours, np.zeros(getattr(head, ours).shape, np.float32))
     nnx.replace_by_pure_dict(state, {k: jnp.asarray(a, cfg.param_dtype) for k, a in params.items()})
     return nnx.merge(graphdef, state)
-
-
-def from_experiment(cfg) -> ReDrafterConfig:
-    from clover_jax.training.steps import DTYPES
-
-    return ReDrafterConfig(num_steps=cfg.head.num_heads, num_layers=cfg.head.num_layers, rnn=cfg.head.rnn,
-                           dtype=DTYPES[cfg.train.compute_dtype], param_dtype=jnp.float32, remat=cfg.train.remat)
-
-
-REDRAFTER = registry.register(registry.HeadType(
-    name="redrafter", config_cls=ReDrafterConfig, module_cls=ReDrafterHead, fields=("num_steps", "num_layers", "rnn"),
-    from_experiment=from_experiment, init_from_base=init_from_base, make_drafter=make_drafter,
-    loss_from_features=loss_from_features, to_reference=to_reference, from_reference=from_reference,
-    config_dict=config_dict, check_compatible=check_compatible,
-    sharding_rules={"rnn_w": ("fsdp", "tp"), "rnn_u": ("fsdp", "tp"), "rnn_b": (None,),  # [D, D], [D]
-                    "block_w": ("fsdp", "tp"), "block_b": (None,), "vocab_proj": ("fsdp", "tp")},  # [I, I], [I, V]
-    description="ReDrafter: a recurrent drafter with beam search merged into a tree (Zhang et al. 2024, "
-                "arXiv 2403.09919)",
-    default_tree="beam-4x5"))

@@ -1,0 +1,205 @@
+"""The calibration store: which tree a calibration found fastest for a head on some hardware, dtype and batch size,
+and the shapes of the trees it fitted (`fit-N-<hash>`), saved as `calibration.json` beside the head or in the user's
+cache. `generate(tree="auto")` reads it here; the runs that fill it live in `clover_jax.tuning.calibrate`.
+
+A calibration is keyed by the hardware (backend and device kind; on a CPU the processor model and core count), the
+compute dtype and the batch size. It is saved beside the head (`calibration.json` in the head's folder) when that
+folder is writable, else in `~/.cache/clover_jax/calibration/` (`CLOVER_JAX_CACHE` overrides). An entry measured
+with other weights (their digest differs) or by an older calibration version is stale and not used. A new entry
+keeps the fitted tree shapes of the one it replaces (`kept_trees`), so a fitted tree named elsewhere (a registered
+head's default tree) still resolves.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+from pathlib import Path
+
+import jax
+
+from clover_jax import pretrained
+from clover_jax.decoding.tree import TreeSpec, register_tree
+from clover_jax.validation import InputError
+
+_DIGESTS: dict[tuple, str] = {}
+
+AUTO = "auto"
+
+
+AR = "ar"  # the calibration's answer when no tree beats autoregressive decoding
+
+
+FILE_NAME = "calibration.json"
+
+
+KEPT_TREES = "kept_trees"  # calibration.json: tree shapes of replaced entries, still resolvable by name
+
+
+# What a calibration tries. An entry saved by an older version never measured candidates the current one would
+# try, so `auto` calibrates again rather than trust its answer: 1 the presets and dynamic trees; 2 also the probe,
+# the fitted trees and a final round with prompt-lookup chains; 3 also the n-gram table's chains (`...-table`).
+VERSION = 3
+
+
+class CalibrationError(InputError):
+    """A calibration that cannot run (no candidate tree fits the head)."""
+
+
+# ----------------------------------------------------------------------------------------------- keys
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.lower().startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def hardware_key(mesh=None) -> str:
+    """Where step costs were measured: backend and device kind (CPU: processor model and cores), and the
+    mesh shape when decoding is sharded."""
+    dev = jax.devices()[0]
+    if dev.platform == "cpu":
+        where = f"cpu: {_cpu_name()} x{os.cpu_count()}"
+    else:
+        where = f"{dev.platform}: {getattr(dev, 'device_kind', dev.platform)}"
+    if mesh is not None:
+        where += " mesh " + ",".join(f"{k}={v}" for k, v in dict(mesh.shape).items() if v > 1)
+    return where
+
+
+def entry_key(hardware: str, dtype: str, batch_size: int) -> str:
+    return f"{hardware} | {dtype} | batch {int(batch_size)}"
+
+
+# -------------------------------------------------------------------------------------------- storage
+def cache_dir() -> Path:
+    root = os.environ.get("CLOVER_JAX_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "clover_jax")
+    return Path(root) / "calibration"
+
+
+def _head_folder(head_source) -> Path | None:
+    if not isinstance(head_source, (str, os.PathLike)):
+        return None
+    path = pretrained.head_path(head_source)
+    return path if path.is_dir() else None
+
+
+_WEIGHT_SUFFIXES = (".safetensors", ".msgpack", ".bin", ".pt")
+
+
+def weights_digest(head_source) -> str | None:
+    """A digest of the contents of a head folder's weight files (not their dates, so a fresh clone of a repository
+    agrees with the copy that was calibrated); None for a head given as a module. A calibration saved with one
+    digest is not reused for other weights (a head replaced in place, a run directory trained further)."""
+    folder = _head_folder(head_source)
+    if folder is None:
+        return None
+    files = sorted(p for p in folder.rglob("*") if p.is_file() and (p.suffix in _WEIGHT_SUFFIXES or
+                                                                      "checkpoints" in p.relative_to(folder).parts))
+    stamp = tuple((str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in files)
+    if stamp not in _DIGESTS:
+        h = hashlib.sha1()
+        for p in files:
+            h.update(str(p.relative_to(folder)).encode())
+            with p.open("rb") as f:
+                for block in iter(lambda: f.read(1 << 20), b""):
+                    h.update(block)
+        _DIGESTS[stamp] = h.hexdigest()[:16]
+    return _DIGESTS[stamp]
+
+
+def calibration_files(head_source) -> list[Path]:
+    """Where calibrations of this head are read from, in order: the head's folder, then the user cache."""
+    folder = _head_folder(head_source)
+    if folder is None:
+        return []
+    return [folder / FILE_NAME, cache_dir() / f"{weights_digest(head_source)}.json"]  # the cache: by contents
+
+
+def _read(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def is_stale(entry: dict) -> bool:
+    """An entry made by an older calibration (`VERSION`): it never measured some of today's candidates."""
+    return int(entry.get("version", 1)) < VERSION
+
+
+def load_entry(head_source, key: str, stale: list | None = None) -> dict | None:
+    """The saved calibration entry for `key`; else one of the same hardware and dtype at the nearest batch
+    size (a step's cost changes slowly with the batch); else None. Entries measured on other weights (their
+    `weights` digest differs from the head's, `weights_digest`) are skipped, and so are stale ones (`is_stale`):
+    their keys are appended to `stale` when it is given."""
+    hardware, dtype, batch = key.split(" | ")
+    nearest = None
+    digest = weights_digest(head_source)
+    for path in calibration_files(head_source):
+        entries = {k: e for k, e in _read(path).get("entries", {}).items()
+                   if not (digest and e.get("weights") and e["weights"] != digest)}
+        if stale is not None:
+            stale += [k for k, e in entries.items() if is_stale(e) and k.split(" | ")[:2] == [hardware, dtype]]
+        entries = {k: e for k, e in entries.items() if not is_stale(e)}
+        if entries.get(key):
+            return entries[key]
+        for k, entry in entries.items():
+            h, d, b = k.split(" | ")
+            if (h, d) == (hardware, dtype):
+                gap = abs(int(b.split()[-1]) - int(batch.split()[-1]))
+                if nearest is None or gap < nearest[0]:
+                    nearest = (gap, entry)
+    return nearest[1] if nearest else None
+
+
+def save_entry(head_source, key: str, entry: dict) -> Path | None:
+    """Adds `entry` under `key` to the head folder's calibration file, or the user cache's when the folder is
+    not writable, stamped with the digest of the head's weights; returns the file (None for a head given as a
+    module)."""
+    digest = weights_digest(head_source)
+    if digest:
+        entry = {**entry, "weights": digest}
+    for path in calibration_files(head_source):
+        try:
+            data = _read(path)
+            # the shapes of the replaced entry's fitted trees stay in the file (`KEPT_TREES`): a name that a
+            # registry's default tree or a user's script holds (`fit-5-411aab`) keeps resolving after a new
+            # calibration fits other shapes (a fitted tree's name is a hash of its shape)
+            replaced = (data.get("entries", {}).get(key) or {}).get("trees") or {}
+            if replaced:
+                data[KEPT_TREES] = {**replaced, **data.get(KEPT_TREES, {})}
+            data.setdefault("entries", {})[key] = entry
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(data, indent=1) + "\n")
+            tmp.replace(path)
+            return path
+        except OSError:
+            continue
+    return None
+
+
+def register_trees(entry: dict) -> None:
+    """Makes a calibration entry's probe and fitted trees known by name in this process."""
+    for name, t in (entry.get("trees") or {}).items():
+        register_tree(TreeSpec([tuple(c) for c in t["choices"]], top_k=int(t["top_k"]), name=name))
+
+
+def register_saved_trees(head_source, trees) -> None:
+    """Makes the probe and fitted trees of this head's saved calibrations known by name when `trees` (a tree
+    name or names) asks for one (`tree="fit-3-c5bf00"` wherever the head is given by name or folder); other
+    names read nothing."""
+    names = [trees] if isinstance(trees, str) else list(trees or ())
+    if not any(isinstance(t, str) and t.startswith(("fit-", "probe-")) for t in names):
+        return
+    for path in calibration_files(head_source):
+        data = _read(path)
+        register_trees({"trees": data.get(KEPT_TREES)})
+        for entry in data.get("entries", {}).values():
+            register_trees(entry)
