@@ -264,9 +264,9 @@ def test_generate_bad_input(kw, names, files):
 
 
 def test_generate_checks_memory_before_compiling(files, monkeypatch):
-    from clover_jax import validation
+    from clover_jax.decoding import memory
 
-    monkeypatch.setattr(validation, "available_memory", lambda device=None: (1024 ** 2, "a test device"))
+    monkeypatch.setattr(memory, "available_memory", lambda device=None: (1024 ** 2, "a test device"))
     with pytest.raises(InsufficientMemoryError, match=r"batch=8 prompts, cache_size=4096.*KV cache.*1.0 MiB are "
                                                       r"free on a test device"):
         generate(files["base"], [[1, 2, 3]] * 8, max_new_tokens=8, cache_size=4096)

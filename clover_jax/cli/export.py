@@ -16,6 +16,7 @@ from pathlib import Path
 
 import ml_dtypes
 import numpy as np
+from huggingface_hub import HfApi
 
 from clover_jax import pretrained
 from clover_jax.cli import add_debug_argument, run_cli
@@ -25,9 +26,12 @@ from clover_jax.heads.draft_vocab import DRAFT_VOCAB_FILE
 from clover_jax.heads.export import default_model_card, export_head, import_head
 from clover_jax.io.export import ExportError, export_base
 from clover_jax.io.loader import load_model
-from clover_jax.training.checkpoint import Checkpointer, checkpoint_dir_of, load_head_from_run
+from clover_jax.training.checkpoint import (
+    Checkpointer,
+    checkpoint_dir_of,
+    load_head_from_run,
+)
 from clover_jax.validation import check_float, check_int
-from huggingface_hub import HfApi
 
 
 def push_to_hub(folder: Path, repo_id: str, private: bool = False, timeout: float = 5.0) -> str:

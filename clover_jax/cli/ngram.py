@@ -11,7 +11,12 @@ import time
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from clover_jax.decoding.ngram import MAX_ORDER, MIN_COUNT, build_ngram_table, save_ngram_table
+from clover_jax.decoding.ngram import (
+    MAX_ORDER,
+    MIN_COUNT,
+    build_ngram_table,
+    save_ngram_table,
+)
 from clover_jax.io.loader import load_model
 from clover_jax.training.sources import read_chat_file
 

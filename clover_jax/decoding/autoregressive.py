@@ -7,7 +7,10 @@ length bucket so prompts of similar length share one compilation.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import time
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -16,8 +19,8 @@ from flax import nnx, struct
 from clover_jax import parallel
 from clover_jax.decoding import streaming
 from clover_jax.decoding.memory import available_memory
-from clover_jax.decoding.sizes import PREFILL_CHUNK
 from clover_jax.decoding.sampling import SamplingParams, next_token
+from clover_jax.decoding.sizes import PREFILL_CHUNK
 from clover_jax.models.cache import KVCache, causal_mask, prefix_mask
 from clover_jax.models.llama import Llama
 from clover_jax.validation import InputError
@@ -327,3 +330,37 @@ def ar_generate(model: Llama, prompt, prompt_lengths, *, max_new_tokens, cache_s
     key = jax.random.key(0) if key is None else key
     fn = jitted_loop(model, cache_size, sampling.greedy, cache_dtype, mesh, layers, graphdef=graphdef, stream=stream)
     return fn(state, *row_inputs(prompt, prompt_lengths, max_new_tokens, mesh), eos, sampling.arrays(), key)
+
+
+@dataclasses.dataclass(frozen=True)
+class AutoregressiveLoop:
+    """The autoregressive loop for one static configuration, as `SpeculativeLoop` (`clover_jax.decoding.speculative`)
+    is for speculative decoding: a frozen, hashable object of what the compiled program depends on; calling it runs
+    the loop and returns `(DecodeOutput, stats, seconds)` (no statistics: `{}`)."""
+
+    cache_size: int  # KV-cache slots per row
+    greedy: bool  # argmax (else sampling)
+    cache_dtype: Any  # the KV cache's dtype
+    mesh: Any = None  # a `jax.sharding.Mesh` to decode on (None: one device)
+    layers: str = "scan"  # how the layers run (`decode_layers`)
+    precision: str | None = None  # the matrix products' precision (`products_precision`)
+    stream: bool = False  # hand each step's token to the host (`clover_jax.decoding.streaming`)
+
+    @classmethod
+    def build(cls, model: Llama, *, cache_size: int, greedy: bool = True, mesh=None, layers: str | None = None,
+              stream: bool = False) -> "AutoregressiveLoop":
+        return cls(cache_size=int(cache_size), greedy=bool(greedy), cache_dtype=jnp.dtype(model.dtype), mesh=mesh,
+                   layers=decode_layers(layers, mesh, model=model), precision=products_precision(model.dtype),
+                   stream=bool(stream))
+
+    def __call__(self, model: Llama, prompt, prompt_lengths, *, max_new_tokens, sampling: SamplingParams, key,
+                 eos_ids=None, stat_rows: int | None = None):
+        graphdef, state = nnx.split(model)
+        state = parallel.place(state, self.mesh)
+        eos = jnp.asarray(list(eos_ids if eos_ids is not None else model.config.eos_token_ids) or [-1], jnp.int32)
+        fn = _jitted(graphdef, self.cache_size, self.greedy, self.cache_dtype, self.mesh, self.layers,
+                     self.precision, self.stream)
+        inputs = row_inputs(prompt, prompt_lengths, max_new_tokens, self.mesh)
+        t0 = time.perf_counter()
+        out = jax.block_until_ready(fn(state, *inputs, eos, sampling.arrays(), key))
+        return out, {}, time.perf_counter() - t0

@@ -17,17 +17,18 @@ Per decoding step the loop calls:
      dtypes (`check_state`: the loop carries it through `lax.while_loop`).
 Before the loop, `start(...)` consumes the prompt the same way `commit` consumes accepted tokens (a head that
 caches the prompt does it in blocks, `commit_prompt`, as the base model's prefill).
-A drafter with arrays (tree buffers, a draft vocabulary) may expose them as `arrays()`: the loop then passes
-them into the jitted call as an argument and on to `init_state(head, base, batch, cache_size, arrays)`, so they
-are not baked into the compiled program as constants.
-A drafter whose head has its own stacked decoder layers may expose `unroll_layers(head, state) -> state`: the loop
-calls it once before its steps where the layers should run unrolled (`clover_jax.decoding.speculative.head_layers`),
-so the per-layer weights are taken once per call and no step copies a layer's slice.
+Before `start`, the loop passes the drafter's `arrays()` (tree buffers, a draft vocabulary; None for none) into
+the jitted call as an argument and on to `init_state(head, base, batch, cache_size, arrays)`, so they are not baked
+into the compiled program as constants, and calls `unroll_layers(head, state)` where the head's own stacked layers
+should run unrolled (`clover_jax.decoding.speculative.head_layers`): the per-layer weights are taken once per call
+and no step copies a layer's slice. `Drafter` below is the whole contract; the loop checks it once
+(`check_drafter`) and calls every method unconditionally.
 """
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+import abc
+from typing import Any
 
 import chex
 import jax
@@ -48,23 +49,76 @@ class Proposal:
     draft_probs: jax.Array | None = None  # [B, U, V] draft distribution per node, for sampled drafts
 
 
-class Drafter(Protocol):
-    """What the decode loop needs from a draft head (see module docstring)."""
+class Drafter(abc.ABC):
+    """What the decode loop needs from a draft head, all of it (see the module docstring for the order of calls).
 
-    num_nodes: int  # U, static
-    max_depth: int  # deepest draft, static
-    sampled_drafts: bool  # True: drafts sampled from draft_probs (acceptance rule (a)); False: top-k
+    A drafter is static and hashable (a frozen dataclass compared by identity, say): the jitted loop is compiled
+    once per drafter. Its methods are pure functions of `(head module, base model, explicit state)`; the state is
+    a pytree the loop carries through `lax.while_loop`, so `start` and `commit` return it with the structure,
+    shapes and dtypes `init_state` gave it (`check_state`). `check_drafter` verifies, once per loop, that an object
+    is a `Drafter` with every method below.
+    """
 
-    def init_state(self, head: Any, base: Any, batch: int, cache_size: int) -> Any: ...
+    sampled_drafts: bool = False  # True: drafts sampled from `Proposal.draft_probs` (acceptance rule (a)); else top-k
 
-    def start(self, head, base, state, f_prompt: jax.Array, y_prompt: jax.Array, lengths: jax.Array) -> Any: ...
+    @property
+    @abc.abstractmethod
+    def num_nodes(self) -> int:
+        """U: tokens verified per step, the root included (static)."""
 
-    def propose(self, head, base, state, root: jax.Array, key: jax.Array) -> Proposal: ...
+    @property
+    @abc.abstractmethod
+    def max_depth(self) -> int:
+        """The deepest draft below the root (static)."""
 
-    def commit(self, head, base, state, f_new: jax.Array, y_new: jax.Array, num_new: jax.Array) -> Any: ...
-
+    @abc.abstractmethod
     def check(self, head, base) -> None:
-        """Raises a clear error if this head cannot draft for this base model."""
+        """Raises a clear error if this head cannot draft for this base model (called once, before compiling)."""
+
+    def arrays(self) -> dict[str, jax.Array] | None:
+        """Arrays the drafter needs on device (tree buffers, a draft vocabulary), passed into the jitted call as an
+        argument rather than baked into the program as constants; None: none."""
+        return None
+
+    @abc.abstractmethod
+    def init_state(self, head, base, batch: int, cache_size: int, arrays: dict[str, jax.Array] | None) -> Any:
+        """The empty state for `batch` rows and a cache of `cache_size` slots; `arrays` is what `arrays()` gave."""
+
+    def unroll_layers(self, head, state):
+        """The state with the head's own stacked layers' per-layer weights taken once before the loop (a head with
+        its own decoder layers overrides this; see `clover_jax.decoding.speculative.head_layers`)."""
+        return state
+
+    def layer_copy_bytes(self, head) -> int:
+        """Bytes `unroll_layers` adds (the memory plan counts them)."""
+        return 0
+
+    @abc.abstractmethod
+    def start(self, head, base, state, f_prompt: jax.Array, y_prompt: jax.Array, lengths: jax.Array) -> Any:
+        """Consumes the prompt: `f_prompt [B, T, D]` the base's pre-norm hidden states, `y_prompt [B, T]` the token
+        after each position (the root after the last), `lengths [B]`."""
+
+    @abc.abstractmethod
+    def propose(self, head, base, state, root: jax.Array, key: jax.Array) -> Proposal:
+        """The step's tree under `root [B]`."""
+
+    @abc.abstractmethod
+    def commit(self, head, base, state, f_new: jax.Array, y_new: jax.Array, num_new: jax.Array) -> Any:
+        """Consumes the accepted nodes: `f_new [B, A, D]` their hidden states, `y_new [B, A]` the token after each
+        (the last one is the next root), `num_new [B]` how many per row."""
+
+
+def check_drafter(drafter) -> None:
+    """A `DrafterError` unless `drafter` is a `Drafter` (every method the loop calls, with static sizes)."""
+    if not isinstance(drafter, Drafter):
+        raise DrafterError(f"{type(drafter).__name__} is not a clover_jax.decoding.drafter.Drafter: subclass it "
+                           "(num_nodes, max_depth, check, init_state, start, propose, commit; arrays, "
+                           "unroll_layers and layer_copy_bytes have defaults)")
+    for field in ("num_nodes", "max_depth"):
+        value = getattr(drafter, field)
+        if isinstance(value, bool) or not isinstance(value, int) or value < (2 if field == "num_nodes" else 1):
+            raise DrafterError(f"{type(drafter).__name__}.{field} must be a static integer >= "
+                               f"{2 if field == 'num_nodes' else 1}, got {value!r}")
 
 
 class DrafterError(TypeError):
@@ -111,7 +165,7 @@ def check_state(drafter, method: str, given, returned) -> None:
                            f"and dtypes it was given (the loop carries it from step to step): {e}") from None
 
 
-class TreeDrafterBase:
+class TreeDrafterBase(Drafter):
     """What drafters over a tree spec (a static `TreeSpec` or a `DynamicTree` policy, in `self.spec`, with an
     optional `self.draft_vocab`) share: their static sizes and the checks of the tree against a head and a base."""
 

@@ -39,7 +39,7 @@ import numpy as np
 from flax import nnx, struct
 
 from clover_jax import parallel
-from clover_jax.decoding.drafter import Proposal, cached_arrays
+from clover_jax.decoding.drafter import Drafter, Proposal, cached_arrays
 from clover_jax.decoding.ngram import NgramTable, ngram_chain
 from clover_jax.decoding.topology import TreeTopology, topology_from_parents
 from clover_jax.decoding.tree import LookupTree
@@ -101,7 +101,7 @@ class NoHead(nnx.Module):
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class LookupDrafter:
+class LookupDrafter(Drafter):
     """A `Drafter` (`clover_jax.decoding.drafter`) that adds a prompt-lookup chain to `inner`'s tree (None: to the
     root alone), and, with `table`, the n-gram table's chain where lookup finds no match. Hashable by identity: built
     once per (head type, tree, vocabulary, table) by `clover_jax.heads.registry.drafter_for`."""
@@ -117,10 +117,6 @@ class LookupDrafter:
     @property
     def max_depth(self) -> int:
         return max(0 if self.inner is None else self.inner.max_depth, self.spec.length)
-
-    @property
-    def sampled_drafts(self) -> bool:
-        return False
 
     @property
     def _max_children(self) -> int:
@@ -166,7 +162,7 @@ class LookupDrafter:
             merged = self._static_parents()
             topo = None if merged is None else topology_from_parents(
                 jnp.asarray(merged[0]), jnp.asarray(merged[1]), self.max_depth, self._max_children)
-            inner = self.inner.arrays() if self.inner is not None and hasattr(self.inner, "arrays") else None
+            inner = self.inner.arrays() if self.inner is not None else None
             table = {} if self.table is None else {"ngram_keys": jnp.asarray(self.table.keys, jnp.uint32),
                                                    "ngram_tokens": jnp.asarray(self.table.tokens, jnp.int32)}
             return {"inner": inner, "topology": topo} | table
@@ -174,11 +170,11 @@ class LookupDrafter:
         return cached_arrays(self, build)
 
     def layer_copy_bytes(self, head) -> int:
-        return getattr(self.inner, "layer_copy_bytes", lambda h: 0)(head) if self.inner is not None else 0
+        return self.inner.layer_copy_bytes(head) if self.inner is not None else 0
 
     def unroll_layers(self, head, state: LookupState) -> LookupState:
-        """The inner drafter's `unroll_layers`, where it has one (see `clover_jax.decoding.drafter`)."""
-        if self.inner is None or not hasattr(self.inner, "unroll_layers"):
+        """The inner drafter's `unroll_layers` (see `clover_jax.decoding.drafter`)."""
+        if self.inner is None:
             return state
         return state.replace(inner=self.inner.unroll_layers(head, state.inner))
 
@@ -186,8 +182,7 @@ class LookupDrafter:
         arrays = self.arrays() if arrays is None else arrays
         inner = None
         if self.inner is not None:
-            inner = (self.inner.init_state(head, base, batch, cache_size, arrays["inner"])
-                     if arrays["inner"] is not None else self.inner.init_state(head, base, batch, cache_size))
+            inner = self.inner.init_state(head, base, batch, cache_size, arrays["inner"])
         return LookupState(inner=inner, history=jnp.zeros((batch, cache_size), jnp.int32),
                            lengths=jnp.zeros((batch,), jnp.int32), topology=arrays["topology"],
                            ngram_keys=arrays.get("ngram_keys"), ngram_tokens=arrays.get("ngram_tokens"))

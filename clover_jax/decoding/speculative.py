@@ -14,8 +14,10 @@ Greedy output equals plain greedy decoding token for token; sampling preserves t
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -35,7 +37,7 @@ from clover_jax.decoding.autoregressive import (
     row_inputs,
     traced_with,
 )
-from clover_jax.decoding.drafter import check_proposal, check_state
+from clover_jax.decoding.drafter import Drafter, check_drafter, check_proposal, check_state
 from clover_jax.decoding.sampling import SamplingParams, next_token, warp_probs
 from clover_jax.decoding.sizes import plan_cache
 from clover_jax.models.cache import KVCache
@@ -74,19 +76,11 @@ def head_layers(mesh=None) -> str:
     return "unrolled"
 
 
-def unroll_head_layers(drafter, head, state, mesh=None):
-    """The drafter's state before the loop's steps: with the head's own layers' per-layer weights taken once
-    (`unroll_layers`, an optional drafter hook) where `head_layers` says so, else `state` unchanged."""
-    if head_layers(mesh) == "unrolled" and hasattr(drafter, "unroll_layers"):
-        return drafter.unroll_layers(head, state)
-    return state
-
-
 def head_layer_copy_bytes(drafter, head, mesh=None) -> int:
-    """Bytes `unroll_head_layers` adds (the per-layer copy of the head's own layers), for the memory plan."""
+    """Bytes the per-layer copy of the head's own layers adds where they run unrolled, for the memory plan."""
     if drafter is None or head_layers(mesh) != "unrolled":
         return 0
-    return int(getattr(drafter, "layer_copy_bytes", lambda h: 0)(head))
+    return int(drafter.layer_copy_bytes(head))
 
 
 def _accept(proposal, logits, key, sampling, greedy: bool, sampled_drafts: bool):
@@ -100,9 +94,10 @@ def _accept(proposal, logits, key, sampling, greedy: bool, sampled_drafts: bool)
     return verify.sample_accept_topk(proposal.tokens, p, proposal.buffers, u_accept, u_sample)
 
 
-def _spec_generate(base_graph, base_state, head_graph, head_state_params, drafter_arrays, prompt, prompt_lengths,
-                   max_new_tokens, eos_ids, sampling, key, *, drafter, cache_size: int, greedy: bool, cache_dtype,
-                   mesh=None, layers: str = "scan", stream: bool = False):
+def _spec_generate(loop: SpeculativeLoop, base_graph, base_state, head_graph, head_state_params, drafter_arrays,
+                   prompt, prompt_lengths, max_new_tokens, eos_ids, sampling, key):
+    drafter, cache_size, greedy, mesh, layers, stream = (loop.drafter, loop.cache_size, loop.greedy, loop.mesh,
+                                                          loop.layers, loop.stream)
     base = nnx.merge(base_graph, base_state)
     head = nnx.merge(head_graph, head_state_params)
     b, t = prompt.shape
@@ -110,7 +105,7 @@ def _spec_generate(base_graph, base_state, head_graph, head_state_params, drafte
     rows = jnp.arange(b)
     shard = functools.partial(parallel.constrain_state, mesh=mesh)  # identity without a mesh
 
-    cache, lw = decode_cache(base, b, cache_size, cache_dtype, layers)  # see decode_layers
+    cache, lw = decode_cache(base, b, cache_size, loop.cache_dtype, layers)  # see decode_layers
     logits, hidden, cache = prefill(base, prompt, prompt_lengths, shard(cache), layer_weights=lw)
     key, sub = jax.random.split(key)
     root = next_token(sub, logits, sampling, greedy)  # [B]
@@ -118,9 +113,9 @@ def _spec_generate(base_graph, base_state, head_graph, head_state_params, drafte
     y_prompt = jnp.concatenate([prompt[:, 1:], jnp.zeros((b, 1), prompt.dtype)], axis=1)
     y_prompt = y_prompt.at[rows, prompt_lengths - 1].set(root)
     # the drafter's arrays (tree buffers, draft vocabulary) come in as an argument, not as program constants
-    hs0 = (drafter.init_state(head, base, b, cache_size, drafter_arrays) if drafter_arrays is not None
-           else drafter.init_state(head, base, b, cache_size))
-    hs0 = unroll_head_layers(drafter, head, hs0, mesh)  # a head with its own stacked layers: unrolled
+    hs0 = drafter.init_state(head, base, b, cache_size, drafter_arrays)
+    if head_layers(mesh) == "unrolled":  # a head with its own stacked layers: per-layer weights taken once
+        hs0 = drafter.unroll_layers(head, hs0)
     hs = drafter.start(head, base, shard(hs0), hidden, y_prompt, prompt_lengths)
 
     tokens = jnp.zeros((b, cache_size), jnp.int32).at[:, :t].set(prompt, mode="drop")
@@ -190,57 +185,100 @@ def _spec_generate(base_graph, base_state, head_graph, head_state_params, drafte
     return out, SpecStats(accept_hist=st.accept_hist, node_hist=st.node_hist, row_steps=st.row_steps)
 
 
-@functools.lru_cache(maxsize=None)
-def _jitted(base_graph, head_graph, drafter, cache_size: int, greedy: bool, cache_dtype, mesh=None,
-            layers: str = "scan", precision: str | None = None, stream: bool = False):
-    def fn(base_state, head_params, *args):
-        return _spec_generate(base_graph, base_state, head_graph, head_params, *args, drafter=drafter,
-                              cache_size=cache_size, greedy=greedy, cache_dtype=cache_dtype, mesh=mesh, layers=layers,
-                              stream=stream)
+@dataclasses.dataclass(frozen=True)
+class SpeculativeLoop:
+    """The speculative loop for one static configuration: a frozen, hashable object whose fields are everything the
+    compiled program depends on besides the arrays' shapes (the static `self` of its jitted call, as gemma's
+    sampler loop). `build` checks a request once; calling the loop runs it on weights and padded prompts.
 
-    return jax.jit(traced_with(precision, fn))
+        loop = SpeculativeLoop.build(base, head, drafter, prompt_lengths=lens, max_new_tokens=128)
+        out, stats, seconds = loop(base, head, prompt, lens, max_new_tokens=128, sampling=SamplingParams(), key=key)
+    """
+
+    drafter: Drafter  # proposes each step's tree (`clover_jax.decoding.drafter`)
+    cache_size: int  # KV-cache slots per row
+    greedy: bool  # greedy acceptance (else lossless sampling)
+    cache_dtype: Any  # the KV cache's dtype (the model's compute dtype)
+    mesh: Any = None  # a `jax.sharding.Mesh` to decode on (None: one device)
+    layers: str = "scan"  # how the base model's layers run (`decode_layers`)
+    precision: str | None = None  # the matrix products' precision (`products_precision`)
+    stream: bool = False  # hand each step's accepted tokens to the host (`clover_jax.decoding.streaming`)
+
+    @classmethod
+    def build(cls, base, head, drafter, *, prompt_lengths, max_new_tokens, cache_size: int | None = None,
+              greedy: bool = True, mesh=None, layers: str | None = None, stream: bool = False,
+              checked: bool = False) -> "SpeculativeLoop":
+        """The loop for a request: the drafter's contract and its fit to the head and base, and the cache size
+        (`plan_cache`), checked here unless `checked` (a `GenerationPlan` checked them already)."""
+        if not checked:
+            check_drafter(drafter)
+            drafter.check(head, base)
+            cache_size = plan_cache(np.asarray(prompt_lengths), int(np.max(max_new_tokens)), drafter.num_nodes,
+                                    cache_size, None)
+        return cls(drafter=drafter, cache_size=int(cache_size), greedy=bool(greedy),
+                   cache_dtype=jnp.dtype(base.dtype), mesh=mesh,
+                   layers=decode_layers(layers, mesh, tokens_per_step=drafter.num_nodes, model=base),
+                   precision=products_precision(base.dtype), stream=bool(stream))
+
+    def compiled(self, base_graph, head_graph):
+        """The jitted loop for these module graphs (cached: compiled once per prompt bucket)."""
+        return _jitted(self, base_graph, head_graph)
+
+    def __call__(self, base, head, prompt, prompt_lengths, *, max_new_tokens, sampling: SamplingParams, key,
+                 eos_ids=None, stat_rows: int | None = None):
+        """Runs the loop on `prompt [B, T]` (right-padded) and `prompt_lengths [B]`; returns (DecodeOutput, stats
+        dict, seconds). `max_new_tokens`: one number or one per row; `stat_rows`: count only the first rows in the
+        statistics (the rest pad the batch)."""
+        lens = np.asarray(prompt_lengths)
+        base_graph, base_state = nnx.split(base)
+        head_graph, head_params = nnx.split(head)
+        base_state, head_params = parallel.place(base_state, self.mesh), parallel.place(head_params, self.mesh)
+        eos = jnp.asarray(list(eos_ids if eos_ids is not None else base.config.eos_token_ids) or [-1], jnp.int32)
+        fn = self.compiled(base_graph, head_graph)
+        inputs = row_inputs(prompt, lens, max_new_tokens, self.mesh)
+        t0 = time.perf_counter()
+        out, st = fn(base_state, head_params, self.drafter.arrays(), *inputs, eos, sampling.arrays(), key)
+        out = jax.block_until_ready(out)
+        seconds = time.perf_counter() - t0
+        hist = np.asarray(st.accept_hist)[:stat_rows]  # [B, Dmax+1] (the rows padding the batch cut)
+        stats = {"tau": acceptance_stats.tau(hist), "accept_hist": hist.sum(0).tolist(),
+                 "accept_rate_per_depth": acceptance_stats.accept_rates(hist),
+                 "node_hist": np.asarray(st.node_hist)[:stat_rows].sum(0).tolist(),
+                 "row_tau": acceptance_stats.row_tau(hist)}
+        return out, stats, seconds
+
+
+@functools.lru_cache(maxsize=None)
+def _jitted(loop: SpeculativeLoop, base_graph, head_graph):
+    def fn(base_state, head_params, *args):
+        return _spec_generate(loop, base_graph, base_state, head_graph, head_params, *args)
+
+    return jax.jit(traced_with(loop.precision, fn))
 
 
 def jitted_loop(base, head, drafter, cache_size: int, greedy: bool, mesh=None, layers: str | None = None, *,
                 graphs=None, stream: bool = False):
-    """The jitted speculative loop `spec_generate` runs for these settings (cached: one per setting, each compiled
-    once per prompt bucket)."""
+    """The jitted speculative loop for these settings (no checks: see `SpeculativeLoop.build`)."""
     base_graph, head_graph = (nnx.split(base)[0], nnx.split(head)[0]) if graphs is None else graphs
-    return _jitted(base_graph, head_graph, drafter, int(cache_size), greedy, jnp.dtype(base.dtype), mesh,
-                   decode_layers(layers, mesh, tokens_per_step=drafter.num_nodes, model=base),
-                   products_precision(base.dtype), bool(stream))
+    loop = SpeculativeLoop.build(base, head, drafter, prompt_lengths=None, max_new_tokens=None, cache_size=cache_size,
+                                 greedy=greedy, mesh=mesh, layers=layers, stream=stream, checked=True)
+    return loop.compiled(base_graph, head_graph)
 
 
 def spec_generate(base, head, prompt, prompt_lengths, *, max_new_tokens, cache_size: int | None,
                   sampling: SamplingParams, key, drafter, eos_ids=None, mesh=None, stat_rows: int | None = None,
                   layers: str | None = None, stream: bool = False):
-    """Runs the jitted speculative loop; returns (DecodeOutput, stats dict, seconds).
+    """Runs the jitted speculative loop; returns (DecodeOutput, stats dict, seconds): `SpeculativeLoop.build` then
+    the loop, in one call.
 
     `drafter`: what proposes each step's tree (`clover_jax.decoding.drafter`); the loop never looks a head type
     up itself: `clover_jax.heads.registry.drafter_for(type(head), tree, ...)` gives a head type's drafter for a tree.
-    `max_new_tokens`: one number or one per row. With a `mesh` (`clover_jax.parallel`) the base and head
-    weights are placed by the sharding rules, rows split over the batch axes, and both KV caches over rows
-    and KV heads. `stat_rows`: count only the first rows in the statistics (the rest pad the batch). `layers`:
-    how the base model's layers run (`clover_jax.decoding.autoregressive.decode_layers`). `stream`: hand each step's
-    accepted tokens to the host as they come (`clover_jax.decoding.streaming`; one device only)."""
-    drafter.check(head, base)
-    lens = np.asarray(prompt_lengths)
-    cache_size = plan_cache(lens, int(np.max(max_new_tokens)), drafter.num_nodes, cache_size, None)
-    base_graph, base_state = nnx.split(base)
-    head_graph, head_params = nnx.split(head)
-    base_state, head_params = parallel.place(base_state, mesh), parallel.place(head_params, mesh)
-    eos = jnp.asarray(list(eos_ids if eos_ids is not None else base.config.eos_token_ids) or [-1], jnp.int32)
-    fn = jitted_loop(base, head, drafter, cache_size, sampling.greedy, mesh, layers, graphs=(base_graph, head_graph),
-                     stream=stream)
-    arrays = drafter.arrays() if hasattr(drafter, "arrays") else None
-    inputs = row_inputs(prompt, lens, max_new_tokens, mesh)
-    t0 = time.perf_counter()
-    out, st = fn(base_state, head_params, arrays, *inputs, eos, sampling.arrays(), key)
-    out = jax.block_until_ready(out)
-    seconds = time.perf_counter() - t0
-    hist = np.asarray(st.accept_hist)[:stat_rows]  # [B, Dmax+1] (the rows padding the batch cut)
-    stats = {"tau": acceptance_stats.tau(hist), "accept_hist": hist.sum(0).tolist(),
-             "accept_rate_per_depth": acceptance_stats.accept_rates(hist),
-             "node_hist": np.asarray(st.node_hist)[:stat_rows].sum(0).tolist(),
-             "row_tau": acceptance_stats.row_tau(hist)}
-    return out, stats, seconds
+    With a `mesh` (`clover_jax.parallel`) the base and head weights are placed by the sharding rules, rows split
+    over the batch axes, and both KV caches over rows and KV heads. `layers`: how the base model's layers run
+    (`clover_jax.decoding.autoregressive.decode_layers`). `stream`: hand each step's accepted tokens to the host as
+    they come (`clover_jax.decoding.streaming`; one device only)."""
+    loop = SpeculativeLoop.build(base, head, drafter, prompt_lengths=prompt_lengths, max_new_tokens=max_new_tokens,
+                                 cache_size=cache_size, greedy=sampling.greedy, mesh=mesh, layers=layers,
+                                 stream=stream)
+    return loop(base, head, prompt, prompt_lengths, max_new_tokens=max_new_tokens, sampling=sampling, key=key,
+                eos_ids=eos_ids, stat_rows=stat_rows)

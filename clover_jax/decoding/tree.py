@@ -61,7 +61,7 @@ class TreeSpec:
     duplicate path, a path whose parent path is not in the tree, or a depth over `MAX_DEPTH`.
     """
 
-    kind: ClassVar[str] = "static trees (clover2-26, small-10, medusa-63, chain-N, fitted trees, JSON files)"
+    kind: ClassVar[str] = "static tree (clover2-26, small-10, medusa-63, chain-N, a fitted tree or a JSON file)"
 
     choices: tuple[tuple[int, ...], ...]
     top_k: int = DEFAULT_TOP_K
@@ -370,7 +370,7 @@ class DynamicTree:
     what is kept is ranked by joint probability into the same budget, so a confident head verifies fewer tokens
     (the slots left over are unused). Name suffix `-pP`, e.g. `dynamic-10-p0.8`."""
 
-    kind: ClassVar[str] = "dynamic trees (dynamic-N, dynamic-N-pP)"
+    kind: ClassVar[str] = "dynamic tree policy (dynamic-N, dynamic-N-pP)"
 
     budget: int
     depth: int = 5
@@ -418,7 +418,7 @@ class BeamTree:
     keeps the best beams whole and cuts the later ones, and slots that dedup left empty are unused (verified but
     never accepted). Name: `beam-WxL`, optionally `beam-WxL-uN`."""
 
-    kind: ClassVar[str] = "beam-search trees (beam-WxL)"
+    kind: ClassVar[str] = "beam-search policy (beam-WxL)"
 
     width: int
     length: int
@@ -461,7 +461,7 @@ class LookupTree:
     (no head), `TREE+lookup-K[-nN][-table]` (N = `max_ngram`, default 3; `-table`: where the sequence has no match,
     the chain comes from an n-gram table of the base model's replies, `clover_jax.decoding.ngram`)."""
 
-    kind: ClassVar[str] = "prompt-lookup trees (lookup-K, TREE+lookup-K)"
+    kind: ClassVar[str] = "prompt-lookup tree (lookup-K, TREE+lookup-K)"
 
     inner: Any  # TreeSpec, DynamicTree or BeamTree (a head drafts it), or None: the root alone
     length: int
@@ -500,7 +500,8 @@ TreePolicy = (TreeSpec, DynamicTree, BeamTree, LookupTree)
 
 
 def policy_kind(policy_type: type) -> str:
-    """What a tree-policy type is called in messages, with the names that give one."""
+    """What a tree-policy type is called in messages ("a static tree (clover2-26, ...)"), with the names that give
+    one."""
     return getattr(policy_type, "kind", policy_type.__name__)
 
 # trees named at run time (the fitted trees of a calibration, `clover_jax.decoding.tree_fit`): name -> spec
@@ -574,3 +575,14 @@ def is_lookup_only(tree) -> bool:
     except TreeSpecError:
         return False
     return isinstance(spec, LookupTree) and spec.inner is None
+
+
+def is_table_tree(tree) -> bool:
+    """Whether `tree` names a prompt-lookup chain with an n-gram table's fallback (`...lookup-K-table`)."""
+    if tree is None or (isinstance(tree, str) and tree.strip().lower() == "auto"):
+        return False
+    try:
+        spec = get_tree(tree)
+    except TreeSpecError:
+        return False
+    return isinstance(spec, LookupTree) and spec.table

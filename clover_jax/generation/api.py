@@ -10,14 +10,11 @@ import dataclasses
 import numbers
 import queue
 import threading
-import time
 from typing import Any, Iterator, Sequence
 
 import jax
 import numpy as np
 
-from clover_jax.decoding.autoregressive import ar_generate
-from clover_jax.decoding.speculative import spec_generate
 from clover_jax.decoding.streaming import streaming_to
 from clover_jax.generation.plan import GenerationPlan, prepare_generate
 from clover_jax.validation import InputError
@@ -89,22 +86,10 @@ def run_plan(plan: GenerationPlan, decode_text: bool = True) -> GenerationResult
     """Runs a checked `GenerationPlan` (the jitted loop compiles on its first shapes)."""
     model, lens, tokenizer = plan.model, plan.prompt_lengths, plan.tokenizer
     key = jax.random.key(plan.seed)
-    stream = plan.stream is not None
+    weights = (model,) if plan.mode == "ar" else (model, plan.head)
     with streaming_to(plan.stream):
-        if plan.mode == "ar":
-            t0 = time.perf_counter()
-            out = ar_generate(model, plan.prompt, lens, max_new_tokens=plan.row_new_tokens,
-                              cache_size=plan.cache_size, sampling=plan.sampling, key=key, mesh=plan.mesh,
-                              layers=plan.layers, stream=stream)
-            out = jax.block_until_ready(out)
-            seconds = time.perf_counter() - t0
-            stats = {}
-        else:
-            out, stats, seconds = spec_generate(model, plan.head, plan.prompt, lens,
-                                                max_new_tokens=plan.row_new_tokens, cache_size=plan.cache_size,
-                                                sampling=plan.sampling, key=key, drafter=plan.drafter,
-                                                mesh=plan.mesh, stat_rows=len(plan.ids), layers=plan.layers,
-                                                stream=stream)
+        out, stats, seconds = plan.loop(*weights, plan.prompt, lens, max_new_tokens=plan.row_new_tokens,
+                                        sampling=plan.sampling, key=key, stat_rows=len(plan.ids))
     tokens = np.asarray(out.tokens)
     lengths = np.asarray(out.lengths)
     gen = [tokens[i, lens[i]: lengths[i]].tolist() for i in range(len(plan.ids))]
@@ -112,6 +97,8 @@ def run_plan(plan: GenerationPlan, decode_text: bool = True) -> GenerationResult
     rows = len(plan.ids)
     if plan.auto_choice is not None:
         stats = {**stats, "tree": plan.auto_choice}
+    if plan.notes:
+        stats = {**stats, "notes": list(plan.notes)}
     return GenerationResult(token_ids=gen, texts=texts, prompt_lengths=lens[:rows].tolist(), steps=int(out.steps),
                             row_steps=np.asarray(out.row_steps)[:rows].tolist(), seconds=seconds, stats=stats)
 

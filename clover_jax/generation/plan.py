@@ -25,8 +25,10 @@ from clover_jax.decoding.memory import check_memory, check_mesh_memory, estimate
 from clover_jax.decoding.ngram import resolve_ngram_table
 from clover_jax.decoding.sampling import SamplingParams
 from clover_jax.decoding.sizes import check_context, pad_prompts, plan_cache
-from clover_jax.decoding.speculative import head_layer_copy_bytes
-from clover_jax.decoding.tree import is_lookup_only
+from clover_jax.decoding.autoregressive import AutoregressiveLoop
+from clover_jax.decoding.drafter import check_drafter
+from clover_jax.decoding.speculative import SpeculativeLoop, head_layer_copy_bytes
+from clover_jax.decoding.tree import is_lookup_only, is_table_tree
 from clover_jax.generation.calibration import entry_key, hardware_key, load_entry, register_saved_trees
 from clover_jax.heads import registry
 from clover_jax.heads.draft_vocab import head_draft_vocab
@@ -120,6 +122,11 @@ class GenerationPlan:
     memory: dict[str, int] = dataclasses.field(default_factory=dict)  # estimated bytes per part (per device)
     mesh: Any = None  # jax.sharding.Mesh the loop runs on (None: one device)
     auto_choice: str | None = None  # what tree="auto" resolved to (a tree name, or "ar"), else None
+    tree: str | None = None  # the tree drafted (its name), None for plain decoding
+    draft_vocab: Any = None  # the token ids drafts are drawn from (None: all)
+    ngram_table: Any = None  # the n-gram table of `...-table` trees (None: none)
+    notes: list[str] = dataclasses.field(default_factory=list)  # what was chosen that the request did not name
+    loop: Any = None  # the decoding loop (`AutoregressiveLoop` or `SpeculativeLoop`), built once for this plan
     layers: str = "scan"  # how the decoding loop runs the base model's layers ("unrolled" or "scan")
     stream: Any = None  # sink(row, token_ids) called as each row's tokens are accepted, or None
 
@@ -136,13 +143,17 @@ def _is_model(model) -> bool:
     return hasattr(model, "config") and hasattr(model, "forward_hidden")
 
 
-def _lookup_only_head(tree):
-    """The parameter-free head of a prompt-lookup-only tree (`lookup-K`), or an error: other trees need a head."""
-
+def _default_head(tree, model_source: str | None, notes: list[str]):
+    """The head of a speculative request that names none: the parameter-free head of a prompt-lookup-only tree
+    (`lookup-K`), else the model's shipped head (`clover_jax.pretrained`), else an error."""
     if is_lookup_only(tree):
         return NoHead()
-    raise InputError("head: mode='speculative' needs a draft head (head=...), or a prompt-lookup tree that needs "
-                     "none (tree='lookup-4')")
+    shipped = pretrained.default_head(model_source) if model_source else None
+    if shipped is None:
+        raise InputError("head: mode='speculative' needs a draft head (head=...; shipped heads: "
+                         f"{', '.join(pretrained.HEADS)}), or a prompt-lookup tree that needs none (tree='lookup-4')")
+    notes.append(f"drafting with the shipped head {shipped}")
+    return shipped
 
 
 def prepare_generate(model, prompts: Sequence[Any], *, tokenizer=None, max_new_tokens: int = 128,
@@ -155,8 +166,10 @@ def prepare_generate(model, prompts: Sequence[Any], *, tokenizer=None, max_new_t
     limit: types and ranges, finite sampling parameters, token ids within the vocabulary, prompt + new tokens
     (+ the draft tree) within the model's context and the cache, and the estimated memory of the call
     within what the device has free (`check_free_memory`)."""
+    model_source = None  # the name or path the model was loaded from (a LoadedModel knows it)
     if hasattr(model, "tokenizer") and hasattr(model, "model"):
         tokenizer = tokenizer or model.tokenizer
+        model_source = getattr(model, "name", None) or None
         model = model.model
     if not _is_model(model):
         raise InputError(f"model: expected a Llama or the LoadedModel of load_model, got {type(model).__name__}")
@@ -181,8 +194,9 @@ def prepare_generate(model, prompts: Sequence[Any], *, tokenizer=None, max_new_t
         raise PromptError(f"prompts: expected a list of prompts, got {type(prompts).__name__}")
     if len(prompts) == 0:
         raise PromptError("prompts: no prompts given (an empty list)")
+    notes: list[str] = []  # what was chosen for the request that it did not name, and why
     if mode == "speculative" and head is None:
-        head = _lookup_only_head(tree)
+        head = _default_head(tree, model_source, notes)
     sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
     mesh = parallel.parse_mesh(mesh)
     check_layers(layers, mesh)
@@ -195,22 +209,34 @@ def prepare_generate(model, prompts: Sequence[Any], *, tokenizer=None, max_new_t
     # on a mesh the rows split over its batch shards: pad the batch to a multiple with copies of prompt 0
     extra_rows = (-len(ids)) % parallel.batch_divisor(mesh) if mesh is not None else 0
     arr, lens = pad_prompts(ids + [ids[0]] * extra_rows, pad_id)
-    drafter = auto_choice = None
+    drafter = auto_choice = drafter_tree_name = None
     if mode == "speculative":
         head_source = head if isinstance(head, (str, os.PathLike)) else None
         if head_source is not None:
+            asked_vocab = draft_vocab
             head, tree, draft_vocab = resolve_head(head, model, tree, draft_vocab)
+            if asked_vocab is None and draft_vocab is not None:
+                notes.append(f"drafting from the head's {len(draft_vocab)}-token training vocabulary")
             register_saved_trees(head_source, tree)  # a calibration's fitted tree by name (fit-N-<hash>)
-        ngram_table = resolve_ngram_table(ngram_table, head_source)
+        table_of = head_source
+        if ngram_table is None and isinstance(head, NoHead) and is_table_tree(tree) and model_source:
+            table_of = pretrained.default_head(model_source)  # a lookup-K-table tree: the shipped head's table
+            if table_of:
+                notes.append(f"n-gram table of the shipped head {table_of}")
+        ngram_table = resolve_ngram_table(ngram_table, table_of)
         if draft_vocab is not None:
             draft_vocab = check_draft_vocab(draft_vocab, config.vocab_size)
         if isinstance(tree, str) and tree.strip().lower() == "auto":
             tree = auto_choice = _resolve_auto(model, tokenizer, head, head_source, len(lens), draft_vocab, mesh,
                                                ngram_table)
+            notes.append(f"tree auto -> {auto_choice}" + (" (autoregressive: no tree beats it on this hardware)"
+                                                          if auto_choice == "ar" else ""))
         if tree == "ar":  # the calibration found no tree that beats autoregressive decoding here
             mode = "ar"
         else:
-            drafter = drafter_for(type(head), tree or registry.of_head(head).default_tree, draft_vocab, ngram_table)
+            drafter_tree_name = str(tree or registry.of_head(head).default_tree)
+            drafter = drafter_for(type(head), drafter_tree_name, draft_vocab, ngram_table)
+            check_drafter(drafter)
             drafter.check(head, model)
     depth = drafter.max_depth if drafter is not None else 0
     check_context(lens, max_new_tokens, getattr(config, "max_position_embeddings", None), depth)
@@ -241,7 +267,15 @@ def prepare_generate(model, prompts: Sequence[Any], *, tokenizer=None, max_new_t
     elif check_free_memory:
         weights = sum(int(x.nbytes) for x in jax.tree.leaves(nnx.state(model)))
         check_memory(memory, weights_bytes=weights, what=what)
+    if mode == "ar":
+        loop = AutoregressiveLoop.build(model, cache_size=cache_size, greedy=sampling.greedy, mesh=mesh,
+                                        layers=layers, stream=stream is not None)
+    else:
+        loop = SpeculativeLoop.build(model, head, drafter, prompt_lengths=lens, max_new_tokens=max_new_tokens,
+                                     cache_size=cache_size, greedy=sampling.greedy, mesh=mesh, layers=layers,
+                                     stream=stream is not None, checked=True)
     return GenerationPlan(model=model, tokenizer=tokenizer, ids=ids, prompt=arr, prompt_lengths=lens,
                           max_new_tokens=max_new_tokens, sampling=sampling, seed=seed, cache_size=cache_size,
                           mode=mode, head=head, drafter=drafter, memory=memory, mesh=mesh, auto_choice=auto_choice,
-                          layers=layers, stream=stream)
+                          layers=layers, stream=stream, tree=None if drafter is None else drafter_tree_name,
+                          draft_vocab=draft_vocab, ngram_table=ngram_table, notes=notes, loop=loop)

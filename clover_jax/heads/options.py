@@ -22,7 +22,7 @@ class HeadOptions(Section):
     """What every head type's section holds: its `type` and how many depths it drafts."""
 
     _name = "head"
-    config_cls: ClassVar[type] = type(None)  # the head module's config class (set by each subclass)
+    config_cls: ClassVar[Any] = None  # the head module's config class (set by each subclass)
     type: str = ""
     num_heads: int = 5  # depths drafted per step (trained per position), for every type
 

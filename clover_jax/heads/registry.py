@@ -87,8 +87,8 @@ class HeadType:
         """The drafter of this head type for a tree policy (an error naming the policies it drafts otherwise)."""
         cls = next((c for kind, c in self.drafters.items() if isinstance(spec, kind)), None)
         if cls is None:
-            can = ", ".join(policy_kind(kind) for kind in self.drafters)
-            raise InputError(f"{self.name} heads draft {can}; {spec.name!r} is a {policy_kind(type(spec))}")
+            can = " or a ".join(policy_kind(kind) for kind in self.drafters)
+            raise InputError(f"{spec.name!r} is a {policy_kind(type(spec))}; {self.name} heads draft a {can}")
         return cls(spec, draft_vocab=draft_vocab)
 
     def config_to_meta(self, config) -> dict[str, Any]:

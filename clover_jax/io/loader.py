@@ -32,7 +32,8 @@ class LoadedModel:
     config: LlamaConfig
     model: Llama
     tokenizer: Any  # transformers PreTrainedTokenizerFast
-    source: str
+    source: str  # the file or folder the weights were read from
+    name: str = ""  # what load_model was given: a known name (smollm2-135m-instruct), a path or a hub id
 
     def __iter__(self):  # config, model, tokenizer = load_model(...)
         return iter((self.config, self.model, self.tokenizer))
@@ -142,11 +143,11 @@ def load_model(name_or_path: str | os.PathLike, *, dtype=jnp.float32, param_dtyp
         model = model_from_params(config, params, param_dtype=param_dtype, dtype=dtype, shardings=shardings,
                                   remat=remat, mesh=mesh)
         tok = _gguf_tokenizer_cached(reader, path) if with_tokenizer else None
-        return LoadedModel(config, model, tok, str(path))
+        return LoadedModel(config, model, tok, str(path), str(name_or_path))
     if path.is_dir():
         config, model = load_hf_dir(path, param_dtype=param_dtype, dtype=dtype, shardings=shardings, mesh=mesh)
         tok = load_tokenizer(path) if with_tokenizer else None
-        return LoadedModel(config, model, tok, str(path))
+        return LoadedModel(config, model, tok, str(path), str(name_or_path))
     raise InputError(f"{path}: expected a model folder or a .gguf file")
 
 

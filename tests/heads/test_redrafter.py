@@ -73,7 +73,7 @@ def test_beam_tree_names_and_errors():
         BeamTree(3, 1)
     assert registry.get("redrafter").default_tree == "beam-4x5"
     assert isinstance(drafter_for(ReDrafterHead, "beam-2x3"), BeamDrafter)
-    with pytest.raises(InputError, match="ReDrafter drafts by beam search"):
+    with pytest.raises(InputError, match="redrafter heads draft a beam-search policy"):
         drafter_for(ReDrafterHead, "chain-3")
     with pytest.raises(InputError, match="beam-search policy"):
         drafter_for(Clover2Head, "beam-2x3")

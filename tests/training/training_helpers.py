@@ -20,11 +20,14 @@ def tiny_base(config: LlamaConfig = TINY, seed: int = 0):
 
 
 def make_cfg(*overrides: str, output_dir: str = "runs/test"):
-    base = ["model.name_or_path=tiny", "head.num_heads=3", "head.num_aug_layers=1", "optim.lr=1e-2",
+    """A tiny experiment; a Clover head gets one Augmenting-Block layer (other head types have no such key)."""
+    head_type = next((o.split("=", 1)[1] for o in overrides if o.startswith("head.type=")), "clover2")
+    aug = ["head.num_aug_layers=1"] if head_type in ("clover2", "clover1") else []
+    base = ["model.name_or_path=tiny", "head.num_heads=3", *aug, "optim.lr=1e-2",
             "optim.warmup_steps=2", "optim.total_steps=0", "train.steps=6", "train.log_every=2",
             "train.eval_every=0", "data.batch_size=8", "checkpoint.save_every=2", "checkpoint.keep=2",
             "mesh.data=1", f"train.output_dir={output_dir}"]
-    return load_config(None, base + list(overrides))
+    return load_config(None, [o for o in overrides if o.startswith("head.type=")] + base + list(overrides))
 
 
 class SyntheticBatcher:
