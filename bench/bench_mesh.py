@@ -8,7 +8,7 @@ For each dtype: greedy autoregressive and speculative (the shipped head, or --he
 prompts on one device, then on each mesh. Prints, per run, how many prompts give exactly the tokens of the
 reference (one-device AR of the same dtype; for bf16 also the float32 AR), the first differing position,
 tau and the acceptance histogram, and the wall time. On simulated CPU devices the times say nothing about
-speed (8 devices share 2 cores); the agreement is the point.
+speed (the simulated devices share the host's cores); the agreement is the point.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """How well a draft head's probabilities predict acceptance, per depth: a reliability table.
 
   python bench/head_calibration.py --questions spec_bench --limit 48
-  python bench/head_calibration.py --head runs/stage10 --questions mt_bench --limit 40
+  python bench/head_calibration.py --head runs/smollm2-135m-clover2 --questions mt_bench --limit 40
 
 A dynamic tree (`dynamic-N`, EAGLE-2's policy) ranks candidate nodes by the product of the head's probabilities
 along their path, which is the expected number of accepted tokens only where the head is calibrated: where a draft

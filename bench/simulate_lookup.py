@@ -9,8 +9,8 @@ reply's token among the head's top-k drafts along the reply itself (what a stati
 path). A step then accepts the longest tree path whose ranks match, or the longest prefix of the lookup chain
 (`clover_jax.decoding.lookup.lookup_chain`'s rule: latest earlier occurrence of the longest suffix up to
 `--max-ngram` tokens), whichever is longer, and the next step starts after it. tau = generated tokens / steps.
-The loop's own tau for the same tree agrees (shipped head, `fit-5-411aab`, MT-Bench 80: 1.732 predicted, 1.741
-measured), so this explores tree and chain shapes in minutes; speed still has to be measured (`bench_spec.py`).
+The loop's own tau for the same tree agrees closely (checked with the shipped head's fitted tree on MT-Bench),
+so this explores tree and chain shapes in minutes; speed still has to be measured (`bench_spec.py`).
 `--table` also runs each chain as `...-table` (`clover_jax.decoding.ngram`): where lookup finds no match, the head's
 n-gram table (or `--ngram-table`'s; several tables compare in one run) drafts the chain (`NgramTable.chain`, the
 host twin of the drafter's `ngram_chain`). `--anchor-depth D` asks a question no drafter implements: the chain hung

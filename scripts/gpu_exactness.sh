@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Greedy speculative decoding against autoregressive decoding on this machine's accelerator, for both ways of
-# running the layers and both dtypes: the check to run first on a GPU. Exactness on GPUs is not established: on one
-# H200 float32 with unrolled layers gave 0 of 20 outputs differing on MT-Bench's 10 humanities questions
-# (docs/results.md); float32 with scanned layers and with the 26-token tree has not been run on a GPU. In bfloat16,
+# running the layers and both dtypes: the check to run first on a GPU. Exactness on GPUs is not established: float32
+# with unrolled layers has been checked on one GPU on MT-Bench's 10 humanities questions only (docs/results.md);
+# float32 with scanned layers and with the 26-token tree has not been run on a GPU. In bfloat16,
 # speculative output differs from autoregressive output on CPUs and GPUs alike (verify and decode shapes round
 # differently), so only the float32 runs test exactness.
 #   bash scripts/gpu_exactness.sh [MODEL] [OUT]   # MODEL: smollm2-135m-instruct (default) or a path to its .gguf
-# Each run prints its table and which prompts differ per tree; about 1-2 minutes each on an H100 (compiles).
+# Each run prints its table and which prompts differ per tree; a minute or two each on a GPU (mostly compiling).
 set -uo pipefail
 MODEL=${1:-smollm2-135m-instruct}
 OUT=${2:-runs/gpu_exactness}

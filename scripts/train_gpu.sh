@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The next stage of the shipped SmolLM2 head on an accelerator: self-distilled replies, then training, then export.
+# Further training of the shipped SmolLM2 head on an accelerator: self-distilled replies, then training, then export.
 #   bash scripts/train_gpu.sh [MODEL] [OUT]   # MODEL: smollm2-135m-instruct (default) or a path to its .gguf
 # Every step is capped in seconds (the trainer saves and stops on SIGTERM; running the script again resumes each
 # step): GEN1 (greedy replies, default 90), GEN2 (sampled replies, 120), GEN3 (a second sample, seed 1, 120),

@@ -79,19 +79,18 @@ def decode_layers(layers: str | None = None, mesh=None, *, tokens_per_step: int 
     `"auto"` picks, without a mesh and when the second copy of `model`'s layer weights fits twice in the free
     memory: on a GPU, `"unrolled"` for every loop, autoregressive and speculative, in any dtype; on a CPU,
     `"unrolled"` for a loop of one token per step (autoregressive decoding) of a float32 model; `"scan"` otherwise
-    (a mesh, a TPU: not measured, a CPU's multi-token or bfloat16 loops). Measured on one NVIDIA H100 (Llama-3-8B's
-    shapes in bfloat16, random weights, `bench/bench_step.py`, docs/benchmarks.md): a one-token step costs 7.6 ms
-    unrolled against 18.5 ms scanned at batch 1 (6.3 against 17.0 at batch 8), a 4-token speculative step 7.7
-    against 17.7. On a 2-core CPU (SmolLM2-135M): a one-token step costs about 27 ms unrolled against 37-39 ms
-    scanned, while a 4-token verification step costs the same both ways and a 10-token one more unrolled (XLA's
-    multi-token products repack the weights at every call either way). In bfloat16 the two forms round
-    differently (XLA fuses them differently and keeps excess precision inside fusions), so in bfloat16 the
-    autoregressive and speculative loops of a backend get the same form: with the autoregressive loop unrolled and the
-    speculative one scanned, bf16 speculative decoding of SmolLM2 equalled autoregressive on 6 of 8 MT-Bench
-    prompts at 32 tokens on a CPU, against 8 of 8 with both scanned; with both unrolled, 14 of 16 at 32 tokens and
-    7 of 16 at 64, against 16 and 12 of 16 both scanned (a U-token verify and a one-token step sum in different
-    orders, and bf16 rounds near-ties apart; float32 agrees). bf16 agreement on GPUs is not measured. A mesh needs
-    the stacked sharding rules.
+    (a mesh, a TPU: not measured, a CPU's multi-token or bfloat16 loops). On a GPU (Llama-3-8B's shapes in
+    bfloat16, random weights; measured: `bench/bench_step.py`) one-token and speculative steps cost less than
+    half as much unrolled as scanned, at batch 1 and at batch 8. On a CPU (SmolLM2-135M) a one-token step
+    costs less unrolled than scanned, while a 4-token verification step costs the same both ways and a 10-token
+    one more unrolled (XLA's multi-token products repack the weights at every call either way). In bfloat16 the
+    two forms round differently (XLA fuses them differently and keeps excess precision inside fusions), so in
+    bfloat16 the autoregressive and speculative loops of a backend get the same form: on a CPU, bf16 speculative
+    decoding of SmolLM2 equals autoregressive decoding on fewer MT-Bench prompts with the autoregressive loop
+    unrolled and the speculative one scanned than with both scanned, and fewer with both unrolled than with both
+    scanned, the more so the longer the output (a U-token verify and a one-token step sum in different orders, and
+    bf16 rounds near-ties apart; float32 agrees). bf16 agreement on GPUs is not measured. A mesh needs the stacked
+    sharding rules.
     """
     layers = check_layers(layers, mesh)
     if layers != "auto":
@@ -117,8 +116,8 @@ def prefill(model: Llama, prompt: jax.Array, prompt_lengths: jax.Array, cache: K
     plus itself (chunked prefill, as in vLLM and Sarathi, Agrawal et al. 2024), and the loop stops after the
     longest row's last block. Attention then holds `[chunk, S]` scores per head instead of `[T, T]`, the padding
     of the length bucket past the longest prompt is never computed, and each block reads only the cache blocks
-    filled so far (`cache_extent`): on a 2-core CPU a 1,187-token prompt (bucket 2,048) took 10.1 s as one block
-    and takes 2.7 s in blocks (`bench/bench_context.py`, docs/benchmarks.md). The blocks' attention sums the same
+    filled so far (`cache_extent`): on a CPU a prompt of about 1,200 tokens (bucket 2,048) runs several times
+    faster in blocks than as one block (measured: `bench/bench_context.py`). The blocks' attention sums the same
     terms in another order, so hidden states can differ from the one-block pass in the last bits.
 
     `layer_weights`: the model's `layers.per_layer_weights()` when the layers run unrolled (`decode_layers`); only
@@ -267,9 +266,8 @@ def products_precision(dtype) -> str | None:
     rounded to a 10-bit (TF32) or 7-bit (bfloat16) mantissa turn more near-ties between the top logits into
     different tokens. So float32 decoding asks for float32 products on every backend (at the batch sizes decoding
     runs, a step is bound by reading the weights, not by arithmetic). bfloat16 models keep the default: their
-    inputs are bfloat16 already. On one H100 with the default precision, 43 of 160 greedy MT-Bench outputs of
-    float32 SmolLM2 differed between speculative and autoregressive decoding (the cause not isolated; see
-    docs/benchmarks.md)."""
+    inputs are bfloat16 already. On a GPU with the default precision, a sizable share of greedy MT-Bench outputs
+    of float32 SmolLM2 differ between speculative and autoregressive decoding (the cause not isolated)."""
     if jax.config.jax_default_matmul_precision is not None:
         return None
     return "highest" if jnp.dtype(dtype) == jnp.float32 else None

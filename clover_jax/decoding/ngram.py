@@ -241,9 +241,9 @@ def ngram_chain(keys: jax.Array, tokens: jax.Array, history: jax.Array, length: 
     for step in range(k):
         ctx = buf[:, step:max_order + step]  # [B, O] the last O tokens, oldest first
         q = jnp.stack([context_hash(jnp, ctx[:, max_order - n:], n) for n in range(1, max_order + 1)], axis=1)  # [B, O]
-        # every order in one search; "scan_unrolled": a fixed sequence of gathers, no `while` loop. With 16 default
-        # searches a step (~300 loop iterations, each likely a host round trip on a GPU), a tree with the table ran
-        # at 0.40x our loop on one H200 where chain-3 ran at 1.21x (docs/benchmarks.md, 2026-11-27)
+        # every order in one search; "scan_unrolled": a fixed sequence of gathers, no `while` loop. With the default
+        # method's 16 searches a step (~300 loop iterations, each likely a host round trip on a GPU), a tree with the
+        # table would run slower than autoregressive decoding on a GPU where the head's tree alone runs faster
         i = jnp.searchsorted(keys, q.reshape(-1), method="scan_unrolled").reshape(b, max_order)  # [B, O] in [0, M]
         i = jnp.clip(i, 0, m - 1)  # (M, past the last key: clipped, then rejected by the equality)
         hit = (keys[i] == q) & (length[:, None] + step >= orders[None, :])  # [B, O]

@@ -87,8 +87,8 @@ def argmax_last(x: jax.Array) -> jax.Array:
 
     The same index wherever the row holds no NaN (ties: the first); in a row holding a NaN, the first index that
     holds a NaN or the largest number (jnp.argmax: the first NaN). Two plain reductions instead of one variadic
-    (value, index) reduction, which XLA:CPU does not vectorise: over `[9, 49152]` float32 logits 1.02 ms against
-    0.16 ms on 2 CPU cores (`bench/bench_products.py`), and the speculative loop takes it over every verified node's
+    (value, index) reduction, which XLA:CPU does not vectorise: several times faster over a verify's logits on a
+    CPU (measured: `bench/bench_products.py`), and the speculative loop takes it over every verified node's
     logits at every step.
     """
     m = jnp.max(x, axis=-1, keepdims=True)  # [..., 1]
@@ -107,8 +107,8 @@ def next_token(key: jax.Array, logits: jax.Array, params: dict[str, jax.Array] |
 def top_k_ids(logits: jax.Array, k: int, block: int = 128) -> jax.Array:
     """Top-k token ids over the last (vocabulary) axis, exact, without sorting the vocabulary.
 
-    XLA:CPU lowers many `lax.top_k` calls over a 49k-128k vocabulary to a full sort (measured 67 ms for the
-    five top-k calls of one small-10 draft). Two small steps instead: the k blocks of `block` logits with the
+    XLA:CPU lowers many `lax.top_k` calls over a 49k-128k vocabulary to a full sort, and the top-k calls
+    would dominate a draft's cost. Two small steps instead: the k blocks of `block` logits with the
     largest maxima must hold the global top k (a block with a top-k element has a max at least that large,
     and fewer than k blocks can have a larger max), then top-k inside those k * block candidates.
     """

@@ -19,8 +19,8 @@ Estimating `p` (`rank_acceptance`): the speculative loop counts how often each t
 path (`node_hist`); for a static tree a node is a path of child ranks, so `p[d, r]` is the number of
 accepted depth-(d+1) rank-r nodes over the number of accepted parents that had a rank-r child, pooled over
 every static tree measured. `probe_tree` is a comb that measures each depth's first ranks along the top-1
-spine in one run. Cells seen under few parents are noisy (a rank-4 child at depth 2 measured 5/49 against
-rank 3's 1/49 in one calibration), and a best-first expansion happily builds on such noise, so `smooth_acceptance`
+spine in one run. Cells seen under few parents are noisy (a calibration can see a rank-4 child accepted more
+often than its rank-3 sibling), and a best-first expansion happily builds on such noise, so `smooth_acceptance`
 shrinks each cell toward its rank's rate pooled over depths (a Beta prior, empirical Bayes) and then pools
 adjacent ranks of a depth whose order is inverted (pool-adjacent-violators, weighted by parents seen) unless the
 inversion is significant (a two-proportion z-test): the head ranks its candidates by its own probability, so a

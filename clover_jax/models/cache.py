@@ -5,8 +5,8 @@ plus `lengths: [B]`, the number of valid positions of each row. The per-layer fo
 with unrolled layers (`clover_jax.decoding.autoregressive.decode_layers`): a layer then reads its own buffer, where
 slicing a stacked cache copies every layer's slice at every step. Positions sit next to the head dim, so a layer's
 `[B, K, S, H]` slice enters the attention products as it is (batch dims B, K leading): with `[B, S, K, H]` XLA
-transposed every layer's slice at every decode step, a cost that grew with the cache size, not with the tokens held
-(docs/benchmarks.md). The model never mutates it: a forward returns the new tokens' keys/values `[L, B, T, K, H]`
+would transpose every layer's slice at every decode step, a cost that grows with the cache size, not with the tokens
+held. The model never mutates it: a forward returns the new tokens' keys/values `[L, B, T, K, H]`
 and `write` places them at explicit per-row slots. Slots at or past `S` are dropped rather than clamped, and
 `check_room` raises before anything runs when a concrete write would not fit (JAX's `dynamic_update_slice` would
 otherwise silently move the write).

@@ -102,8 +102,9 @@ class DecoderStack(nnx.Module):
 
         Inside a jitted function each slice is materialised once, where it is taken: taken before a decoding
         loop and passed in as `layer_weights`, every step then reads each layer's weights in place. A `lax.scan`
-        over the stacked `[L, ...]` weights instead copies each layer's slice at every step (on a 2-core CPU,
-        most of a one-token step: docs/benchmarks.md), at the price of a second copy of the weights in memory.
+        over the stacked `[L, ...]` weights instead copies each layer's slice at every step (on a CPU, a sizable
+        part of a one-token step: `bench/bench_step.py --layers`), at the price of a second copy of the weights in
+        memory.
         """
         lp = self.layer_params()
         return tuple({k: v[i] for k, v in lp.items()} for i in range(self.num_layers))

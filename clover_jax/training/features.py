@@ -2,7 +2,7 @@
 
 Training a draft head runs the frozen base over every batch only to read its pre-final-norm hidden
 states f (the reference stores them on disk: `hidden_state_onnorm` in `XiaoBin1992/clover`'s `ge_data` scripts). Over several
-epochs of a small data set that forward is repeated for nothing; on a 2-core CPU it is about half of a
+epochs of a small data set that forward is repeated for nothing; on a CPU it is a large part of a
 SmolLM2 step. `attach_features` runs it once per example, in length-bucketed batches, and hands the
 states to the batcher, whose batches then carry `features [B, T, D]`; the train step uses them in place
 of the base forward (`steps.make_loss_fn`). The teacher distribution is still computed from them in the

@@ -20,8 +20,8 @@ candidates, the loop's per-node acceptance counts of every static run give the h
 child rank, a least-squares model of the step cost in verified tokens and depth comes from the same runs, and
 the fitted trees with the highest predicted speed are measured in a final round, beside the first round's two
 fastest candidates measured again, and `auto` is the fastest tree of that final round (one baseline for all of
-them: on a 2-core AMD EPYC the first round's winner, `small-10` at 1.17x, ran at 0.98x on 52 Spec-Bench prompts
-where the fitted `fit-5-411aab`, 1.11x in the second round, ran at 1.13x). Fitted trees are named `fit-N-<hash>`
+them: each round times its own autoregressive runs, and a first round's winner can lose to a fitted tree once
+both are timed against the same one). Fitted trees are named `fit-N-<hash>`
 (N nodes, root included); the calibration stores their shapes, so `auto` can pick one, and keeps the shapes of
 an entry it replaces (`kept_trees`), so a fitted tree named elsewhere (a registered head's default tree) still
 resolves after a new calibration fits other shapes. The final round also runs
@@ -32,8 +32,8 @@ A calibration is keyed by the hardware (backend and device kind; on a CPU the pr
 count), the compute dtype and the batch size; it is saved beside the head (`calibration.json` in the head's
 folder) when that folder is writable, else in `~/.cache/clover_jax/calibration/` (`CLOVER_JAX_CACHE`
 overrides), and reused by later runs. `auto` without a saved calibration for this hardware runs one and says
-so (measured for the shipped SmolLM2 head on 2 CPU cores: 7 minutes for the presets alone, 15 with the probe
-and the fitted trees while another job shared the machine; `--candidates` and `--no-fit` shorten it).
+so (minutes on a CPU for the presets alone, about twice that with the probe and the fitted trees;
+`--candidates` and `--no-fit` shorten it).
 """
 
 from __future__ import annotations

@@ -140,7 +140,7 @@ def test_decode_layers_policy(tiny, monkeypatch):
     assert autoregressive.decode_layers(None, tokens_per_step=4, model=bf16) == "scan"
     from clover_jax.generation.api import prepare_generate
 
-    # the GPU rule (measured on an H100): every loop unrolled, bf16 and multi-token ones too; a TPU scans
+    # the GPU rule (see decode_layers): every loop unrolled, bf16 and multi-token ones too; a TPU scans
     monkeypatch.setattr(autoregressive.jax, "default_backend", lambda: "gpu")
     for model in (tiny, bf16):
         assert autoregressive.decode_layers(None, tokens_per_step=4, model=model) == "unrolled"

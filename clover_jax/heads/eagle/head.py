@@ -14,8 +14,8 @@ follows the base's own RoPE). Parameters start as the reference's training scrip
 `nn.Linear` default, U(-1/sqrt(fan_in), 1/sqrt(fan_in)); norms 1); `init="base_layer"` instead copies the
 base's last decoder layer and starts FC as [0 ; I] (the head starts as "run the last layer once more"). On
 SmolLM2-135M that start is the worse one: the copied layer meets the base's un-normalised features (this layer
-has no input norm), and on the same data it began at loss 58 against ~1 and drafted 5% right after 483 steps
-against 29% (docs/benchmarks.md, 2026-11-27).
+has no input norm), and on the same data it starts at a far higher loss and, after the same training, drafts
+far fewer tokens right.
 
 Training (`loss_from_features`): teacher forcing on the base's own features, the Clover-2 loss with one head:
 SmoothL1(f^_{t+1}, h_{t+1}) and the soft cross-entropy against softmax(h_{t+1} W_lm); EAGLE's weights are
@@ -251,7 +251,7 @@ class _EagleNodes:
     values, `{"f": [B, E, D], "k", "v": [B, E, L, P, K, H]}`; the draft cache is the drafter state's `cache`."""
 
     # EAGLE's one draft layer keeps its scan: unrolled (per-layer weights passed to every draft depth and commit) it
-    # ran no faster on a 2-core CPU (chain-4 and dynamic-10 steps within noise; docs/benchmarks.md)
+    # ran no faster on a CPU (chain-4 and dynamic-10 steps within noise)
     def unroll_layers(self, head, state: Clover2State) -> Clover2State:
         return state
 

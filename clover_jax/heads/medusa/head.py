@@ -225,7 +225,7 @@ def reference_names(num_heads: int, num_layers: int, prefix: str = "") -> dict[s
     blocks, `{i}.{num_layers}.weight` for the vocabulary projection (torch [out, in]): the keys of the reference's
     `medusa_head` ModuleList, which its training code saves (`medusa_head.state_dict()`) and its `from_pretrained`
     loads (`model.medusa_head.load_state_dict(...)`). `prefix` "medusa_head." gives the names inside a whole
-    `MedusaModel`, which this library's exports before 2026-11-24 used."""
+    `MedusaModel`; import reads either form."""
     out = {}
     for i in range(num_heads):
         for j in range(num_layers):
