@@ -134,7 +134,7 @@ def _main(argv=None):
 
     loaded = load_model(args.model, mesh=mesh, dtype=getattr(jnp, args.dtype))
     head = load_head(args.head, loaded.model)
-    from clover_jax.tuning.calibrate import register_saved_trees
+    from clover_jax.generation.calibration import register_saved_trees
 
     register_saved_trees(args.head, args.trees)  # --trees fit-N-<hash>: a tree fitted by the head's calibration
     prompts, cats = load_questions(args.questions, args.limit or None, args.category)
@@ -149,7 +149,8 @@ def _main(argv=None):
     ngram_table = resolve_ngram_table(args.ngram_table, args.head)
     auto = None
     if "auto" in args.trees:  # the calibrated choice for this head on this hardware (calibrates if none is saved)
-        from clover_jax.tuning.calibrate import AR, resolve_auto
+        from clover_jax.generation.calibration import AR
+        from clover_jax.tuning.calibrate import resolve_auto
 
         auto, _ = resolve_auto(loaded, head, args.head, batch_size=args.batch_size, mesh=mesh,
                                draft_vocab=trained_on if draft_vocab is None else draft_vocab,

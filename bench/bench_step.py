@@ -76,7 +76,7 @@ def tree_drafter(config, head, tree: str, vocab, ngram_table=None):
     (`fit-N-<hash>`) resolve, and trees named `...-table` draft from `ngram_table` (default: the shipped SmolLM2
     head's table, which needs SmolLM2's vocabulary)."""
     from clover_jax import pretrained
-    from clover_jax.tuning.calibrate import register_saved_trees
+    from clover_jax.generation.calibration import register_saved_trees
     from clover_jax.decoding.ngram import resolve_ngram_table
     from clover_jax.heads.registry import drafter_for
     from clover_jax.decoding.tree import LookupTree, get_tree

@@ -75,7 +75,7 @@ def _main(argv=None):
 
     from bench_spec import load_questions
 
-    from clover_jax.tuning.calibrate import register_saved_trees
+    from clover_jax.generation.calibration import register_saved_trees
     from clover_jax.decoding.ngram import resolve_ngram_table
     from clover_jax.tuning.evaluation import DV, evaluate
     from clover_jax.heads import registry

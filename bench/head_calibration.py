@@ -47,7 +47,7 @@ def reliability(p: np.ndarray, hit: np.ndarray, bins=BINS) -> tuple[list[tuple[f
 def main(argv=None) -> int:
     import clover_jax
     from bench_spec import load_questions
-    from clover_jax.generation.api import resolve_head
+    from clover_jax.generation.plan import resolve_head
     from simulate_lookup import add_reply_args, greedy_replies, padded, top_drafts
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -193,7 +193,7 @@ def add_reply_args(ap: argparse.ArgumentParser, *, questions: str, limit: int) -
 def main(argv=None) -> int:
     import clover_jax
     from bench_spec import load_questions
-    from clover_jax.generation.api import resolve_head
+    from clover_jax.generation.plan import resolve_head
     from clover_jax.decoding.tree import TreeSpec, get_tree
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from clover_jax.decoding.trees import names as tree_names
 from clover_jax.generation import api, calibration
 from clover_jax.tuning import calibrate
 from clover_jax.heads.clover2.model import Clover2Config, init_from_base
@@ -45,7 +46,7 @@ def test_measure_tries_each_candidate_against_ar(tiny):
     finalists = {t for t, r in entry["candidates"].items() if "final_speedup" in r}
     assert len(finalists) == calibrate.FINALISTS and len(lookups) == 1
     assert lookups <= {f"{t}+lookup-{calibrate.LOOKUP_LENGTH}" for t in finalists - {"dynamic-4"}}
-    assert entry["greedy_mismatches"] == 0 and entry["version"] == calibrate.VERSION
+    assert entry["greedy_mismatches"] == 0 and entry["version"] == calibration.VERSION
     for r in entry["candidates"].values():
         assert r["tau"] >= 1.0 and r["speedup"] > 0 and r["tokens_per_second"] > 0
     final = {t: entry["candidates"][t].get("final_speedup", entry["candidates"][t]["speedup"])
@@ -60,11 +61,11 @@ def test_candidates_fit_the_head(tiny):
     names = calibrate.candidate_trees(medusa, loaded.model)
     assert "chain-3" in names and "chain-4" not in names  # deeper than its 3 heads
     assert not any(n.startswith("dynamic") for n in names)  # Medusa drafts static trees only
-    with pytest.raises(calibrate.CalibrationError, match="no candidate tree"):
+    with pytest.raises(calibration.CalibrationError, match="no candidate tree"):
         calibrate.measure(loaded, medusa, prompts=PROMPTS, candidates=["chain-4"], max_new_tokens=4)
 
 
-def _entry(best, version=calibrate.VERSION):
+def _entry(best, version=calibration.VERSION):
     return {"best": best, "ar_tokens_per_second": 1.0, "candidates": {}, "prompts": 1} | (
         {"version": version} if version else {})
 
@@ -74,28 +75,28 @@ def test_saved_beside_the_head_and_reused(tmp_path, monkeypatch):
     folder.mkdir()
     (folder / "model.safetensors").write_bytes(b"0")
     monkeypatch.setenv("CLOVER_JAX_CACHE", str(tmp_path / "cache"))
-    key = calibrate.entry_key("cpu: test x2", "float32", 1)
-    assert calibrate.load_entry(str(folder), key) is None
-    assert calibrate.save_entry(str(folder), key, _entry("chain-3")) == folder / "calibration.json"
-    assert calibrate.load_entry(str(folder), key)["best"] == "chain-3"
+    key = calibration.entry_key("cpu: test x2", "float32", 1)
+    assert calibration.load_entry(str(folder), key) is None
+    assert calibration.save_entry(str(folder), key, _entry("chain-3")) == folder / "calibration.json"
+    assert calibration.load_entry(str(folder), key)["best"] == "chain-3"
     # another batch size on the same hardware: the nearest saved one
-    assert calibrate.load_entry(str(folder), calibrate.entry_key("cpu: test x2", "float32", 8))["best"] == "chain-3"
+    assert calibration.load_entry(str(folder), calibration.entry_key("cpu: test x2", "float32", 8))["best"] == "chain-3"
     # other hardware or dtype: none
-    assert calibrate.load_entry(str(folder), calibrate.entry_key("gpu: H100", "float32", 1)) is None
-    assert calibrate.load_entry(str(folder), calibrate.entry_key("cpu: test x2", "bfloat16", 1)) is None
+    assert calibration.load_entry(str(folder), calibration.entry_key("gpu: H100", "float32", 1)) is None
+    assert calibration.load_entry(str(folder), calibration.entry_key("cpu: test x2", "bfloat16", 1)) is None
     data = json.loads((folder / "calibration.json").read_text())
     assert list(data["entries"]) == [key]
     # new weights in the same folder (a head replaced in place): the old measurement is not theirs
     (folder / "model.safetensors").write_bytes(b"1")
-    assert calibrate.load_entry(str(folder), key) is None
+    assert calibration.load_entry(str(folder), key) is None
     (folder / "model.safetensors").write_bytes(b"0")  # the same contents again (dates differ, as after a clone)
-    assert calibrate.load_entry(str(folder), key)["best"] == "chain-3"
+    assert calibration.load_entry(str(folder), key)["best"] == "chain-3"
     # an entry of an older calibration (it never tried some of today's candidates) is not used, and is reported
-    for old in (None, calibrate.VERSION - 1):
-        calibrate.save_entry(str(folder), key, _entry("chain-2", version=old))
+    for old in (None, calibration.VERSION - 1):
+        calibration.save_entry(str(folder), key, _entry("chain-2", version=old))
         stale = []
-        assert calibrate.load_entry(str(folder), key, stale) is None and stale == [key]
-        assert calibrate.load_entry(str(folder), calibrate.entry_key("cpu: test x2", "float32", 8)) is None
+        assert calibration.load_entry(str(folder), key, stale) is None and stale == [key]
+        assert calibration.load_entry(str(folder), calibration.entry_key("cpu: test x2", "float32", 8)) is None
 
 
 def test_a_new_calibration_keeps_the_fitted_trees_it_replaces(tmp_path, monkeypatch):
@@ -107,17 +108,17 @@ def test_a_new_calibration_keeps_the_fitted_trees_it_replaces(tmp_path, monkeypa
     folder.mkdir()
     (folder / "model.safetensors").write_bytes(b"0")
     monkeypatch.setenv("CLOVER_JAX_CACHE", str(tmp_path / "cache"))
-    key = calibrate.entry_key("cpu: test x2", "float32", 1)
+    key = calibration.entry_key("cpu: test x2", "float32", 1)
     old = {"fit-3-aaaaaa": {"choices": [[0], [1]], "top_k": 2}}
     new = {"fit-3-bbbbbb": {"choices": [[0], [0, 0]], "top_k": 1}}
-    calibrate.save_entry(str(folder), key, _entry("fit-3-aaaaaa") | {"trees": old})
-    calibrate.save_entry(str(folder), key, _entry("fit-3-bbbbbb") | {"trees": new})
-    calibrate.save_entry(str(folder), key, _entry("chain-2") | {"trees": {}})
+    calibration.save_entry(str(folder), key, _entry("fit-3-aaaaaa") | {"trees": old})
+    calibration.save_entry(str(folder), key, _entry("fit-3-bbbbbb") | {"trees": new})
+    calibration.save_entry(str(folder), key, _entry("chain-2") | {"trees": {}})
     data = json.loads((folder / "calibration.json").read_text())
     assert list(data["entries"]) == [key] and data["entries"][key]["best"] == "chain-2"
-    assert data[calibrate.KEPT_TREES] == old | new
-    monkeypatch.setattr(tree_mod, "_REGISTERED", {})  # a fresh process
-    calibrate.register_saved_trees(str(folder), "fit-3-aaaaaa+lookup-4")
+    assert data[calibration.KEPT_TREES] == old | new
+    monkeypatch.setattr(tree_names, "_REGISTERED", {})  # a fresh process
+    calibration.register_saved_trees(str(folder), "fit-3-aaaaaa+lookup-4")
     assert tree_mod.get_tree("fit-3-aaaaaa").choices == ((0,), (1,))
     assert tree_mod.get_tree("fit-3-bbbbbb").choices == ((0,), (0, 0))
 
@@ -130,25 +131,25 @@ def test_generate_auto_uses_the_saved_choice(tiny, tmp_path, monkeypatch, capsys
     (folder / "model.safetensors").write_bytes(b"0")
     monkeypatch.setenv("CLOVER_JAX_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(api, "resolve_head", lambda source, model, tree, dv: (head, tree, dv))
-    key = calibrate.entry_key(calibrate.hardware_key(), "float32", 2)
+    key = calibration.entry_key(calibration.hardware_key(), "float32", 2)
     ids = [[5, 6, 7], [9, 10, 11, 12]]
     ar = api.generate(loaded.model, ids, max_new_tokens=10)
-    calibrate.save_entry(str(folder), key, _entry("ar"))
+    calibration.save_entry(str(folder), key, _entry("ar"))
     res = api.generate(loaded.model, ids, max_new_tokens=10, mode="speculative", head=str(folder), tree="auto")
     assert res.stats == {"tree": "ar"} and res.token_ids == ar.token_ids
     calibrate._MEMO.clear()
-    calibrate.save_entry(str(folder), key, _entry("chain-2"))
+    calibration.save_entry(str(folder), key, _entry("chain-2"))
     res = api.generate(loaded.model, ids, max_new_tokens=10, mode="speculative", head=str(folder), tree="auto")
     assert res.stats["tree"] == "chain-2" and res.token_ids == ar.token_ids
     assert len(res.stats["accept_hist"]) == 3  # a chain-2 tree: 0, 1 or 2 drafts accepted
     # a stale entry (an older calibration's) is measured again, and the reason is printed
     calibrate._MEMO.clear()
-    calibrate.save_entry(str(folder), key, _entry("chain-2", version=None))
+    calibration.save_entry(str(folder), key, _entry("chain-2", version=None))
     monkeypatch.setattr(calibrate, "measure", lambda *a, **k: _entry("chain-3"))
     res = api.generate(loaded, ids, max_new_tokens=10, mode="speculative", head=str(folder), tree="auto")
     assert res.stats["tree"] == "chain-3" and res.token_ids == ar.token_ids
     assert "predates candidates this version tries" in capsys.readouterr().err
-    assert calibrate.load_entry(str(folder), key)["best"] == "chain-3"  # saved over the stale one
+    assert calibration.load_entry(str(folder), key)["best"] == "chain-3"  # saved over the stale one
 
 
 def test_generate_auto_calibrates_when_nothing_is_saved(tiny, capsys, monkeypatch):
@@ -180,7 +181,7 @@ def test_calibration_fits_the_tree_the_head_accepts(tmp_path, monkeypatch):
     loaded = LoadedModel(CFG, base, WordTokenizer(), "tiny")
     entry = calibrate.measure(loaded, head, prompts=PROMPTS, candidates=["chain-2", "clover2-26"],
                               max_new_tokens=12)
-    assert entry["greedy_mismatches"] == 0 and entry["version"] == calibrate.VERSION
+    assert entry["greedy_mismatches"] == 0 and entry["version"] == calibration.VERSION
     assert entry["rank_acceptance"][2][3] == 1.0 and sum(map(sum, entry["rank_acceptance"])) == 3.0
     fitted = {t: r for t, r in entry["candidates"].items() if r.get("fitted")}
     target = [[0], [0, 0], [0, 0, 3]]
@@ -214,16 +215,16 @@ def test_calibration_fits_the_tree_the_head_accepts(tmp_path, monkeypatch):
     monkeypatch.setenv("CLOVER_JAX_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(api, "resolve_head", lambda source, model, tree, dv: (head, tree, dv))
     entry["best"] = path[0]
-    calibrate.save_entry(str(folder), calibrate.entry_key(calibrate.hardware_key(), "float32", 1), entry)
+    calibration.save_entry(str(folder), calibration.entry_key(calibration.hardware_key(), "float32", 1), entry)
     calibrate._MEMO.clear()
-    monkeypatch.setattr(tree_mod, "_REGISTERED", {})  # a fresh process knows no fitted tree
+    monkeypatch.setattr(tree_names, "_REGISTERED", {})  # a fresh process knows no fitted tree
     ids = [[5, 6, 7]]
     ar = api.generate(base, ids, max_new_tokens=13)
     res = api.generate(base, ids, max_new_tokens=13, mode="speculative", head=str(folder), tree="auto")
     assert res.stats["tree"] == path[0] and res.token_ids == ar.token_ids
     assert res.stats["tau"] == 4.0
     # ... and by its own name, in a process that has not resolved `auto` (generate registers the head's trees)
-    monkeypatch.setattr(tree_mod, "_REGISTERED", {})
+    monkeypatch.setattr(tree_names, "_REGISTERED", {})
     with pytest.raises(InputError, match="fitted tree"):
         tree_mod.get_tree(path[0])
     res = api.generate(base, ids, max_new_tokens=13, mode="speculative", head=str(folder), tree=path[0])

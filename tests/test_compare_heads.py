@@ -30,7 +30,7 @@ def test_supported_takes_merged_fitted_and_table_trees():
     """The shipped head's default tree (a fitted tree with a table-filled lookup chain) runs in a comparison: it
     was dropped without a word when only plain tree names were understood. A head with no table of its own (a
     fresh EAGLE head) drafts a table tree with the table `--ngram-table` gives every head."""
-    from clover_jax.tuning.calibrate import register_saved_trees
+    from clover_jax.generation.calibration import register_saved_trees
     from clover_jax.decoding.ngram import resolve_ngram_table
     from clover_jax.heads import registry
     from clover_jax import pretrained

@@ -19,11 +19,7 @@ from clover_jax.io.loader import load_model
 from clover_jax.io.prompts import read_prompts
 from clover_jax.parallel import parse_mesh
 from clover_jax.training.loading import load_head
-from clover_jax.tuning.calibrate import (
-    DYNAMIC_CANDIDATES,
-    STATIC_CANDIDATES,
-    resolve_auto,
-)
+from clover_jax.tuning.calibrate import DYNAMIC_CANDIDATES, STATIC_CANDIDATES, resolve_auto
 
 
 # ------------------------------------------------------------------------------------------------ CLI

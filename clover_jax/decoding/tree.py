@@ -9,16 +9,10 @@
                      prompt-lookup chain beside any tree), each parsing its own names
   trees/names.py     the name grammar (`get_tree` over the parsers of `GRAMMAR`, `register_grammar`), fitted trees
                      registered at run time (`register_tree`), `policy_kind`, `is_lookup_only`, `is_table_tree`
-
-`tree._REGISTERED` reads and rebinds `trees.names._REGISTERED` (swapping it for an empty dict is a fresh process).
 """
 
 from __future__ import annotations
 
-import sys
-import types
-
-from clover_jax.decoding.trees import names
 from clover_jax.decoding.trees.base import DEFAULT_TOP_K, MAX_DEPTH, TreePolicy, TreeSpecError
 from clover_jax.decoding.trees.buffers import TreeBuffers, build_buffers, stack_buffers
 from clover_jax.decoding.trees.names import (GRAMMAR, get_tree, is_lookup_only, is_table_tree, policy_kind,
@@ -35,15 +29,3 @@ __all__ = [
     "register_grammar", "register_tree", "small_10", "stack_buffers",
 ]
 
-
-class _TreeModule(types.ModuleType):
-    @property
-    def _REGISTERED(self):
-        return names._REGISTERED
-
-    @_REGISTERED.setter
-    def _REGISTERED(self, value):
-        names._REGISTERED = value
-
-
-sys.modules[__name__].__class__ = _TreeModule

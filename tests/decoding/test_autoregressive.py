@@ -138,7 +138,7 @@ def test_decode_layers_policy(tiny, monkeypatch):
     bf16 = init_llama(CFG, seed=0, dtype=jnp.bfloat16)
     assert autoregressive.decode_layers(None, model=bf16) == "scan"
     assert autoregressive.decode_layers(None, tokens_per_step=4, model=bf16) == "scan"
-    from clover_jax.generation.api import prepare_generate
+    from clover_jax.generation.plan import prepare_generate
 
     # the GPU rule (see decode_layers): every loop unrolled, bf16 and multi-token ones too; a TPU scans
     monkeypatch.setattr(autoregressive.jax, "default_backend", lambda: "gpu")
