@@ -67,8 +67,8 @@ def main(argv=None) -> int:
         drafter = registry.drafter_for(type(head), args.tree, vocab)
         base_graph, base_state = nnx.split(base)
         head_graph, head_params = nnx.split(head)
-        fn = speculative._jitted(base_graph, head_graph, drafter, args.cache_size, sampling.greedy,
-                                 jnp.dtype(base.dtype))
+        fn = speculative.SpeculativeLoop(drafter, args.cache_size, sampling.greedy,
+                                         jnp.dtype(base.dtype)).compiled(base_graph, head_graph)
         eos = jnp.asarray(list(config.eos_token_ids) or [-1], jnp.int32)
         call_args = (base_state, head_params, prompt, lens, jnp.asarray(16, jnp.int32), eos, sampling.arrays(),
                      jax.random.key(0))

@@ -16,9 +16,11 @@ import sys
 
 import jax.numpy as jnp
 
+from clover_jax import pretrained
 from clover_jax.cli import add_debug_argument, run_cli
 from clover_jax.decoding import acceptance_stats
 from clover_jax.decoding.sizes import bucket_length, round_up
+from clover_jax.decoding.tree import is_lookup_only
 from clover_jax.generation.api import run_plan, stream_text
 from clover_jax.generation.plan import prepare_generate
 from clover_jax.heads.draft_vocab import load_draft_vocab
@@ -88,6 +90,14 @@ def check_args(args) -> None:
         raise InputError("--stream: prints the replies, --quiet does not: give one of them")
     if args.limit and not args.prompts_file:
         raise InputError(f"--limit: {args.limit} applies to --prompts-file, which is not given")
+    # the head, before the model is loaded (the plan resolves it again, as for `generate`)
+    if args.mode == "speculative" and not args.head and not is_lookup_only(args.tree) \
+            and pretrained.default_head(args.model) is None:
+        raise InputError(f"--mode speculative needs --head (no head is shipped for {args.model!r}; shipped: "
+                         f"{', '.join(pretrained.HEADS)}), or a prompt-lookup tree that needs none (--tree lookup-4)")
+    if args.mode == "speculative" and args.head and not pretrained.head_path(args.head).exists():
+        raise InputError(f"--head: draft head {args.head!r} not found: neither a folder nor a registered head "
+                         f"({', '.join(pretrained.HEADS)})")
 
 
 def _print_stream(pieces):

@@ -18,7 +18,7 @@ from flax import nnx, struct
 
 from clover_jax import parallel
 from clover_jax.decoding import streaming
-from clover_jax.decoding.memory import available_memory
+from clover_jax.decoding import memory
 from clover_jax.decoding.sampling import SamplingParams, next_token
 from clover_jax.decoding.sizes import PREFILL_CHUNK
 from clover_jax.models.cache import KVCache, causal_mask, prefix_mask
@@ -101,7 +101,7 @@ def decode_layers(layers: str | None = None, mesh=None, *, tokens_per_step: int 
     if backend == "cpu" and (tokens_per_step != 1 or (model is not None and jnp.dtype(model.dtype) != jnp.float32)):
         return "scan"
     if model is not None:
-        free, _ = available_memory()
+        free, _ = memory.available_memory()
         if free is not None and 2 * layer_weight_bytes(model) > free:
             return "scan"
     return "unrolled"

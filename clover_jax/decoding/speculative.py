@@ -75,6 +75,12 @@ def head_layers(mesh=None) -> str:
     return "unrolled"
 
 
+def unroll_head_layers(drafter, head, state, mesh=None):
+    """The drafter's state before the loop's steps: with the head's own layers' per-layer weights taken once
+    (`Drafter.unroll_layers`) where `head_layers` says they run unrolled, else `state` unchanged."""
+    return drafter.unroll_layers(head, state) if head_layers(mesh) == "unrolled" else state
+
+
 def head_layer_copy_bytes(drafter, head, mesh=None) -> int:
     """Bytes the per-layer copy of the head's own layers adds where they run unrolled, for the memory plan."""
     if drafter is None or head_layers(mesh) != "unrolled":
@@ -113,8 +119,7 @@ def _spec_generate(loop: SpeculativeLoop, base_graph, base_state, head_graph, he
     y_prompt = y_prompt.at[rows, prompt_lengths - 1].set(root)
     # the drafter's arrays (tree buffers, draft vocabulary) come in as an argument, not as program constants
     hs0 = drafter.init_state(head, base, b, cache_size, drafter_arrays)
-    if head_layers(mesh) == "unrolled":  # a head with its own stacked layers: per-layer weights taken once
-        hs0 = drafter.unroll_layers(head, hs0)
+    hs0 = unroll_head_layers(drafter, head, hs0, mesh)  # a head with its own stacked layers: unrolled
     hs = drafter.start(head, base, shard(hs0), hidden, y_prompt, prompt_lengths)
 
     tokens = jnp.zeros((b, cache_size), jnp.int32).at[:, :t].set(prompt, mode="drop")

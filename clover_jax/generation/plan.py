@@ -122,7 +122,7 @@ class GenerationPlan:
     memory: dict[str, int] = dataclasses.field(default_factory=dict)  # estimated bytes per part (per device)
     mesh: Any = None  # jax.sharding.Mesh the loop runs on (None: one device)
     auto_choice: str | None = None  # what tree="auto" resolved to (a tree name, or "ar"), else None
-    tree: str | None = None  # the tree drafted (its name), None for plain decoding
+    tree: Any = None  # the tree drafted (a name, a JSON path or a policy object), None for plain decoding
     draft_vocab: Any = None  # the token ids drafts are drawn from (None: all)
     ngram_table: Any = None  # the n-gram table of `...-table` trees (None: none)
     notes: list[str] = dataclasses.field(default_factory=list)  # what was chosen that the request did not name
@@ -209,7 +209,7 @@ def prepare_generate(model, prompts: Sequence[Any], *, tokenizer=None, max_new_t
     # on a mesh the rows split over its batch shards: pad the batch to a multiple with copies of prompt 0
     extra_rows = (-len(ids)) % parallel.batch_divisor(mesh) if mesh is not None else 0
     arr, lens = pad_prompts(ids + [ids[0]] * extra_rows, pad_id)
-    drafter = auto_choice = drafter_tree_name = None
+    drafter = auto_choice = drafter_tree = None
     if mode == "speculative":
         head_source = head if isinstance(head, (str, os.PathLike)) else None
         if head_source is not None:
@@ -234,8 +234,8 @@ def prepare_generate(model, prompts: Sequence[Any], *, tokenizer=None, max_new_t
         if tree == "ar":  # the calibration found no tree that beats autoregressive decoding here
             mode = "ar"
         else:
-            drafter_tree_name = str(tree or registry.of_head(head).default_tree)
-            drafter = drafter_for(type(head), drafter_tree_name, draft_vocab, ngram_table)
+            drafter_tree = tree or registry.of_head(head).default_tree  # a name, a JSON path or a policy
+            drafter = drafter_for(type(head), drafter_tree, draft_vocab, ngram_table)
             check_drafter(drafter)
             drafter.check(head, model)
     depth = drafter.max_depth if drafter is not None else 0
@@ -277,5 +277,5 @@ def prepare_generate(model, prompts: Sequence[Any], *, tokenizer=None, max_new_t
     return GenerationPlan(model=model, tokenizer=tokenizer, ids=ids, prompt=arr, prompt_lengths=lens,
                           max_new_tokens=max_new_tokens, sampling=sampling, seed=seed, cache_size=cache_size,
                           mode=mode, head=head, drafter=drafter, memory=memory, mesh=mesh, auto_choice=auto_choice,
-                          layers=layers, stream=stream, tree=None if drafter is None else drafter_tree_name,
+                          layers=layers, stream=stream, tree=None if drafter is None else drafter_tree,
                           draft_vocab=draft_vocab, ngram_table=ngram_table, notes=notes, loop=loop)

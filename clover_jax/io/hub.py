@@ -18,7 +18,7 @@ import functools
 import re
 from pathlib import Path
 
-from huggingface_hub import HfApi, constants, snapshot_download
+import huggingface_hub
 
 HUB_PREFIX = "hf://"
 _PART = r"[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9_])?"
@@ -83,9 +83,9 @@ def _has_safetensors(repo_id: str, revision: str | None) -> bool:
     """Whether the repository holds safetensors weights; False also when its file list cannot be had (offline:
     then the cache decides, and a cached copy holds only what was downloaded)."""
     try:
-        if constants.HF_HUB_OFFLINE:
+        if huggingface_hub.constants.HF_HUB_OFFLINE:
             return False
-        files = HfApi().list_repo_files(repo_id, revision=revision)
+        files = huggingface_hub.HfApi().list_repo_files(repo_id, revision=revision)
     except Exception:  # noqa: BLE001 - no network, no such repository: the download reports it
         return False
     return any(f.endswith(".safetensors") and not f.startswith("original/") for f in files)
@@ -96,10 +96,10 @@ def _snapshot(repo_id: str, revision: str | None, allow: tuple[str, ...], skip: 
               name: str) -> Path:
     """One download (or cache lookup) per repository and revision per process."""
     try:
-        folder = snapshot_download(repo_id, revision=revision, allow_patterns=list(allow),
+        folder = huggingface_hub.snapshot_download(repo_id, revision=revision, allow_patterns=list(allow),
                                    ignore_patterns=list(skip) or None)
     except Exception as e:  # noqa: BLE001 - the hub raises many types (network, auth, not found): one message
-        offline = bool(constants.HF_HUB_OFFLINE)
+        offline = bool(huggingface_hub.constants.HF_HUB_OFFLINE)
         why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         hint = ("HF_HUB_OFFLINE is set and the hub cache holds no copy of it" if offline else
                 "check the name, your network and `hf auth login` for gated repositories; on a machine without "

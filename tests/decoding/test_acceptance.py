@@ -70,7 +70,7 @@ class OracleDrafter(TreeDrafterBase):
     def check(self, head, base) -> None:
         assert self.seq.ndim == 2 and self.seq.max() < base.config.vocab_size
 
-    def init_state(self, head, base, batch: int, cache_size: int) -> OracleState:
+    def init_state(self, head, base, batch: int, cache_size: int, arrays=None) -> OracleState:
         assert batch == self.seq.shape[0]
         return OracleState(pos=jnp.zeros((batch,), jnp.int32))
 

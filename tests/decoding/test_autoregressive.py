@@ -7,7 +7,7 @@ from flax import nnx
 import pytest
 
 from clover_jax.generation.api import generate
-from clover_jax.decoding import autoregressive
+from clover_jax.decoding import autoregressive, memory
 from clover_jax.decoding.sampling import argmax_last, sample_with_uniform, warp_probs
 from clover_jax.models.llama import init_llama
 from tiny_llama import TINY_LLAMA
@@ -156,11 +156,11 @@ def test_decode_layers_policy(tiny, monkeypatch):
 
     plan = prepare_generate(tiny, _prompts(2), max_new_tokens=4, cache_size=64)
     assert plan.memory["per-layer copy of the layer weights"] == small  # counted where it is made
-    monkeypatch.setattr(validation, "available_memory", lambda device=None: (2 * small - 1, "test"))
+    monkeypatch.setattr(memory, "available_memory", lambda device=None: (2 * small - 1, "test"))
     assert autoregressive.decode_layers(None, model=tiny) == "scan"
     assert "per-layer copy of the layer weights" not in prepare_generate(
         tiny, _prompts(2), max_new_tokens=4, cache_size=64, check_free_memory=False).memory
-    monkeypatch.setattr(validation, "available_memory", lambda device=None: (2 * small, "test"))
+    monkeypatch.setattr(memory, "available_memory", lambda device=None: (2 * small, "test"))
     assert autoregressive.decode_layers(None, model=tiny) == "unrolled"
 
 

@@ -45,7 +45,7 @@ class ChainDrafter(TreeDrafterBase):
     def check(self, head, base) -> None:
         pass
 
-    def init_state(self, head, base, batch: int, cache_size: int) -> CountState:
+    def init_state(self, head, base, batch: int, cache_size: int, arrays=None) -> CountState:
         return CountState(pos=jnp.zeros((batch,), jnp.int32))
 
     def start(self, head, base, state, f_prompt, y_prompt, lengths) -> CountState:

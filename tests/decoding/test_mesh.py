@@ -194,7 +194,7 @@ def test_caches_and_weights_are_split_not_replicated():
         rows = autoregressive.row_inputs(np.ones((b, t), np.int32), np.full(b, t), 16, mesh)
         ar_fn = autoregressive._jitted(g, s, True, jnp.dtype(jnp.float32), mesh)
         hg, hp = nnx.split(head)
-        sp_fn = speculative._jitted(g, hg, drafter, s, True, jnp.dtype(jnp.float32), mesh)
+        sp_fn = speculative.SpeculativeLoop(drafter, s, True, jnp.dtype(jnp.float32), mesh).compiled(g, hg)
         weights = {"base": st, "head": hp} if mesh is not None else None
         sizes[mesh_spec] = (_compiled_memory(ar_fn, st, *rows, eos, sampling, key, weights=weights),
                             _compiled_memory(sp_fn, st, parallel.place(hp, mesh), drafter.arrays(), *rows, eos,
@@ -219,7 +219,7 @@ def test_memory_planning_on_mesh_names_the_numbers(tiny, monkeypatch):
     one = api.prepare_generate(base, _prompts(8), max_new_tokens=16, cache_size=4096, check_free_memory=False)
     assert plan.memory["KV cache"] * 8 == one.memory["KV cache"]  # rows over 4, KV heads over 2
     # CPU devices share host memory: their needs add up
-    monkeypatch.setattr(validation, "available_memory", lambda device=None: (1024 ** 2, "a test host"))
+    monkeypatch.setattr(memory, "available_memory", lambda device=None: (1024 ** 2, "a test host"))
     with pytest.raises(validation.InsufficientMemoryError,
                        match=r"on 8 CPU devices \(sharing host memory\).*KV cache.*larger mesh tp axis"):
         api.generate(base, _prompts(8), max_new_tokens=16, cache_size=4096, mesh="data=4,tp=2")
@@ -230,7 +230,7 @@ def test_memory_planning_on_mesh_names_the_numbers(tiny, monkeypatch):
     class Dev:
         platform = "tpu"
 
-    monkeypatch.setattr(validation, "available_memory", lambda device=None: (2 ** 30, "TPU_0 (bytes_limit)"))
+    monkeypatch.setattr(memory, "available_memory", lambda device=None: (2 ** 30, "TPU_0 (bytes_limit)"))
     with pytest.raises(validation.InsufficientMemoryError, match=r"per device.*2.00 GiB.*weights placed on the mesh"):
         memory.check_mesh_memory(parts, weights_bytes=2 ** 20, weights_to_place=2 ** 20, what="generate",
                                      devices=[Dev()] * 4)
@@ -275,7 +275,7 @@ def test_self_distillation_generates_on_a_mesh_what_one_device_generates():
     single-device replies: same message lists in, same texts out, whatever the padding to the batch shards."""
     _need_devices()
     from clover_jax.io.loader import LoadedModel
-    from clover_jax.training.self_distill import make_generate_fn
+    from clover_jax.generation.replies import make_generate_fn
 
     base = init_llama(LLAMA3ISH, seed=1)
     loaded = LoadedModel(LLAMA3ISH, base, _ChatWords(), "tiny")

@@ -635,7 +635,7 @@ def test_self_distillation_temperature_reaches_the_generator(monkeypatch, tmp_pa
     from clover_jax.training import self_distill as SD
 
     seen = {}
-    monkeypatch.setattr(SD, "make_generate_fn", lambda loaded, **kw: seen.update(kw) or FakeGenerate())
+    make_generate_fn = lambda loaded, **kw: seen.update(kw) or FakeGenerate()  # noqa: E731
     monkeypatch.setattr(SD, "short_prompts", lambda convs, tok, n: convs)
 
     class Cfg:
@@ -643,7 +643,8 @@ def test_self_distillation_temperature_reaches_the_generator(monkeypatch, tmp_pa
         self_distill_dir = str(tmp_path)
 
     loaded = type("Loaded", (), {"tokenizer": None})
-    out = SD.self_distilled_conversations(Cfg, loaded, convs=[conv("a", ("u", "q"), ("a", "r"))], progress=False)
+    out = SD.self_distilled_conversations(Cfg, loaded, make_generate_fn, convs=[conv("a", ("u", "q"), ("a", "r"))],
+                                          progress=False)
     assert seen == {"temperature": 0.7, "seed": 3, "mesh": None}
     assert out[0].messages[-1]["content"] == "reply to q"
     with pytest.raises(ConfigError, match="self_distill_temperature"):
@@ -658,4 +659,4 @@ def test_self_distillation_on_several_hosts_is_a_clear_error(monkeypatch):
 
     monkeypatch.setattr(jax, "process_count", lambda: 4)
     with pytest.raises(D.DataError, match="runs in one process, not 4: generate the replies on one host"):
-        self_distilled_conversations(None, None)
+        self_distilled_conversations(None, None, None)
