@@ -109,6 +109,9 @@ def _main(argv=None):
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--peer", action="store_true", help="also time transformers + torch generate (greedy)")
+    ap.add_argument("--replay", action="store_true", help="certify every greedy speculative output on its own: a "
+                    "float32 replay of the base model checks each emitted token is its argmax, up to a near-tie "
+                    "(clover_jax.tuning.audit)")
     ap.add_argument("--out-dir", default="artifacts/eval")
     ap.add_argument("--mesh", default=None, help="decode on a device mesh, e.g. 'tp=8' or 'data=2,tp=4'")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="compute dtype of the model")
@@ -163,7 +166,8 @@ def _main(argv=None):
         print(f"the head was trained on a {len(trained_on)}-token draft vocabulary: every tree drafts from it (+dv)")
     result = evaluate(loaded, head, prompts, trees=args.trees, batch_size=args.batch_size,
                       max_new_tokens=args.max_new_tokens, temperature=args.temperature, categories=cats,
-                      draft_vocab=draft_vocab, mesh=mesh, layers=args.layers, ngram_table=ngram_table)
+                      draft_vocab=draft_vocab, mesh=mesh, layers=args.layers, ngram_table=ngram_table,
+                      replay=args.replay)
     result["wall_seconds"] = round(time.time() - t0, 1)
     result["auto"] = auto
     result["args"] = vars(args)
@@ -219,6 +223,17 @@ def _main(argv=None):
             if idx:
                 lines.append(f"- {t}: {len(idx)} prompts differ ({', '.join(map(str, idx[:20]))}"
                              f"{', ...' if len(idx) > 20 else ''})")
+        divs = result["divergences"]
+        lines.append(f"audit: {len(divs)} divergences, {sum(d['verdict'] == 'near-tie' for d in divs)} near-ties, "
+                     f"{result['greedy_unexplained']} unexplained")
+        for d in divs[:20]:
+            lines.append(f"- {d['tree']} prompt {d['prompt']} position {d['position']}: {d['reference_token']} vs "
+                         f"{d['token']}, margin {d['margin']:.3g} ({d['margin_ulps']:.1f} ulps, bound "
+                         f"{d['bound']:.3g}): {d['verdict']}")
+    if result.get("replay"):
+        for t, r in result["replay"].items():
+            lines.append(f"replay {t}: {r['outputs']} outputs, {r['tokens']} tokens, {r['near_ties']} near-ties, "
+                         f"{r['violations']} violations")
     (out / "results.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     plots(result, out, args.trees)

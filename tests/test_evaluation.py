@@ -21,9 +21,13 @@ def test_evaluate_reports_tau_speed_and_no_mismatch():
     loaded = LoadedModel(cfg, base, WordTokenizer(), "tiny")
     prompts = ["a b c", "hello there world", "x y", "one two three four five"]
     res = evaluate(loaded, head, prompts, trees=["clover2-26", "chain-3"], batch_size=2, max_new_tokens=16,
-                   categories=["w", "w", "m", "m"], progress=False)
+                   categories=["w", "w", "m", "m"], progress=False, replay=True)
     assert res["greedy_mismatches"] == 0 and res["greedy_compared"] == 8
     assert res["greedy_differing_prompts"] == {"clover2-26": [], "chain-3": []}
+    assert res["divergences"] == [] and res["greedy_unexplained"] == 0
+    for t in ("clover2-26", "chain-3"):  # the replay certifies every emitted token on its own
+        rep = res["replay"][t]
+        assert rep["outputs"] == 4 and rep["tokens"] == res["runs"][t]["tokens"] and rep["violations"] == 0
     for t in ("clover2-26", "chain-3"):
         r = res["runs"][t]
         assert r["tau"] >= 1.0 and r["tokens"] == res["runs"]["ar"]["tokens"]

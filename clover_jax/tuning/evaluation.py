@@ -18,6 +18,7 @@ from clover_jax.decoding.sizes import bucket_length, round_up
 from clover_jax.decoding.tree import get_tree
 from clover_jax.generation.api import generate
 from clover_jax.io.prompts import encode_prompts
+from clover_jax.tuning.audit import UNEXPLAINED, audit_divergence, float32_copy, replay_check
 from clover_jax.validation import InputError
 from tqdm.auto import tqdm
 
@@ -89,13 +90,18 @@ def bootstrap_ci(num: np.ndarray, den: np.ndarray, *, level: float = CI_LEVEL, r
 def evaluate(loaded, head, prompts: Sequence[str], *, trees: Sequence[str] = ("clover2-26",), batch_size: int = 1,
              max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
              categories: Sequence[str] | None = None, progress: bool = True, draft_vocab=None, mesh=None,
-             layers: str = "auto", ngram_table=None) -> dict[str, Any]:
+             layers: str = "auto", ngram_table=None, replay: bool = False) -> dict[str, Any]:
     """Runs AR and speculative decoding (one run per tree) on the prompts; returns stats and mismatches.
     `mesh`: decode on a device mesh; `layers`: how the decoding loops run the layers; `ngram_table`: for trees
     named `...-table` (all three as in `generate`).
 
     A tree name ending in `+dv` (e.g. "chain-3+dv") runs that tree with the draft vocabulary `draft_vocab`
-    (token ids, `clover_jax.heads.draft_vocab`), so both can be compared in one run."""
+    (token ids, `clover_jax.heads.draft_vocab`), so both can be compared in one run.
+
+    Greedy runs are audited (`clover_jax.tuning.audit`): every output that differs from autoregressive decoding
+    gets its first divergence classified (`divergences`, `greedy_unexplained`); with `replay`, every speculative
+    output is also certified on its own by a float32 replay of the base model (`replay`: per tree, the outputs,
+    tokens, near-ties and violations)."""
     ids = encode_prompts(loaded.tokenizer, list(prompts))
     runs = {"ar": RunStats("ar")} | {t: RunStats(t) for t in trees}
     if any(t.endswith(DV) for t in trees) and draft_vocab is None:
@@ -106,6 +112,9 @@ def evaluate(loaded, head, prompts: Sequence[str], *, trees: Sequence[str] = ("c
     mismatches = 0
     compared = 0
     differ = {t: [] for t in trees}  # per tree: the indices of prompts whose greedy output differs from AR's
+    divergences: list[dict[str, Any]] = []  # the first divergence of each differing output, classified
+    replayed = {t: {"outputs": 0, "tokens": 0, "near_ties": 0, "violations": 0} for t in trees}
+    reference = None  # the float32 replay model, made on first need
     batches = range(0, len(ids), batch_size)
     for start in tqdm(batches, desc="eval", disable=not progress):
         chunk = ids[start:start + batch_size]
@@ -149,12 +158,27 @@ def evaluate(loaded, head, prompts: Sequence[str], *, trees: Sequence[str] = ("c
                 for i, (a, s) in enumerate(zip(outs["ar"], outs[name])):
                     compared += 1
                     mismatches += int(a != s)
+                    if a != s or replay:
+                        reference = reference or float32_copy(loaded.model)
                     if a != s:
                         differ[name].append(start + i)
+                        d = audit_divergence(loaded.model, chunk[i], a, s, replay_model=reference)
+                        divergences.append({"tree": name, "prompt": start + i, **d.to_dict()})
+                    if replay:
+                        check = replay_check(loaded.model, chunk[i], s, replay_model=reference)
+                        rec = replayed[name]
+                        rec["outputs"] += 1
+                        rec["tokens"] += check.tokens
+                        rec["near_ties"] += len(check.near_ties)
+                        rec["violations"] += len(check.violations)
     result = {"runs": {k: v.summary() for k, v in runs.items()},
               "greedy_mismatches": mismatches if temperature == 0.0 else None,
               "greedy_compared": compared if temperature == 0.0 else None,
               "greedy_differing_prompts": differ if temperature == 0.0 else None,
+              "divergences": divergences if temperature == 0.0 else None,
+              "greedy_unexplained": sum(d["verdict"] == UNEXPLAINED for d in divergences) if temperature == 0.0
+              else None,
+              "replay": replayed if (replay and temperature == 0.0) else None,
               "per_prompt": {k: v.per_prompt for k, v in runs.items()},
               "per_batch": {k: [[n, round(sec, 4), dt, ds] for n, sec, dt, ds in v.per_batch] for k, v in runs.items()}}
     ar_tps = runs["ar"].tokens_per_second
