@@ -107,6 +107,20 @@ def spec_table(d: dict) -> list[str]:
     if "greedy_compared" in d:
         lines.append(f"Greedy outputs differing from autoregressive decoding: **{d['greedy_mismatches']} of "
                      f"{d['greedy_compared']}**.")
+    if d.get("divergences") is not None:  # the exactness audit (clover_jax.tuning.audit)
+        divs = d["divergences"]
+        ties = sum(x["verdict"] == "near-tie" for x in divs)
+        lines += ["", f"Audit of the differing outputs: **{ties} near-ties, {d['greedy_unexplained']} unexplained**."]
+        if divs:
+            lines += ["", "| tree | prompt | position | autoregressive / speculative token | margin (ulps) | "
+                          "near-tie bound | verdict |", "|---|---|---|---|---|---|---|"]
+            for x in divs:
+                lines.append(f"| `{name(x['tree'])}` | {x['prompt']} | {x['position']} | {x['reference_token']} / "
+                             f"{x['token']} | {x['margin']:.3g} ({x['margin_ulps']:.1f}) | {x['bound']:.3g} | "
+                             f"{x['verdict']} |")
+    for key, r in (d.get("replay") or {}).items():
+        lines.append(f"\nReplay check `{name(key)}`: {r['outputs']} outputs, {r['tokens']} tokens, "
+                     f"{r['near_ties']} near-ties, **{r['violations']} violations**.")
     return lines
 
 
