@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from clover_jax.decoding.trees import names as tree_names
-from clover_jax.generation import api, calibration
+from clover_jax.generation import api, calibration, plan
 from clover_jax.tuning import calibrate
 from clover_jax.heads.clover2.model import Clover2Config, init_from_base
 from clover_jax.heads.medusa.head import MedusaConfig, init_from_base as medusa_from_base
@@ -130,13 +130,15 @@ def test_generate_auto_uses_the_saved_choice(tiny, tmp_path, monkeypatch, capsys
     folder.mkdir()
     (folder / "model.safetensors").write_bytes(b"0")
     monkeypatch.setenv("CLOVER_JAX_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(api, "resolve_head", lambda source, model, tree, dv: (head, tree, dv))
+    monkeypatch.setattr(plan, "resolve_head", lambda source, model, tree, dv: (head, tree, dv))
     key = calibration.entry_key(calibration.hardware_key(), "float32", 2)
     ids = [[5, 6, 7], [9, 10, 11, 12]]
     ar = api.generate(loaded.model, ids, max_new_tokens=10)
     calibration.save_entry(str(folder), key, _entry("ar"))
     res = api.generate(loaded.model, ids, max_new_tokens=10, mode="speculative", head=str(folder), tree="auto")
-    assert res.stats == {"tree": "ar"} and res.token_ids == ar.token_ids
+    assert res.stats["tree"] == "ar" and res.token_ids == ar.token_ids
+    assert res.stats["notes"] == ["tree auto -> ar (autoregressive: no tree beats it on this hardware)"]
+    assert set(res.stats) == {"tree", "notes"}  # plain decoding: no acceptance statistics
     calibrate._MEMO.clear()
     calibration.save_entry(str(folder), key, _entry("chain-2"))
     res = api.generate(loaded.model, ids, max_new_tokens=10, mode="speculative", head=str(folder), tree="auto")
@@ -213,7 +215,7 @@ def test_calibration_fits_the_tree_the_head_accepts(tmp_path, monkeypatch):
     folder.mkdir()
     (folder / "model.safetensors").write_bytes(b"0")
     monkeypatch.setenv("CLOVER_JAX_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(api, "resolve_head", lambda source, model, tree, dv: (head, tree, dv))
+    monkeypatch.setattr(plan, "resolve_head", lambda source, model, tree, dv: (head, tree, dv))
     entry["best"] = path[0]
     calibration.save_entry(str(folder), calibration.entry_key(calibration.hardware_key(), "float32", 1), entry)
     calibrate._MEMO.clear()
