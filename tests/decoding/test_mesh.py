@@ -99,23 +99,40 @@ def test_state_rules_split_caches_and_rows():
 
 
 # ----------------------------------------------------------------------------------- exactness, tiny
-@pytest.mark.parametrize("mesh", MESHES)
-def test_tiny_sharded_equals_single_device(tiny, mesh):
-    """AR and speculative greedy tokens and acceptance histograms on the mesh equal the single-device run
-    (6 prompts: the batch is padded to the 4 data shards)."""
-    _need_devices()
-    base, clover2, medusa, redrafter, clover1, eagle = tiny
+TINY_RUNS = [(1, "clover2-26"), (1, "dynamic-10"), (2, "chain-3"), (3, "beam-3x4"), (4, "dynamic-8-d3-k3-p0.8"),
+             (5, "dynamic-10"), (1, "chain-3+lookup-4"), (None, "lookup-3"), (1, "chain-2+lookup-3-table")]
+
+
+@pytest.fixture(scope="module")
+def tiny_one_device(tiny):
+    """The one-device greedy runs the mesh runs are compared with (computed once for every mesh): AR and each
+    (head, tree) of `TINY_RUNS` (head: an index into `tiny`), on 6 prompts."""
+    base = tiny[0]
     prompts = _prompts(6)
     kw = dict(max_new_tokens=24, cache_size=128)
     ar1 = api.generate(base, prompts, **kw)
+    table = build_ngram_table([p + t for p, t in zip(prompts, ar1.token_ids)], base.config.vocab_size, min_count=1)
+    runs = {}
+    for h, tree in TINY_RUNS:
+        head = None if h is None else tiny[h]
+        runs[(h, tree)] = api.generate(base, prompts, mode="speculative", head=head, tree=tree, ngram_table=table,
+                                       **kw)
+    return prompts, kw, ar1, table, runs
+
+
+@pytest.mark.parametrize("mesh", MESHES)
+def test_tiny_sharded_equals_single_device(tiny, tiny_one_device, mesh):
+    """AR and speculative greedy tokens and acceptance histograms on the mesh equal the single-device run
+    (6 prompts: the batch is padded to the 4 data shards)."""
+    _need_devices()
+    base = tiny[0]
+    prompts, kw, ar1, table, one = tiny_one_device
     arm = api.generate(base, prompts, mesh=mesh, **kw)
     assert arm.token_ids == ar1.token_ids
     assert arm.row_steps == ar1.row_steps
-    table = build_ngram_table([p + t for p, t in zip(prompts, ar1.token_ids)], base.config.vocab_size, min_count=1)
-    for head, tree in [(clover2, "clover2-26"), (clover2, "dynamic-10"), (medusa, "chain-3"), (redrafter, "beam-3x4"),
-                       (clover1, "dynamic-8-d3-k3-p0.8"), (eagle, "dynamic-10"), (clover2, "chain-3+lookup-4"),
-                       (None, "lookup-3"), (clover2, "chain-2+lookup-3-table")]:
-        sp1 = api.generate(base, prompts, mode="speculative", head=head, tree=tree, ngram_table=table, **kw)
+    for h, tree in TINY_RUNS:
+        head = None if h is None else tiny[h]
+        sp1 = one[(h, tree)]
         spm = api.generate(base, prompts, mode="speculative", head=head, tree=tree, mesh=mesh, ngram_table=table, **kw)
         assert sp1.token_ids == ar1.token_ids, tree
         assert spm.token_ids == ar1.token_ids, (mesh, tree)
