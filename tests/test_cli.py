@@ -11,6 +11,25 @@ sys.path.insert(0, str(ROOT))
 import infer  # noqa: E402
 import train  # noqa: E402
 
+from clover_jax.cli import infer as infer_cli  # noqa: E402
+
+_LOADED: dict = {}
+
+
+@pytest.fixture(autouse=True)
+def _load_each_model_once(monkeypatch):
+    """infer.py loads its model on every call; here each (model, dtype, mesh) is read once for the module (the
+    loading itself is tested in tests/io)."""
+    real = infer_cli.load_model
+
+    def load_model(name, **kw):
+        key = (str(name), repr(sorted(kw.items())))
+        if key not in _LOADED:
+            _LOADED[key] = real(name, **kw)
+        return _LOADED[key]
+
+    monkeypatch.setattr(infer_cli, "load_model", load_model)
+
 
 @pytest.mark.slow
 def test_infer_prints_answer_and_speed(capsys):
