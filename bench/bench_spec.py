@@ -81,6 +81,8 @@ def plots(result: dict, out: Path, trees: list[str]):
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for t in trees:
+        if t == "chosen":
+            continue
         n = get_tree(t.removesuffix("+dv")).num_nodes
         ax.scatter(n, result["runs"][t]["speedup_vs_ar"], label=t)
         ax.scatter(n, result["runs"][t]["tau"], marker="x", color="gray")
@@ -95,13 +97,15 @@ def plots(result: dict, out: Path, trees: list[str]):
 def _main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m-instruct")
-    ap.add_argument("--head", default="smollm2-135m-instruct-clover2",
-                    help="registered head name (default: the shipped SmolLM2 head), training run dir or exported folder")
+    ap.add_argument("--head", default=None,
+                    help="registered head name, training run dir or exported folder (default: the model's first "
+                    "shipped head; the `chosen` run then chooses among the model's shipped heads)")
     ap.add_argument("--questions", default="mt_bench", help="mt_bench | spec_bench | sharegpt_heldout | path to question.jsonl")
     ap.add_argument("--category")
     ap.add_argument("--limit", type=int, default=0)
-    ap.add_argument("--trees", nargs="+", default=["clover2-26"],  # "auto": the calibrated tree (clover_jax.tuning.calibrate)
-                    help="tree names; a name ending in +dv (chain-3+dv) also uses --draft-vocab")
+    ap.add_argument("--trees", nargs="+", default=["chosen"],  # "auto": the calibrated tree (clover_jax.tuning.calibrate)
+                    help="tree names; a name ending in +dv (chain-3+dv) also uses --draft-vocab; `chosen`: what a "
+                    "request that names no tree runs (the head and tree chosen for this machine, or plain decoding)")
     ap.add_argument("--draft-vocab", help="draft vocabulary JSON (python -m clover_jax.cli.draft_vocab)")
     ap.add_argument("--ngram-table", help="n-gram table for trees named ...-table (python -m "
                     "clover_jax.decoding.ngram); default: the one shipped beside the head")
@@ -136,6 +140,12 @@ def _main(argv=None):
     import jax.numpy as jnp
 
     loaded = load_model(args.model, mesh=mesh, dtype=getattr(jnp, args.dtype))
+    from clover_jax import pretrained
+
+    chosen_head = args.head  # the `chosen` run's head: None chooses among the model's shipped heads
+    args.head = args.head or pretrained.default_head(args.model)
+    if args.head is None:
+        raise SystemExit(f"--head: {args.model} has no shipped head; pass one")
     head = load_head(args.head, loaded.model)
     from clover_jax.generation.calibration import register_saved_trees
 
@@ -162,12 +172,12 @@ def _main(argv=None):
         args.trees = [t for t in args.trees if t != "auto"] + ([auto] if auto != AR and auto not in args.trees else [])
     if trained_on is not None:  # a head trained on a draft vocabulary drafts from it in every run
         draft_vocab = trained_on if draft_vocab is None else draft_vocab
-        args.trees = [t if t.endswith(DV) else t + DV for t in args.trees]
+        args.trees = [t if t.endswith(DV) or t == "chosen" else t + DV for t in args.trees]
         print(f"the head was trained on a {len(trained_on)}-token draft vocabulary: every tree drafts from it (+dv)")
     result = evaluate(loaded, head, prompts, trees=args.trees, batch_size=args.batch_size,
                       max_new_tokens=args.max_new_tokens, temperature=args.temperature, categories=cats,
                       draft_vocab=draft_vocab, mesh=mesh, layers=args.layers, ngram_table=ngram_table,
-                      replay=args.replay)
+                      replay=args.replay, chosen_head=chosen_head)
     result["wall_seconds"] = round(time.time() - t0, 1)
     result["auto"] = auto
     result["args"] = vars(args)
@@ -212,6 +222,10 @@ def _main(argv=None):
                      f"{with_ci(r, 'speedup_vs_ar', 'speedup_ci95')} | "
                      f"{r.get('speedup_over_tau') or '-'} | {r.get('compile_seconds', '-')} | "
                      f"{', '.join(f'{x:.2f}' for x in rates) if rates else '-'} |")
+    chosen = result["runs"].get("chosen", {}).get("choice")
+    if chosen:
+        lines.append(f"\nchosen: {chosen['head'] or 'no head'}, {chosen['tree']} (predicted "
+                     f"{chosen['predicted_speedup']}x plain decoding here)")
     if "transformers" in result["runs"]:
         for t in args.trees:
             ratio = result["runs"][t]["tokens_per_second"] / result["runs"]["transformers"]["tokens_per_second"]

@@ -1,10 +1,13 @@
 """Shared fixtures. 8 simulated CPU devices for sharding tests (set before JAX initialises)."""
 
 import os
+import tempfile
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# choices and calibrations measured by the suite go to a folder of this run, not the user's ~/.cache
+os.environ["CLOVER_JAX_CACHE"] = tempfile.mkdtemp(prefix="clover_jax_suite_cache_")
 
 import pytest  # noqa: E402
 

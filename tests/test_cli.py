@@ -47,11 +47,21 @@ def test_infer_needs_a_prompt_and_a_head(capsys, tmp_path):
 
 
 @pytest.mark.slow
-def test_infer_speculative_uses_the_shipped_head(capsys):
-    assert infer.main(["--prompt", "What is the capital of France?", "--max-new-tokens", "24",
-                       "--mode", "speculative"]) == 0
+def test_infer_speculative_chooses_what_is_fastest_here(capsys):
+    """`--mode speculative` with no head and no tree: the choice among the shipped heads, the head-less chains and
+    plain decoding is measured on first use and printed in one line; the answer is plain decoding's. `--tree
+    default` drafts with the shipped head's registered tree, measuring nothing."""
+    argv = ["--prompt", "What is the capital of France?", "--max-new-tokens", "24"]
+    assert infer.main(argv) == 0
+    ar = capsys.readouterr().out.split("### prompt 0:")[1].split("\nar: ")[0].strip()
+    assert infer.main(argv + ["--mode", "speculative"]) == 0
     captured = capsys.readouterr()
-    assert "shipped head smollm2-135m-instruct-clover2" in captured.err
+    assert "clover_jax: choosing the draft tree for cpu" in captured.err
+    assert ("chose " in captured.err and "predicted" in captured.err) or "plain autoregressive decoding" in captured.err
+    assert "Paris" in captured.out and ar in captured.out
+    assert infer.main(argv + ["--mode", "speculative", "--tree", "default"]) == 0
+    captured = capsys.readouterr()
+    assert "choosing" not in captured.err and "shipped head smollm2-135m-instruct-clover2" in captured.err
     from clover_jax.heads.draft_vocab import head_draft_vocab
 
     n = len(head_draft_vocab("smollm2-135m-instruct-clover2"))
@@ -74,7 +84,7 @@ def test_infer_names_a_fitted_tree_of_the_shipped_head(capsys):
 def test_infer_streams_the_reply(capsys):
     """`--stream` prints the reply while it is generated: the same answer, then the speed summary."""
     assert infer.main(["--prompt", "What is the capital of France?", "--max-new-tokens", "12", "--mode",
-                       "speculative", "--stream"]) == 0
+                       "speculative", "--tree", "default", "--stream"]) == 0
     out = capsys.readouterr().out
     assert "Paris" in out and "tokens/s" in out and "### prompt 0" in out
     assert infer.main(["--prompt", "hi", "--stream", "--batch-size", "2"]) == 2
@@ -95,7 +105,8 @@ def test_infer_lookup_table_without_a_head(capsys):
 
 def test_infer_on_a_mesh_answers_as_on_one_device(capsys):
     """The README's example prompt: `--mesh tp=8` (8 simulated devices) prints the `--mesh tp=1` answer."""
-    argv = ["--prompt", "What is the capital of France?", "--max-new-tokens", "24", "--mode", "speculative"]
+    argv = ["--prompt", "What is the capital of France?", "--max-new-tokens", "24", "--mode", "speculative",
+            "--tree", "default"]
     answers = {}
     for mesh in ("tp=1", "tp=8"):
         assert infer.main(argv + ["--mesh", mesh]) == 0

@@ -87,13 +87,66 @@ def test_shipped_head_accepts_drafts_and_is_exact(smollm, layers):
 
 @pytest.mark.slow
 def test_shipped_head_default_tree_resolves_by_name_and_is_exact(smollm):
-    """`generate(..., head=NAME)` with no tree drafts with the head's default tree, a fitted tree known only from
+    """`generate(..., head=NAME, tree="default")` drafts with the head's registered tree, a fitted tree known only from
     the head's calibration.json beside lookup and the head's n-gram table: exact, and accepting drafts."""
     prompts = ["List three prime numbers and explain why each is prime.", "Write a haiku about the sea."]
     ar = generate(smollm, prompts, max_new_tokens=32)
-    plan = prepare_generate(smollm, prompts, max_new_tokens=32, mode="speculative", head=NAME)
+    plan = prepare_generate(smollm, prompts, max_new_tokens=32, mode="speculative", head=NAME, tree="default")
     assert plan.drafter.spec.name == pretrained.default_tree(NAME) == "fit-5-411aab+lookup-4-table"
-    sp = generate(smollm, prompts, max_new_tokens=32, mode="speculative", head=NAME)
+    sp = generate(smollm, prompts, max_new_tokens=32, mode="speculative", head=NAME, tree="default")
     assert len(sp.stats["accept_hist"]) == plan.drafter.max_depth + 1 == 5
     assert sp.token_ids == ar.token_ids
     assert sp.stats["tau"] > 1.5  # MT-Bench tau: docs/results.md; a head or table that never drafted right gives ~1
+
+
+# ---------------------------------------------------------------- the EAGLE head shipped beside it
+EAGLE = "smollm2-135m-instruct-eagle"
+# tau of the EAGLE head on FLOOR_PROMPTS (greedy, chain-4, 64 new tokens, batch 1), measured on a CPU in float32
+EAGLE_TAU_MEASURED = 1.797  # hist [72, 41, 21, 5, 4] over 143 steps
+EAGLE_TAU_FLOOR = 1.70  # the Clover-2 head measures TAU_MEASURED on the same prompts
+
+
+def test_eagle_head_is_registered_and_reference_format():
+    from safetensors import safe_open
+
+    path = pretrained.head_path(EAGLE)
+    assert path == pretrained.PRETRAINED_DIR / EAGLE
+    assert pretrained.heads_for("smollm2-135m-instruct") == [NAME, EAGLE]
+    assert pretrained.default_tree(EAGLE) == "fit-5-36f662+lookup-4-table"
+    # one n-gram table per base model: the EAGLE head drafts `-table` trees with the Clover-2 head's
+    assert pretrained.ngram_table_folder(EAGLE) == pretrained.head_path(NAME)
+    assert not (path / "ngram_table.npz").exists()
+    assert pretrained.ngram_table_folder(str(path)) == path  # by folder: only its own table
+    meta = json.loads((path / "config.json").read_text())
+    assert meta["head_type"] == "eagle" and meta["base_model"]["name_or_path"] == "smollm2-135m-instruct"
+    assert meta["rope_theta"] == 10000.0 and meta["rope_follows_base"] is False
+    size = sum(f.stat().st_size for f in path.iterdir())
+    assert size < 12 * 2**20, f"the shipped EAGLE head folder is {size / 2**20:.1f} MiB"
+    with safe_open(str(path / "model.safetensors"), framework="numpy") as f:
+        names = set(f.keys())
+        assert str(f.get_slice("fc.weight").get_dtype()).lower() in ("f16", "float16")
+    assert {"fc.weight", "fc.bias", "layers.0.self_attn.q_proj.weight", "layers.0.mlp.down_proj.weight"} <= names
+    assert not names & {"embed_tokens.weight", "lm_head.weight"}  # the base's frozen tensors are read from the base
+    assert np.array_equal(head_draft_vocab(EAGLE), head_draft_vocab(NAME))
+    card = (path / "README.md").read_text()
+    assert "tau" in card and "configs/smollm2-135m-eagle.yaml" in card
+
+
+@pytest.mark.slow
+def test_shipped_eagle_head_accepts_drafts_and_is_exact(smollm):
+    """As the Clover-2 head's floor test (chain-4: the head's drafts alone); its default tree, a fitted tree known
+    only from its calibration.json beside lookup and the shared n-gram table, resolves by name and is exact."""
+    hist = None
+    for i, p in enumerate(floor_prompts()):
+        ar = generate(smollm, [p], max_new_tokens=64)
+        sp = generate(smollm, [p], max_new_tokens=64, mode="speculative", head=EAGLE, tree="chain-4")
+        assert sp.token_ids == ar.token_ids
+        h = np.asarray(sp.stats["accept_hist"])
+        hist = h if hist is None else hist + h
+        if i == 0:
+            kw = dict(max_new_tokens=64, mode="speculative", head=EAGLE, tree="default")
+            plan = prepare_generate(smollm, [p], **kw)
+            assert plan.drafter.spec.name == pretrained.default_tree(EAGLE) and plan.ngram_table is not None
+            assert generate(smollm, [p], **kw).token_ids == ar.token_ids
+    tau = acceptance_tau(hist)
+    assert tau >= EAGLE_TAU_FLOOR, f"tau {tau:.3f} fell below {EAGLE_TAU_FLOOR} (measured {EAGLE_TAU_MEASURED})"

@@ -1,7 +1,9 @@
 """`python -m clover_jax.cli.calibrate`: calibrates `tree="auto"` for a head on this hardware
-(`clover_jax.tuning.calibrate`) and prints the table of what it measured.
+(`clover_jax.tuning.calibrate`) and prints the table of what it measured; with `--quick`, measures again the choice
+a request with no tree gets (`clover_jax.tuning.choose`: head and tree, or plain decoding).
 
     python -m clover_jax.cli.calibrate --model smollm2-135m-instruct --head smollm2-135m-instruct-clover2
+    python -m clover_jax.cli.calibrate --quick --model smollm2-135m-instruct            # among the shipped heads
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import sys
 
 import jax.numpy as jnp
 
+from clover_jax import pretrained
 from clover_jax.cli import add_debug_argument, run_cli
 from clover_jax.decoding.tree import get_tree
 from clover_jax.generation.calibration import AR
@@ -20,6 +23,8 @@ from clover_jax.io.prompts import read_prompts
 from clover_jax.parallel import parse_mesh
 from clover_jax.training.loading import load_head
 from clover_jax.tuning.calibrate import DYNAMIC_CANDIDATES, STATIC_CANDIDATES, resolve_auto
+from clover_jax.tuning.choose import choose
+from clover_jax.validation import InputError
 
 
 # ------------------------------------------------------------------------------------------------ CLI
@@ -32,7 +37,10 @@ def _main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m clover_jax.cli.calibrate", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m-instruct")
-    ap.add_argument("--head", default="smollm2-135m-instruct-clover2")
+    ap.add_argument("--head", default=None, help="registered name or folder (default: the model's first shipped "
+                    "head; with --quick, all of them)")
+    ap.add_argument("--quick", action="store_true", help="measure again what a request with no tree gets (head and "
+                    "tree, or plain decoding; about a minute) and print it")
     ap.add_argument("--prompts-file", help="questions to calibrate on (default: 8 Spec-Bench questions outside "
                     "MT-Bench: translation, QA, math)")
     ap.add_argument("--limit", type=int, default=8)
@@ -50,6 +58,11 @@ def _main(argv=None) -> int:
     if args.mesh:
         mesh = parse_mesh(args.mesh)
     loaded = load_model(args.model, dtype=jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32, mesh=mesh)
+    if args.quick:
+        return _quick(loaded, args, mesh)
+    args.head = args.head or pretrained.default_head(args.model)
+    if args.head is None:
+        raise InputError(f"--head: {args.model} has no shipped head; pass one")
     head = load_head(args.head, loaded.model)
     prompts = read_prompts(args.prompts_file, limit=args.limit) if args.prompts_file else None
     best, entry = resolve_auto(loaded, head, args.head, batch_size=args.batch_size, mesh=mesh, recalibrate=True,
@@ -75,6 +88,19 @@ def _main(argv=None) -> int:
         for name, t in entry.get("trees", {}).items():
             print(f"  {name}: {t['choices']}")
     print(f"\nauto -> {best}" + (" (no tree beats autoregressive decoding here)" if best == AR else ""))
+    return 0
+
+
+def _quick(loaded, args, mesh) -> int:
+    choice = choose(loaded, args.head, batch_size=args.batch_size, mesh=mesh, refresh=True, model_source=args.model)
+    entry = choice.entry
+    print(f"\n{entry['new_tokens']} new tokens, batch {entry['batch_size']}, measured in {entry['seconds']} s\n")
+    print("| head | tree | measured speed-up | tau measured | step cost (decode steps) | tau reference | predicted |")
+    print("|---|---|---|---|---|---|---|")
+    for r in sorted(entry["candidates"].values(), key=lambda r: -r["predicted_speedup"]):
+        print(f"| {r['head'] or '-'} | {r['tree']} | {r['measured_speedup']} | {r['tau_measured']} | {r['step_cost']} "
+              f"| {r['tau_reference'] or '-'} | {r['predicted_speedup']} |")
+    print(f"\n{choice.note}")
     return 0
 
 

@@ -54,7 +54,8 @@ def parse_args(argv=None):
                    "(calibrated for this head and hardware, see python -m clover_jax.cli.calibrate) | tree.json | "
                    "TREE+lookup-K (a prompt-lookup chain of K tokens beside the head's tree) | lookup-K (prompt lookup "
                    "alone, no head) | TREE+lookup-K-table, lookup-K-table (where lookup finds no match, an n-gram "
-                   "table's chain: --ngram-table) (default: the shipped head's tree, else clover2-26)")
+                   "table's chain: --ngram-table) | default (the head's registered tree) (no --tree: the head and tree "
+                   "fastest on this machine, or plain decoding where none pays, measured on first use and printed)")
     p.add_argument("--ngram-table", help="n-gram table for trees named ...-table (python -m "
                    "clover_jax.cli.ngram); default: the one shipped beside the head, if any")
     p.add_argument("--draft-vocab", help="draft only from these token ids (JSON from python -m "
@@ -178,7 +179,7 @@ def _main(argv=None) -> int:
                 print(f"\n### prompt {start + i}: {texts[i][:100]!r}\n{text}")
         if res.stats.get("tau") is not None and not args.quiet:
             print(f"[tau {res.stats['tau']:.2f} tokens/step]")
-    print(f"\n{args.mode}: {int(total_tokens)} tokens in {total_seconds:.2f} s = "
+    print(f"\n{kw['mode']}: {int(total_tokens)} tokens in {total_seconds:.2f} s = "
           f"{total_tokens / max(total_seconds, 1e-9):.1f} tokens/s (batch {args.batch_size}, "
           f"{args.dtype}); compile+warm-up {compile_seconds:.1f} s")
     if hist and sum(hist):

@@ -200,7 +200,7 @@ def load_ngram_table(path: str | os.PathLike) -> NgramTable:
 def head_ngram_table(head_path) -> NgramTable | None:
     """The n-gram table shipped beside a head (a registered name or a folder holding `ngram_table.npz`), or None."""
     try:
-        path = pretrained.head_path(head_path) / NGRAM_FILE
+        path = pretrained.ngram_table_folder(head_path) / NGRAM_FILE
     except (InputError, TypeError):
         return None
     return load_ngram_table(path) if path.is_file() else None

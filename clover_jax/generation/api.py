@@ -52,7 +52,11 @@ def generate(model, prompts: Sequence[Any], *, tokenizer=None, max_new_tokens: i
       mode: "ar" (plain autoregressive) or "speculative" (needs `head`, optionally `tree`).
       head: a draft head module, or where to load one: a registered name (`clover_jax.pretrained`, e.g.
         "smollm2-135m-instruct-clover2"), an exported head folder or a training run directory.
-      tree: a tree name or JSON file; None: the registered head's default tree, else "clover2-26"; "auto":
+      tree: a tree name or JSON file; None: the head and tree fastest on this machine, dtype and batch size, or
+        plain decoding where no tree pays (`clover_jax.tuning.choose`: measured on first use, about 40 s on a
+        CPU, then reused; the choice is in `stats["choice"]` and `stats["notes"]`); with no head named it chooses
+        among the model's shipped heads and head-less prompt-lookup chains; "default": the head's registered
+        default tree, else its type's, without measuring; "auto":
         the tree a calibration of this head on this hardware found fastest (`clover_jax.tuning.calibrate`; runs one
         and saves it when none is saved), or plain autoregressive decoding when no tree pays.
       draft_vocab: token ids the drafts are drawn from (`clover_jax.heads.draft_vocab`); None: all, or, for
@@ -97,6 +101,9 @@ def run_plan(plan: GenerationPlan, decode_text: bool = True) -> GenerationResult
     rows = len(plan.ids)
     if plan.auto_choice is not None:
         stats = {**stats, "tree": plan.auto_choice}
+    if plan.choice is not None:
+        stats = {**stats, "choice": {"head": plan.choice.head, "tree": plan.choice.tree,
+                                     "predicted_speedup": plan.choice.predicted}}
     if plan.notes:
         stats = {**stats, "notes": list(plan.notes)}
     return GenerationResult(token_ids=gen, texts=texts, prompt_lengths=lens[:rows].tolist(), steps=int(out.steps),

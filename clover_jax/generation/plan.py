@@ -103,6 +103,44 @@ def _resolve_auto(model, tokenizer, head, head_source, batch_size: int, draft_vo
     return best
 
 
+# A speculative request that names no tree drafts with what is fastest here (`clover_jax.tuning.choose`, a layer
+# above: it measures through `generate`), installed here when imported; `import clover_jax` imports it.
+_AUTO_CHOICE: Callable[..., Any] | None = None
+
+DEFAULT = "default"  # tree="default": the head's registered default tree, chosen without measuring
+
+
+def set_auto_choice(choose: Callable[..., Any]) -> None:
+    """Installs what chooses head and tree for a speculative request with no tree: `choose(loaded, head_source,
+    head_tree, *, batch_size, mesh, model_source) -> Choice(head, tree, predicted, note)` (tree "ar": plain
+    decoding)."""
+    global _AUTO_CHOICE
+    _AUTO_CHOICE = choose
+
+
+def _choose(model, tokenizer, model_source, head, batch_size: int, mesh, notes: list[str]):
+    """(head, tree, choice) for a speculative request with no tree: `tuning.choose`'s answer, or (head, None,
+    None) (the head's default tree) where nothing can be measured (no tokenizer, a head given as a module)."""
+    if isinstance(head, nnx.Module):
+        return head, None, None  # an in-memory head has no folder to keep a choice in: its default tree
+    if tokenizer is None or _AUTO_CHOICE is None:
+        notes.append("the head's default tree (no tokenizer to measure a choice with)" if tokenizer is None else
+                     "the head's default tree (import clover_jax.tuning.choose to choose by measuring)")
+        return head, None, None
+    if head is None and not (model_source and pretrained.heads_for(model_source)):
+        return head, None, None  # no shipped head to choose among: `_default_head` says what to pass
+    head_tree = None
+    if head is not None:
+        loaded_head = _load_head_cached(head, model)
+        head_tree = pretrained.default_tree(head) or registry.of_head(loaded_head).default_tree
+    loaded = LoadedModel(model.config, model, tokenizer, model_source or "")
+    choice = _AUTO_CHOICE(loaded, head, head_tree, batch_size=batch_size, mesh=mesh, model_source=model_source)
+    notes.append(choice.note)
+    if choice.tree == "ar":
+        return head, "ar", choice
+    return (choice.head if choice.head is not None else NoHead()), choice.tree, choice
+
+
 @dataclasses.dataclass
 class GenerationPlan:
     """Everything `generate` checked and resolved before compiling: see `prepare_generate`."""
@@ -122,6 +160,7 @@ class GenerationPlan:
     memory: dict[str, int] = dataclasses.field(default_factory=dict)  # estimated bytes per part (per device)
     mesh: Any = None  # jax.sharding.Mesh the loop runs on (None: one device)
     auto_choice: str | None = None  # what tree="auto" resolved to (a tree name, or "ar"), else None
+    choice: Any = None  # what was chosen for a speculative request with no tree (`tuning.choose.Choice`), else None
     tree: Any = None  # the tree drafted (a name, a JSON path or a policy object), None for plain decoding
     draft_vocab: Any = None  # the token ids drafts are drawn from (None: all)
     ngram_table: Any = None  # the n-gram table of `...-table` trees (None: none)
@@ -195,8 +234,6 @@ def prepare_generate(model, prompts: Sequence[Any], *, tokenizer=None, max_new_t
     if len(prompts) == 0:
         raise PromptError("prompts: no prompts given (an empty list)")
     notes: list[str] = []  # what was chosen for the request that it did not name, and why
-    if mode == "speculative" and head is None:
-        head = _default_head(tree, model_source, notes)
     sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
     mesh = parallel.parse_mesh(mesh)
     check_layers(layers, mesh)
@@ -209,7 +246,15 @@ def prepare_generate(model, prompts: Sequence[Any], *, tokenizer=None, max_new_t
     # on a mesh the rows split over its batch shards: pad the batch to a multiple with copies of prompt 0
     extra_rows = (-len(ids)) % parallel.batch_divisor(mesh) if mesh is not None else 0
     arr, lens = pad_prompts(ids + [ids[0]] * extra_rows, pad_id)
-    drafter = auto_choice = drafter_tree = None
+    drafter = auto_choice = drafter_tree = choice = None
+    if mode == "speculative" and isinstance(tree, str) and tree.strip().lower() == DEFAULT:
+        tree = None  # the head's registered default tree, not measured
+    elif mode == "speculative" and tree is None:
+        head, tree, choice = _choose(model, tokenizer, model_source, head, len(lens), mesh, notes)
+    if mode == "speculative" and tree == "ar":  # nothing beats plain decoding here (a choice found so)
+        mode, tree = "ar", None
+    if mode == "speculative" and head is None:
+        head = _default_head(tree, model_source, notes)
     if mode == "speculative":
         head_source = head if isinstance(head, (str, os.PathLike)) else None
         if head_source is not None:
@@ -277,5 +322,5 @@ def prepare_generate(model, prompts: Sequence[Any], *, tokenizer=None, max_new_t
     return GenerationPlan(model=model, tokenizer=tokenizer, ids=ids, prompt=arr, prompt_lengths=lens,
                           max_new_tokens=max_new_tokens, sampling=sampling, seed=seed, cache_size=cache_size,
                           mode=mode, head=head, drafter=drafter, memory=memory, mesh=mesh, auto_choice=auto_choice,
-                          layers=layers, stream=stream, tree=None if drafter is None else drafter_tree,
+                          layers=layers, stream=stream, tree=None if drafter is None else drafter_tree, choice=choice,
                           draft_vocab=draft_vocab, ngram_table=ngram_table, notes=notes, loop=loop)

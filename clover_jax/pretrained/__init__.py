@@ -26,6 +26,8 @@ class PretrainedHead:
     name: str  # the registered name
     base_model: str  # the base model it drafts for (a name `clover_jax.load_model` knows)
     default_tree: str  # the tree to draft with when none is given (the best one measured on a CPU)
+    ngram_table_from: str | None = None  # a registered head whose folder holds the n-gram table this one drafts
+    # `...-table` trees with (one table per base model: it holds the base's continuations, not a head's)
 
     @property
     def path(self) -> Path:
@@ -38,6 +40,10 @@ HEADS: dict[str, PretrainedHead] = {
         # chain of prompt lookup, or of the n-gram table shipped with the head where lookup finds nothing
         PretrainedHead("smollm2-135m-instruct-clover2", base_model="smollm2-135m-instruct",
                        default_tree="fit-5-411aab+lookup-4-table"),
+        # an EAGLE-1 head (one decoder layer) for the same model: higher acceptance, dearer drafts; its default tree
+        # is its own fitted 5-node tree (a 3-deep chain of top-1 drafts and the root's second child) beside the chain
+        PretrainedHead("smollm2-135m-instruct-eagle", base_model="smollm2-135m-instruct",
+                       default_tree="fit-5-36f662+lookup-4-table", ngram_table_from="smollm2-135m-instruct-clover2"),
     )
 }
 
@@ -63,12 +69,26 @@ def head_path(name_or_path: str | os.PathLike) -> Path:
     return entry.path
 
 
+def heads_for(model_name: str | os.PathLike | None) -> list[str]:
+    """The registered heads of a registered base model name (e.g. 'smollm2-135m-instruct'), in registry order."""
+    key = str(model_name).lower() if model_name is not None else None
+    return [h.name for h in HEADS.values() if h.base_model == key]
+
+
 def default_head(model_name: str | os.PathLike | None) -> str | None:
-    """The registered head for a registered base model name (e.g. 'smollm2-135m-instruct'), or None."""
-    if model_name is None:
-        return None
-    key = str(model_name).lower()
-    return next((h.name for h in HEADS.values() if h.base_model == key), None)
+    """The first registered head for a registered base model name, or None. (With no head named, speculative
+    decoding chooses among `heads_for(model)` by a calibration on this machine: `clover_jax.generation.plan`.)"""
+    heads = heads_for(model_name)
+    return heads[0] if heads else None
+
+
+def ngram_table_folder(name_or_path: str | os.PathLike) -> Path:
+    """The folder whose `ngram_table.npz` a head drafts `...-table` trees with: its own, or for a registered head
+    that shares another's table (`PretrainedHead.ngram_table_from`), that head's folder."""
+    entry = get(str(name_or_path)) if isinstance(name_or_path, str) else None
+    if entry is not None and entry.ngram_table_from:
+        return head_path(entry.ngram_table_from)
+    return head_path(name_or_path)
 
 
 def default_tree(name_or_path) -> str | None:
@@ -77,4 +97,5 @@ def default_tree(name_or_path) -> str | None:
     return entry.default_tree if entry is not None else None
 
 
-__all__ = ["HEADS", "PRETRAINED_DIR", "PretrainedHead", "default_head", "default_tree", "get", "head_path"]
+__all__ = ["HEADS", "PRETRAINED_DIR", "PretrainedHead", "default_head", "default_tree", "get", "head_path", "heads_for",
+           "ngram_table_folder"]

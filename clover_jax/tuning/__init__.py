@@ -1,3 +1,4 @@
-"""Runs that use generation to tune it: calibration of `tree="auto"` and the evaluation harness."""
+"""Runs that use generation to tune it: the choice of head and tree when a request names none, the calibration of
+`tree="auto"`, the evaluation harness and the exactness audit."""
 
-from clover_jax.tuning import calibrate  # noqa: F401 (installs the runner of generate(tree="auto"))
+from clover_jax.tuning import calibrate, choose  # noqa: F401 (install what generate() calls for tree=None / "auto")

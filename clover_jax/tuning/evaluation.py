@@ -36,6 +36,7 @@ class RunStats:
     # per prompt batch, in order: (new tokens, timed seconds, decode-phase tokens, decode-phase steps); the units a
     # confidence interval resamples (`bootstrap_ci`)
     per_batch: list[tuple[int, float, int, int]] = dataclasses.field(default_factory=list)
+    choice: dict | None = None  # the `chosen` run: what was chosen (`GenerationResult.stats["choice"]`)
 
     @property
     def tokens_per_second(self) -> float:
@@ -57,10 +58,12 @@ class RunStats:
                 "tau": None if self.tau is None else round(self.tau, 3),
                 "accept_hist": None if self.accept_hist is None else self.accept_hist.tolist(),
                 "accept_rate_per_depth": self.accept_rates(),
-                "node_hist": None if self.node_hist is None else self.node_hist.tolist()}
+                "node_hist": None if self.node_hist is None else self.node_hist.tolist(),
+                **({"choice": self.choice} if self.choice is not None else {})}
 
 
 DV = "+dv"  # tree-name suffix: run that tree with the draft vocabulary
+CHOSEN = "chosen"  # the run of a request that names no tree: the head and tree chosen here (`tuning.choose`)
 CI_LEVEL = 0.95
 CI_RESAMPLES = 2000
 
@@ -90,10 +93,12 @@ def bootstrap_ci(num: np.ndarray, den: np.ndarray, *, level: float = CI_LEVEL, r
 def evaluate(loaded, head, prompts: Sequence[str], *, trees: Sequence[str] = ("clover2-26",), batch_size: int = 1,
              max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
              categories: Sequence[str] | None = None, progress: bool = True, draft_vocab=None, mesh=None,
-             layers: str = "auto", ngram_table=None, replay: bool = False) -> dict[str, Any]:
+             layers: str = "auto", ngram_table=None, replay: bool = False, chosen_head=None) -> dict[str, Any]:
     """Runs AR and speculative decoding (one run per tree) on the prompts; returns stats and mismatches.
     `mesh`: decode on a device mesh; `layers`: how the decoding loops run the layers; `ngram_table`: for trees
-    named `...-table` (all three as in `generate`).
+    named `...-table` (all three as in `generate`). A tree named `chosen` runs a request that names no tree
+    (`generate`'s default: the head and tree chosen for this machine, or plain decoding), with the head
+    `chosen_head` (None: chosen among the model's shipped heads; `loaded` must then know its name).
 
     A tree name ending in `+dv` (e.g. "chain-3+dv") runs that tree with the draft vocabulary `draft_vocab`
     (token ids, `clover_jax.heads.draft_vocab`), so both can be compared in one run.
@@ -106,7 +111,7 @@ def evaluate(loaded, head, prompts: Sequence[str], *, trees: Sequence[str] = ("c
     runs = {"ar": RunStats("ar")} | {t: RunStats(t) for t in trees}
     if any(t.endswith(DV) for t in trees) and draft_vocab is None:
         raise InputError(f"trees {[t for t in trees if t.endswith(DV)]} ask for a draft vocabulary; pass draft_vocab")
-    specs = {t: get_tree(t.removesuffix(DV)) for t in trees}
+    specs = {t: get_tree(t.removesuffix(DV)) for t in trees if t != CHOSEN}
     max_nodes = max([s.num_nodes for s in specs.values()] + [0])
     warmed = set()
     mismatches = 0
@@ -123,25 +128,33 @@ def evaluate(loaded, head, prompts: Sequence[str], *, trees: Sequence[str] = ("c
         common = dict(cache_size=cache, temperature=temperature, top_p=top_p, mesh=mesh, layers=layers)
         outs = {}
         for name, run in runs.items():
-            kw = dict(common, mode="ar") if name == "ar" else dict(
-                common, mode="speculative", head=head, tree=name.removesuffix(DV),
-                draft_vocab=draft_vocab if name.endswith(DV) else None, ngram_table=ngram_table)
+            target = loaded.model
+            if name == "ar":
+                kw = dict(common, mode="ar")
+            elif name == CHOSEN:  # no tree named (and the head only if `chosen_head`): what the user gets by default
+                target, kw = loaded, dict(common, mode="speculative", head=chosen_head, cache_size=None)
+            else:
+                kw = dict(common, mode="speculative", head=head, tree=name.removesuffix(DV),
+                          draft_vocab=draft_vocab if name.endswith(DV) else None, ngram_table=ngram_table)
             key = (name, len(chunk), bucket)
             if key not in warmed:
                 t0 = time.perf_counter()
-                generate(loaded.model, chunk, max_new_tokens=1, decode_text=False, **kw)
+                generate(target, chunk, max_new_tokens=1, decode_text=False, **kw)
                 run.compile_seconds += time.perf_counter() - t0
                 warmed.add(key)
-            res = generate(loaded.model, chunk, max_new_tokens=max_new_tokens, seed=seed + start, decode_text=False,
+            res = generate(target, chunk, max_new_tokens=max_new_tokens, seed=seed + start, decode_text=False,
                            **kw)
+            if name == CHOSEN:
+                run.choice = res.stats.get("choice")
             run.tokens += res.num_generated
             run.seconds += res.seconds
             run.steps += sum(res.row_steps)
             h = None
             if name != "ar":
-                h = np.asarray(res.stats["accept_hist"])
+                # plain decoding (a choice that found no tree pays here) accepts no draft: every step yields one token
+                h = np.asarray(res.stats.get("accept_hist", [sum(res.row_steps)]))
                 run.accept_hist = h if run.accept_hist is None else run.accept_hist + h
-                nh = np.asarray(res.stats["node_hist"])
+                nh = np.asarray(res.stats.get("node_hist", [sum(res.row_steps)]))
                 run.node_hist = nh if run.node_hist is None else run.node_hist + nh
             decoded = (0, 0) if h is None else tuple(int(x) for x in acceptance_stats.tokens_and_steps(h))
             run.per_batch.append((res.num_generated, res.seconds, *decoded))
@@ -150,7 +163,7 @@ def evaluate(loaded, head, prompts: Sequence[str], *, trees: Sequence[str] = ("c
                 if categories is not None:
                     rec["category"] = categories[start + i]
                 if name != "ar":
-                    rec["tau"] = res.stats["row_tau"][i]
+                    rec["tau"] = res.stats["row_tau"][i] if "row_tau" in res.stats else 1.0
                 run.per_prompt.append(rec)
             outs[name] = res.token_ids
         if temperature == 0.0:

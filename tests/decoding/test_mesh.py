@@ -340,7 +340,7 @@ def test_smollm2_shipped_head_on_mesh_equals_single_device(smollm):
     from clover_jax.io.prompts import read_prompts
 
     prompts = read_prompts("mt_bench")[:8]
-    kw = dict(max_new_tokens=32, mode="speculative", head="smollm2-135m-instruct-clover2")
+    kw = dict(max_new_tokens=32, mode="speculative", head="smollm2-135m-instruct-clover2", tree="default")
     one = api.generate(smollm, prompts, **kw)
     sharded = api.generate(smollm, prompts, mesh=mesh, **kw)
     assert sharded.token_ids == one.token_ids

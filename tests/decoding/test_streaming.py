@@ -84,7 +84,7 @@ def test_stream_text_pieces_join_to_the_reply(smollm):
     """The real SmolLM2 and its shipped head: the pieces `stream_text` yields join to the reply `generate` returns,
     and arrive in more than one piece."""
     prompt = "Write a short poem about the moon, with an emoji at the end."
-    kw = dict(max_new_tokens=40, mode="speculative", head="smollm2-135m-instruct-clover2")
+    kw = dict(max_new_tokens=40, mode="speculative", head="smollm2-135m-instruct-clover2", tree="default")
     ref = generate(smollm, [prompt], **kw)
     it = clover_jax.stream_text(smollm, prompt, **kw)
     pieces = []

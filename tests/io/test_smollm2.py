@@ -91,5 +91,6 @@ def test_long_prompts_match_transformers_and_speculative(smollm, smollm_torch):
             ref = smollm_torch.generate(torch.tensor([p]), max_new_tokens=24, do_sample=False,
                                         eos_token_id=2, pad_token_id=2)[0, len(p):].tolist()
         assert ours.token_ids[i] == ref, f"prompt {i} ({len(p)} tokens)"
-    spec = generate(smollm, ids, max_new_tokens=24, mode="speculative", head="smollm2-135m-instruct-clover2")
+    spec = generate(smollm, ids, max_new_tokens=24, mode="speculative", head="smollm2-135m-instruct-clover2",
+                    tree="default")
     assert spec.token_ids == ours.token_ids

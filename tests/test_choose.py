@@ -1,0 +1,142 @@
+"""A speculative request that names no tree: the choice of head and tree (or plain decoding) made for this machine,
+dtype and batch size (`clover_jax.tuning.choose`), kept and reused, and followed by the plan.
+
+The timed measurement is replaced here by stated numbers so the rule is checked exactly; the real measurement on
+SmolLM2 runs in `tests/test_cli.py` (`--mode speculative` with no tree), where its output is compared with plain
+decoding."""
+
+import dataclasses
+import json
+
+import pytest
+
+from clover_jax import pretrained
+from clover_jax.decoding.autoregressive import AutoregressiveLoop
+from clover_jax.decoding.lookup import NoHead
+from clover_jax.generation.plan import prepare_generate
+from clover_jax.heads.clover2 import Clover2Head
+from clover_jax.heads.eagle import EagleHead
+from clover_jax.tuning import choose as choose_mod
+
+CLOVER = "smollm2-135m-instruct-clover2"
+EAGLE = "smollm2-135m-instruct-eagle"
+
+
+@pytest.fixture
+def fake_measure(monkeypatch, tmp_path):
+    """Replaces the timed measurement with `predicted` speed-ups per candidate label; counts the calls."""
+    monkeypatch.setenv("CLOVER_JAX_CACHE", str(tmp_path))
+    monkeypatch.setattr(choose_mod, "_MEMO", {})
+    calls = []
+    predicted = {}
+
+    def measure(loaded, pairs, *, batch_size=1, **kw):
+        calls.append((list(pairs), batch_size))
+        table = {choose_mod._label(h, t): {"head": h, "tree": t, "measured_speedup": predicted.get(
+            choose_mod._label(h, t), 0.5), "tau_measured": 2.0, "tau_reference": None, "step_cost": 1.0,
+            "predicted_speedup": predicted.get(choose_mod._label(h, t), 0.5)} for h, t in pairs}
+        best = max(table, key=lambda k: table[k]["predicted_speedup"])
+        best = best if table[best]["predicted_speedup"] >= choose_mod.MARGIN else "ar"
+        return {"best": best, "candidates": table, "new_tokens": 48, "batch_size": batch_size, "seconds": 1.0,
+                "version": choose_mod.VERSION}
+
+    monkeypatch.setattr(choose_mod, "measure", measure)
+    return calls, predicted
+
+
+def test_no_tree_chooses_among_the_shipped_heads_and_keeps_the_choice(smollm, fake_measure, capsys):
+    calls, predicted = fake_measure
+    predicted[f"{EAGLE} {pretrained.default_tree(EAGLE)}"] = 1.3
+    predicted["lookup-4-table"] = 1.2
+    plan = prepare_generate(smollm, ["hi"], mode="speculative")
+    (pairs, batch), = calls
+    assert batch == 1 and pairs == [(CLOVER, "fit-5-411aab+lookup-4-table"), (EAGLE, "fit-5-36f662+lookup-4-table"),
+                                    (None, "lookup-4-table"), (None, "lookup-2-table")]
+    assert plan.mode == "speculative" and isinstance(plan.head, EagleHead)
+    assert plan.drafter.spec.name == pretrained.default_tree(EAGLE)
+    assert plan.choice.head == EAGLE and plan.choice.predicted == 1.3
+    assert any(n.startswith(f"chose {EAGLE} fit-5-36f662") and "1.3x" in n for n in plan.notes)
+    err = capsys.readouterr().err
+    assert "choosing the draft tree for cpu" in err and "chose " in err  # announced when measured, once
+    # reused: in this process, then from the saved file in a new one (the memo cleared)
+    prepare_generate(smollm, ["hello there"], mode="speculative")
+    choose_mod._MEMO.clear()
+    again = prepare_generate(smollm, ["hello there"], mode="speculative")
+    assert len(calls) == 1 and again.choice.head == EAGLE and capsys.readouterr().err == ""
+    saved = json.loads((choose_mod.cache_dir() / choose_mod.CHOICES_FILE).read_text())
+    (key, entry), = saved.items()
+    assert "model smollm2-135m-instruct" in key and "| float32 | batch 1" in key and entry["best"].startswith(EAGLE)
+    # another batch size is another choice
+    prepare_generate(smollm, ["a", "b"], mode="speculative")
+    assert len(calls) == 2 and calls[1][1] == 2
+
+
+def test_plain_decoding_when_no_tree_pays(smollm, fake_measure):
+    calls, predicted = fake_measure
+    predicted["lookup-4-table"] = 1.04  # below the margin
+    plan = prepare_generate(smollm, ["hi"], mode="speculative")
+    assert plan.mode == "ar" and isinstance(plan.loop, AutoregressiveLoop) and plan.drafter is None
+    assert plan.choice.tree == "ar"
+    assert any("plain autoregressive decoding" in n and "lookup-4-table at 1.04x" in n for n in plan.notes)
+
+
+def test_a_head_less_chain_can_win(smollm, fake_measure):
+    _, predicted = fake_measure
+    predicted["lookup-2-table"] = 1.5
+    plan = prepare_generate(smollm, ["hi"], mode="speculative")
+    assert isinstance(plan.head, NoHead) and plan.drafter.spec.name == "lookup-2-table"
+    assert plan.ngram_table is not None  # the shipped heads' n-gram table
+
+
+def test_a_named_head_chooses_between_its_tree_and_plain_decoding(smollm, fake_measure):
+    calls, predicted = fake_measure
+    predicted[f"{CLOVER} fit-5-411aab+lookup-4-table"] = 1.2
+    plan = prepare_generate(smollm, ["hi"], mode="speculative", head=CLOVER)
+    assert calls[0][0] == [(CLOVER, "fit-5-411aab+lookup-4-table")]
+    assert isinstance(plan.head, Clover2Head) and plan.drafter.spec.name == "fit-5-411aab+lookup-4-table"
+
+
+def test_named_trees_default_and_in_memory_heads_measure_nothing(smollm, fake_measure):
+    calls, _ = fake_measure
+    plan = prepare_generate(smollm, ["hi"], mode="speculative", tree="default")
+    assert plan.drafter.spec.name == pretrained.default_tree(CLOVER)
+    plan = prepare_generate(smollm, ["hi"], mode="speculative", head=EAGLE, tree="default")
+    assert plan.drafter.spec.name == pretrained.default_tree(EAGLE)
+    prepare_generate(smollm, ["hi"], mode="speculative", tree="chain-2+lookup-4-table")
+    prepare_generate(smollm, ["hi"], mode="speculative", head=plan.head)  # a module: its type's default tree
+    assert calls == []
+
+
+@dataclasses.dataclass
+class _Result:
+    token_ids: list
+    stats: dict
+
+
+def test_measure_rescales_the_measured_speedup_to_the_reference_tau(smollm, monkeypatch):
+    """predicted = (AR decode seconds / tree decode seconds) * tau_reference / tau_measured; the decode phase is
+    the N-token call minus the 1-token call; an output differing from plain decoding stops the measurement."""
+    seconds = {("ar", 1): 0.1, ("ar", 48): 1.1, ("lookup-4-table", 1): 0.1, ("lookup-4-table", 48): 0.6}
+    differ = {"value": False}
+
+    def timed(model, rows, *, max_new_tokens, mode="ar", tree=None, **kw):
+        toks = [[1, 2, 3]] if not (differ["value"] and mode != "ar") else [[1, 2, 4]]
+        return seconds[(tree or "ar", max_new_tokens)], _Result(toks, {"tau": 2.5})
+
+    monkeypatch.setattr(choose_mod, "_timed", timed)
+    monkeypatch.setattr(choose_mod, "reference_tau", lambda head, tree, model_source=None: 2.0)
+    entry = choose_mod.measure(smollm, [(None, "lookup-4-table")], prompts=["x"])
+    row = entry["candidates"]["lookup-4-table"]
+    assert row["measured_speedup"] == 2.0 and row["step_cost"] == 1.25
+    assert row["predicted_speedup"] == pytest.approx(2.0 * 2.0 / 2.5) and entry["best"] == "lookup-4-table"
+    differ["value"] = True
+    with pytest.raises(RuntimeError, match="differs from autoregressive"):
+        choose_mod.measure(smollm, [(None, "lookup-4-table")], prompts=["x"])
+
+
+def test_reference_tau_is_read_from_the_head_folder():
+    ref = json.loads((pretrained.head_path(CLOVER) / "calibration.json").read_text())["reference"]
+    tree = pretrained.default_tree(CLOVER)
+    assert choose_mod.reference_tau(CLOVER, tree) == ref["tau"][tree]
+    assert choose_mod.reference_tau(None, "lookup-4-table", "smollm2-135m-instruct") == ref["tau"]["lookup-4-table"]
+    assert choose_mod.reference_tau(CLOVER, "chain-9") is None
