@@ -5,7 +5,6 @@ The timed measurement is replaced here by stated numbers so the rule is checked 
 SmolLM2 runs in `tests/test_cli.py` (`--mode speculative` with no tree), where its output is compared with plain
 decoding."""
 
-import dataclasses
 import json
 
 import pytest
@@ -107,28 +106,25 @@ def test_named_trees_default_and_in_memory_heads_measure_nothing(smollm, fake_me
     assert calls == []
 
 
-@dataclasses.dataclass
-class _Result:
-    token_ids: list
-    stats: dict
-
-
 def test_measure_rescales_the_measured_speedup_to_the_reference_tau(smollm, monkeypatch):
-    """predicted = (AR decode seconds / tree decode seconds) * tau_reference / tau_measured; the decode phase is
-    the N-token call minus the 1-token call; an output differing from plain decoding stops the measurement."""
-    seconds = {("ar", 1): 0.1, ("ar", 48): 1.1, ("lookup-4-table", 1): 0.1, ("lookup-4-table", 48): 0.6}
+    """predicted = (AR decode seconds / tree decode seconds) * tau_reference / tau_measured, each run's decode time
+    its fastest round; an output differing from plain decoding stops the measurement."""
+    seconds = {"ar": [1.2, 1.0], "lookup-4-table": [0.5, 0.6]}
     differ = {"value": False}
+    monkeypatch.setattr(choose_mod, "generate", lambda *a, **kw: None)  # the warm-up calls
 
-    def timed(model, rows, *, max_new_tokens, mode="ar", tree=None, **kw):
-        toks = [[1, 2, 3]] if not (differ["value"] and mode != "ar") else [[1, 2, 4]]
-        return seconds[(tree or "ar", max_new_tokens)], _Result(toks, {"tau": 2.5})
+    def decode(loaded, units, new_tokens, *, mode="ar", tree=None, **kw):
+        name = tree or "ar"
+        toks = [[1, 2, 4]] if (differ["value"] and mode != "ar") else [[1, 2, 3]]
+        return seconds[name].pop(0), [toks] * len(units), [[0, 1, 1]] * len(units)  # tau 2.5
 
-    monkeypatch.setattr(choose_mod, "_timed", timed)
+    monkeypatch.setattr(choose_mod, "_decode", decode)
     monkeypatch.setattr(choose_mod, "reference_tau", lambda head, tree, model_source=None: 2.0)
-    entry = choose_mod.measure(smollm, [(None, "lookup-4-table")], prompts=["x"])
+    entry = choose_mod.measure(smollm, [(None, "lookup-4-table")], prompts=["x", "y"])
     row = entry["candidates"]["lookup-4-table"]
-    assert row["measured_speedup"] == 2.0 and row["step_cost"] == 1.25
+    assert row["measured_speedup"] == 2.0 and row["tau_measured"] == 2.5 and row["step_cost"] == 1.25
     assert row["predicted_speedup"] == pytest.approx(2.0 * 2.0 / 2.5) and entry["best"] == "lookup-4-table"
+    seconds.update({"ar": [1.0, 1.0], "lookup-4-table": [0.5, 0.5]})
     differ["value"] = True
     with pytest.raises(RuntimeError, match="differs from autoregressive"):
         choose_mod.measure(smollm, [(None, "lookup-4-table")], prompts=["x"])

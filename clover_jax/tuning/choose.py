@@ -13,10 +13,11 @@ not on the text (shapes are static). The choice measures the cost here and takes
 1. Candidates: each head's registered default tree (`clover_jax.pretrained`; a head folder's type default
    otherwise), and the head-less chains `lookup-4-table` and `lookup-2-table` (prompt lookup, else the model's
    n-gram table; `lookup-4` / `lookup-2` where there is no table) when no head was named.
-2. For each candidate and our autoregressive loop, on `PROMPTS` (held-out Spec-Bench questions, repeated to the
-   batch size): the jitted call for 1 new token and for `NEW_TOKENS` new tokens, each the fastest of `REPEATS`
-   timed calls after a warm-up. The difference is the decode phase (prefill, dispatch and compile cancel); as both
-   loops emit the same tokens, the ratio of the decode phases is the speed-up measured on these prompts.
+2. For each candidate and our autoregressive loop, on `PROMPTS` (two short held-out Spec-Bench questions, each
+   repeated to the batch size): the jitted call for 1 new token and for `NEW_TOKENS` new tokens, after a warm-up
+   that compiles. The difference is the decode phase (prefill, dispatch and compile cancel); each run's is the
+   fastest of `ROUNDS` rounds that time every run in turn. As both loops emit the same tokens, the ratio of the
+   decode phases is the speed-up measured on these prompts.
 3. That speed-up is rescaled from the acceptance measured on these prompts to the reference acceptance
    (`predicted = measured * tau_reference / tau_measured`): a few short prompts tell the step's cost well and
    tau badly. The reference tau is the head's `calibration.json` `reference` (measured on held-out ShareGPT
@@ -42,6 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from clover_jax import pretrained
+from clover_jax.decoding import acceptance_stats
 from clover_jax.decoding.lookup import NoHead
 from clover_jax.decoding.ngram import resolve_ngram_table
 from clover_jax.generation.api import generate
@@ -50,10 +52,12 @@ from clover_jax.generation.calibration import (AR, FILE_NAME, cache_dir, entry_k
 from clover_jax.generation.plan import set_auto_choice
 from clover_jax.io.prompts import read_prompts
 
-VERSION = 1  # a saved choice of another version is measured again
-PROMPTS = (("spec_bench", "summarization", 1), ("spec_bench", "qa", 1))  # not MT-Bench's categories
+VERSION = 2  # a saved choice of another version is measured again
+# two short questions outside MT-Bench's categories: a step's cost grows with the context (attention over the cache),
+# so the prompts are of a chat request's length (40 and 85 tokens), not a long document's
+PROMPTS = (("spec_bench", "qa", 1), ("spec_bench", "math_reasoning", 1))
 NEW_TOKENS = 48
-REPEATS = 2
+ROUNDS = 2
 MARGIN = 1.05  # a tree must be predicted this much faster than plain decoding to be chosen
 HEADLESS = ("lookup-4-table", "lookup-2-table")
 CHOICES_FILE = "choices.json"
@@ -98,14 +102,17 @@ def reference_tau(head_source, tree: str, model_source=None) -> float | None:
     return None
 
 
-def _timed(model, rows, **kw) -> tuple[float, Any]:
-    """The fastest of REPEATS timed calls (after one warm-up that compiles) and the last result."""
-    generate(model, rows, decode_text=False, **kw)
-    best, res = float("inf"), None
-    for _ in range(REPEATS):
-        res = generate(model, rows, decode_text=False, **kw)
-        best = min(best, res.seconds)
-    return best, res
+def _decode(loaded, units, new_tokens: int, **kw) -> tuple[float, list, list]:
+    """(decode-phase seconds summed over the prompt batches `units`, their token ids, their accept histograms): per
+    batch, the call for `new_tokens` new tokens minus the call for one (prefill and dispatch cancel)."""
+    seconds, ids, hists = 0.0, [], []
+    for rows in units:
+        short = generate(loaded, rows, max_new_tokens=1, decode_text=False, **kw)
+        long = generate(loaded, rows, max_new_tokens=new_tokens, decode_text=False, **kw)
+        seconds += long.seconds - short.seconds
+        ids.append(long.token_ids)
+        hists.append(long.stats.get("accept_hist"))
+    return seconds, ids, hists
 
 
 def measure(loaded, pairs: Sequence[tuple[str | None, str]], *, batch_size: int = 1, mesh=None,
@@ -115,34 +122,44 @@ def measure(loaded, pairs: Sequence[tuple[str | None, str]], *, batch_size: int 
     if prompts is None:
         prompts = [p for source, cat, n in PROMPTS for p in read_prompts(source, category=cat, limit=n)]
     t0 = time.perf_counter()
-    rows = [prompts[i % len(prompts)] for i in range(batch_size)]  # the batch: the prompts repeated
+    # one batch per prompt, each `batch_size` rows starting at that prompt (the prompts repeated)
+    units = [[prompts[(i + j) % len(prompts)] for j in range(batch_size)] for i in range(len(prompts))]
     common = dict(mesh=mesh, temperature=0.0)
-    decode = {}
-    ar_short, _ = _timed(loaded, rows, max_new_tokens=1, **common)
-    ar_long, ar_res = _timed(loaded, rows, max_new_tokens=new_tokens, **common)
-    ar_decode = ar_long - ar_short  # [s] the decode phase of plain decoding
+    runs = {AR: dict(common, mode="ar")}
+    for head, tree in pairs:
+        runs[_label(head, tree)] = dict(common, mode="speculative", head=head if head is not None else NoHead(),
+                                        tree=tree, ngram_table=ngram_table if head is None else None)
+    for kw in runs.values():  # compile every program first (warm-up calls, not timed)
+        for rows in units:
+            for n in (1, new_tokens):
+                generate(loaded, rows, max_new_tokens=n, decode_text=False, **kw)
+    # ROUNDS rounds, each timing every run in turn (a drift of the machine's speed spreads over all of them); a
+    # run's decode time is its fastest round
+    decode = {name: float("inf") for name in runs}
+    outputs, hists = {}, {}
+    for _ in range(ROUNDS):
+        for name, kw in runs.items():
+            seconds, outputs[name], hists[name] = _decode(loaded, units, new_tokens, **kw)
+            decode[name] = min(decode[name], seconds)
     table: dict[str, dict] = {}
     for head, tree in pairs:
-        kw = dict(common, mode="speculative", head=head if head is not None else NoHead(), tree=tree,
-                  ngram_table=ngram_table if head is None else None)
-        short, _ = _timed(loaded, rows, max_new_tokens=1, **kw)
-        long, res = _timed(loaded, rows, max_new_tokens=new_tokens, **kw)
-        if res.token_ids != ar_res.token_ids:  # greedy speculative decoding must equal plain decoding
-            raise RuntimeError(f"{_label(head, tree)}: speculative output differs from autoregressive decoding")
-        decode[_label(head, tree)] = long - short
-        tau = float(res.stats.get("tau") or 1.0)
-        measured = ar_decode / max(long - short, 1e-9)
+        name = _label(head, tree)
+        if outputs[name] != outputs[AR]:  # greedy speculative decoding must equal plain decoding
+            raise RuntimeError(f"{name}: speculative output differs from autoregressive decoding")
+        tokens, steps = (int(x.sum()) for x in acceptance_stats.tokens_and_steps(np.stack(hists[name])))
+        tau = tokens / max(steps, 1)
+        measured = decode[AR] / max(decode[name], 1e-9)
         ref = reference_tau(head, tree, model_source)
-        table[_label(head, tree)] = {
+        table[name] = {
             "head": head, "tree": tree, "measured_speedup": round(measured, 3), "tau_measured": round(tau, 3),
             "tau_reference": ref, "step_cost": round(tau / measured, 3),
             "predicted_speedup": round(measured * (ref / tau if ref else 1.0), 3)}
     best = max(table, key=lambda k: table[k]["predicted_speedup"], default=None)
     if best is None or table[best]["predicted_speedup"] < MARGIN:
         best = AR
-    return {"best": best, "candidates": table, "ar_decode_seconds": round(ar_decode, 4), "new_tokens": new_tokens,
-            "batch_size": batch_size, "seconds": round(time.perf_counter() - t0, 1), "version": VERSION,
-            "date": time.strftime("%Y-%m-%d")}
+    return {"best": best, "candidates": table, "ar_decode_seconds": round(decode[AR], 4), "new_tokens": new_tokens,
+            "prompts": len(prompts), "batch_size": batch_size, "rounds": ROUNDS,
+            "seconds": round(time.perf_counter() - t0, 1), "version": VERSION, "date": time.strftime("%Y-%m-%d")}
 
 
 # -------------------------------------------------------------------------------------------- storage
