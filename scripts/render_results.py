@@ -89,6 +89,10 @@ def spec_table(d: dict) -> list[str]:
             continue
         if key == "ar":
             label = "our autoregressive loop"
+        elif key == "chosen" and r.get("choice"):  # a request with no tree: what it chose here
+            c = r["choice"]
+            label = "no tree named: " + ("plain decoding" if c["tree"] == "ar" else
+                                         f"{c['head'] or 'no head'} `{c['tree']}`")
         else:
             label = f"`{name(key)}`" + (f" ({r['verified_tokens']})" if r.get("verified_tokens") else "")
         acc = r.get("accept_rate_per_depth")
@@ -133,6 +137,28 @@ def step_table(d: dict) -> list[str]:
     return lines
 
 
+def batch_table(d: dict) -> list[str]:
+    """`bench/batch_table.py`: one row per batch size, each tree's tau and speed-up over the AR loop of that batch."""
+    names = list(d["rows"][0]["runs"])
+    lines = ["| batch | our AR (tokens/s) | " + " | ".join(f"`{n}`: tau, vs our AR" for n in names) + " | differing |",
+             "|---|---|" + "---|" * len(names) + "---|"]
+    chosen = []
+    for r in d["rows"]:
+        cells = []
+        for n in names:
+            x = r["runs"][n]
+            cells.append(f"{num(x.get('tau'))}, **{num(x.get('speedup_vs_ar'), '{:.2f}x')}**")
+            if x.get("choice"):
+                c = x["choice"]
+                chosen.append(f"batch {r['batch_size']}: " + ("plain decoding" if c["tree"] == "ar" else
+                                                              f"{c['head'] or 'no head'} `{c['tree']}`"))
+        lines.append(f"| {r['batch_size']} | {num(r.get('ar_tokens_per_second'), '{:.1f}')} | " + " | ".join(cells) +
+                     f" | {r.get('greedy_mismatches', '-')} of {r.get('greedy_compared', '-')} |")
+    if chosen:
+        lines += ["", "`chosen` (what a request with no tree gets) chose: " + "; ".join(chosen) + "."]
+    return lines
+
+
 def section(d: dict) -> list[str]:
     lines = [f"## {d['title']}", "",
              f"- **Date:** {d['date']}",
@@ -141,7 +167,8 @@ def section(d: dict) -> list[str]:
         lines.append(f"- **Settings:** {d['settings']}")
     lines += [f"- **Source:** `results/{d['_file']}` ({d.get('source', 'recorded by the command')})", "",
               "```bash", d["command"], "```", ""]
-    lines += spec_table(d) if d["benchmark"] == "bench_spec" else step_table(d)
+    tables = {"bench_spec": spec_table, "bench_step": step_table, "batch_table": batch_table}
+    lines += tables[d["benchmark"]](d)
     for note in d.get("notes", []):
         lines += ["", note]
     return lines + [""]
@@ -153,6 +180,9 @@ def summary(results: list[dict]) -> list[str]:
     for d in results:
         for key in d.get("summary", []):
             r = d["runs"][key]
+            if key == "chosen" and r.get("choice"):  # what a request with no tree got, and what it chose
+                c = r["choice"]
+                key = "chosen: " + ("plain decoding" if c["tree"] == "ar" else c["tree"])
             vt = vs_transformers(d, r)
             lines.append(f"| {d.get('questions') or d['title']} ({d['date']}) | {d['machine_short']} | `{name(key)}` | "
                          f"{num(r.get('tau'))} | {num(r.get('speedup_vs_ar'), '{:.2f}x')} | "
