@@ -57,6 +57,14 @@ def name(run: str) -> str:
     return run[: -len(DV)] if run.endswith(DV) else run
 
 
+def short_head(head) -> str:
+    """A shipped head's name as a table cell: `smollm2-135m-instruct-eagle` -> "EAGLE head"."""
+    if not head:
+        return "no head,"
+    kind = head.rsplit("-", 1)[-1]
+    return {"eagle": "EAGLE head", "clover2": "Clover-2 head"}.get(kind, head)
+
+
 def num(x, fmt="{:.3f}") -> str:
     return "-" if x is None else fmt.format(x)
 
@@ -92,7 +100,7 @@ def spec_table(d: dict) -> list[str]:
         elif key == "chosen" and r.get("choice"):  # a request with no tree: what it chose here
             c = r["choice"]
             label = "no tree named: " + ("plain decoding" if c["tree"] == "ar" else
-                                         f"{c['head'] or 'no head'} `{c['tree']}`")
+                                         f"{short_head(c['head'])} `{c['tree']}`")
         else:
             label = f"`{name(key)}`" + (f" ({r['verified_tokens']})" if r.get("verified_tokens") else "")
         acc = r.get("accept_rate_per_depth")
@@ -151,7 +159,7 @@ def batch_table(d: dict) -> list[str]:
             if x.get("choice"):
                 c = x["choice"]
                 chosen.append(f"batch {r['batch_size']}: " + ("plain decoding" if c["tree"] == "ar" else
-                                                              f"{c['head'] or 'no head'} `{c['tree']}`"))
+                                                              f"{short_head(c['head'])} `{c['tree']}`"))
         lines.append(f"| {r['batch_size']} | {num(r.get('ar_tokens_per_second'), '{:.1f}')} | " + " | ".join(cells) +
                      f" | {r.get('greedy_mismatches', '-')} of {r.get('greedy_compared', '-')} |")
     if chosen:
@@ -180,11 +188,13 @@ def summary(results: list[dict]) -> list[str]:
     for d in results:
         for key in d.get("summary", []):
             r = d["runs"][key]
+            label = f"`{name(key)}`"
             if key == "chosen" and r.get("choice"):  # what a request with no tree got, and what it chose
                 c = r["choice"]
-                key = "chosen: " + ("plain decoding" if c["tree"] == "ar" else c["tree"])
+                label = "no tree named: " + ("plain decoding" if c["tree"] == "ar" else
+                                             f"{short_head(c['head'])} `{c['tree']}`")
             vt = vs_transformers(d, r)
-            lines.append(f"| {d.get('questions') or d['title']} ({d['date']}) | {d['machine_short']} | `{name(key)}` | "
+            lines.append(f"| {d.get('questions') or d['title']} ({d['date']}) | {d['machine_short']} | {label} | "
                          f"{num(r.get('tau'))} | {num(r.get('speedup_vs_ar'), '{:.2f}x')} | "
                          f"{num(vt, '{:.2f}x')} | {d.get('greedy_mismatches', '-')} of {d.get('greedy_compared', '-')} |")
     return lines
