@@ -167,6 +167,31 @@ def batch_table(d: dict) -> list[str]:
     return lines
 
 
+def choice_table(d: dict) -> list[str]:
+    """`python -m clover_jax.cli.calibrate --quick` per batch size: each candidate's predicted speed-up (and, where
+    a benchmark ran that tree at that batch size, its measured one), and what was chosen."""
+    labels = list(d["rows"][0]["candidates"])
+    measured = d.get("measured", {})  # {batch: {label: speed-up on the benchmark}}
+    lines = ["| batch | measured in | chosen | " + " | ".join(f"{short_label(x)}: predicted (benchmark)" for x in labels)
+             + " |", "|---|---|---|" + "---|" * len(labels)]
+    for r in d["rows"]:
+        b = str(r["batch_size"])
+        cells = []
+        for x in labels:
+            c = r["candidates"][x]
+            got = measured.get(b, {}).get(x)
+            cells.append(f"{c['predicted_speedup']:.2f}x" + (f" ({got:.2f}x)" if got is not None else ""))
+        best = "plain decoding" if r["best"] == "ar" else short_label(r["best"])
+        lines.append(f"| {b} | {r['seconds']:.0f} s | {best} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def short_label(label: str) -> str:
+    """A choice's candidate label (`head tree` or `tree`) as a table cell."""
+    head, _, tree = label.rpartition(" ")
+    return f"{short_head(head)} `{tree}`" if head else f"`{tree}`"
+
+
 def section(d: dict) -> list[str]:
     lines = [f"## {d['title']}", "",
              f"- **Date:** {d['date']}",
@@ -175,7 +200,8 @@ def section(d: dict) -> list[str]:
         lines.append(f"- **Settings:** {d['settings']}")
     lines += [f"- **Source:** `results/{d['_file']}` ({d.get('source', 'recorded by the command')})", "",
               "```bash", d["command"], "```", ""]
-    tables = {"bench_spec": spec_table, "bench_step": step_table, "batch_table": batch_table}
+    tables = {"bench_spec": spec_table, "bench_step": step_table, "batch_table": batch_table,
+              "choice": choice_table}
     lines += tables[d["benchmark"]](d)
     for note in d.get("notes", []):
         lines += ["", note]
