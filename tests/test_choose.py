@@ -32,8 +32,8 @@ def fake_measure(monkeypatch, tmp_path):
     def measure(loaded, pairs, *, batch_size=1, **kw):
         calls.append((list(pairs), batch_size))
         table = {choose_mod._label(h, t): {"head": h, "tree": t, "measured_speedup": predicted.get(
-            choose_mod._label(h, t), 0.5), "tau_measured": 2.0, "tau_reference": None, "step_cost": 1.0,
-            "predicted_speedup": predicted.get(choose_mod._label(h, t), 0.5)} for h, t in pairs}
+            choose_mod._label(h, t), 0.5), "tau_measured": 2.0, "tau_batch": 2.0, "tau_source": "reference",
+            "step_cost": 1.0, "predicted_speedup": predicted.get(choose_mod._label(h, t), 0.5)} for h, t in pairs}
         best = max(table, key=lambda k: table[k]["predicted_speedup"])
         best = best if table[best]["predicted_speedup"] >= choose_mod.MARGIN else "ar"
         return {"best": best, "candidates": table, "new_tokens": 48, "batch_size": batch_size, "seconds": 1.0,
@@ -106,28 +106,48 @@ def test_named_trees_default_and_in_memory_heads_measure_nothing(smollm, fake_me
     assert calls == []
 
 
-def test_measure_rescales_the_measured_speedup_to_the_reference_tau(smollm, monkeypatch):
-    """predicted = (AR decode seconds / tree decode seconds) * tau_reference / tau_measured, each run's decode time
-    its fastest round; an output differing from plain decoding stops the measurement."""
+def test_measure_predicts_tokens_per_iteration_over_an_iteration_cost(smollm, monkeypatch):
+    """predicted = tau_B / cost: cost, the tree's decode time per loop iteration over plain decoding's (each run's
+    fastest round); tau_B from the reference's per-prompt counts (`batch_tau`), else from the measured iterations.
+    An output differing from plain decoding stops the measurement."""
     seconds = {"ar": [1.2, 1.0], "lookup-4-table": [0.5, 0.6]}
+    iterations = {"ar": 100, "lookup-4-table": 40}
     differ = {"value": False}
     monkeypatch.setattr(choose_mod, "generate", lambda *a, **kw: None)  # the warm-up calls
 
     def decode(loaded, units, new_tokens, *, mode="ar", tree=None, **kw):
         name = tree or "ar"
         toks = [[1, 2, 4]] if (differ["value"] and mode != "ar") else [[1, 2, 3]]
-        return seconds[name].pop(0), [toks] * len(units), [[0, 1, 1]] * len(units)  # tau 2.5
+        return seconds[name].pop(0), iterations[name], [toks] * len(units), [[0, 1, 1]] * len(units)  # tau 2.5
 
     monkeypatch.setattr(choose_mod, "_decode", decode)
-    monkeypatch.setattr(choose_mod, "reference_tau", lambda head, tree, model_source=None: 2.0)
+    monkeypatch.setattr(choose_mod, "reference", lambda head, tree, model_source=None: None)
     entry = choose_mod.measure(smollm, [(None, "lookup-4-table")], prompts=["x", "y"])
     row = entry["candidates"]["lookup-4-table"]
+    # AR: 1.0 s / 100 iterations; the tree: 0.5 s / 40 iterations -> cost 1.25, tau_B = 100 / 40 = 2.5
     assert row["measured_speedup"] == 2.0 and row["tau_measured"] == 2.5 and row["step_cost"] == 1.25
-    assert row["predicted_speedup"] == pytest.approx(2.0 * 2.0 / 2.5) and entry["best"] == "lookup-4-table"
+    assert row["tau_batch"] == 2.5 and row["tau_source"] == "measured" and row["predicted_speedup"] == 2.0
+    seconds.update({"ar": [1.0, 1.0], "lookup-4-table": [0.5, 0.5]})
+    monkeypatch.setattr(choose_mod, "reference", lambda head, tree, model_source=None: {
+        "tau": 3.0, "per_prompt": [[30, 10], [30, 10]]})
+    entry = choose_mod.measure(smollm, [(None, "lookup-4-table")], prompts=["x"])
+    assert entry["candidates"]["lookup-4-table"]["predicted_speedup"] == pytest.approx(3.0 / 1.25)
     seconds.update({"ar": [1.0, 1.0], "lookup-4-table": [0.5, 0.5]})
     differ["value"] = True
     with pytest.raises(RuntimeError, match="differs from autoregressive"):
         choose_mod.measure(smollm, [(None, "lookup-4-table")], prompts=["x"])
+
+
+def test_batch_tau_is_set_by_the_slowest_row():
+    """Two prompts: 100 tokens in 25 steps (tau 4) and 100 tokens in 100 steps (tau 1). Alone, tau over both is 200 /
+    125 = 1.6; a batch of both iterates 100 times for 100 tokens of its longest reply: 1.0."""
+    per_prompt = [[100, 25], [100, 100]]
+    assert choose_mod.batch_tau(per_prompt, 1) == pytest.approx(1.6)
+    assert choose_mod.batch_tau(per_prompt, 2) == pytest.approx(1.0)
+    ref = json.loads((pretrained.head_path(CLOVER) / "calibration.json").read_text())["reference"]
+    taus = [choose_mod.batch_tau(ref["per_prompt"]["lookup-4-table"], b) for b in (1, 2, 4, 8, 16)]
+    assert taus[0] == pytest.approx(ref["tau"]["lookup-4-table"], abs=0.01)
+    assert all(a > b for a, b in zip(taus, taus[1:])) and taus[-1] > 1.0  # shrinks with the batch, never below 1
 
 
 def test_reference_tau_is_read_from_the_head_folder():

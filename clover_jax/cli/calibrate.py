@@ -40,7 +40,7 @@ def _main(argv=None) -> int:
     ap.add_argument("--head", default=None, help="registered name or folder (default: the model's first shipped "
                     "head; with --quick, all of them)")
     ap.add_argument("--quick", action="store_true", help="measure again what a request with no tree gets (head and "
-                    "tree, or plain decoding; about a minute) and print it")
+                    "tree, or plain decoding; under a minute at batch 1) and print it")
     ap.add_argument("--prompts-file", help="questions to calibrate on (default: 8 Spec-Bench questions outside "
                     "MT-Bench: translation, QA, math)")
     ap.add_argument("--limit", type=int, default=8)
@@ -95,11 +95,12 @@ def _quick(loaded, args, mesh) -> int:
     choice = choose(loaded, args.head, batch_size=args.batch_size, mesh=mesh, refresh=True, model_source=args.model)
     entry = choice.entry
     print(f"\n{entry['new_tokens']} new tokens, batch {entry['batch_size']}, measured in {entry['seconds']} s\n")
-    print("| head | tree | measured speed-up | tau measured | step cost (decode steps) | tau reference | predicted |")
+    print("| head | tree | measured speed-up | tau measured | iteration cost (decode iterations) | tokens per "
+          "iteration at this batch (source) | predicted |")
     print("|---|---|---|---|---|---|---|")
     for r in sorted(entry["candidates"].values(), key=lambda r: -r["predicted_speedup"]):
         print(f"| {r['head'] or '-'} | {r['tree']} | {r['measured_speedup']} | {r['tau_measured']} | {r['step_cost']} "
-              f"| {r['tau_reference'] or '-'} | {r['predicted_speedup']} |")
+              f"| {r['tau_batch']} ({r['tau_source']}) | {r['predicted_speedup']} |")
     print(f"\n{choice.note}")
     return 0
 

@@ -5,29 +5,35 @@ machine, dtype and batch size, or plain autoregressive decoding when none pays.
     clover_jax.generate(lm, prompts, mode="speculative", head="smollm2-135m-instruct-eagle")  # that head's tree or AR
     python -m clover_jax.cli.calibrate --quick --model smollm2-135m-instruct   # measure again (refresh)
 
-A speculative step's speed-up over a decode step is `tau / cost`: tau (tokens per step) depends on the head and
-the text, not on the machine; the cost of a step in decode steps depends on the machine, the dtype and the batch
-size (on a 2-core CPU a 9-token verify costs about two decode steps, on a GPU at batch 1 barely more than one), and
-not on the text (shapes are static). The choice measures the cost here and takes tau from a reference:
+A request's time is the loop's iterations times an iteration's cost. Plain decoding iterates once per token of the
+longest reply in the batch; speculative decoding once per step of the row that needs the most steps. So the
+speed-up of a tree is `tau_B / cost`: `tau_B`, the longest reply's tokens over the most steps of a batch's rows,
+depends on the head and the text, not on the machine (at batch 1 it is tau, tokens per step; at a larger batch the
+row that accepts least sets the pace); `cost`, an iteration's time in decode iterations, depends on the machine,
+the dtype and the batch size (on a 2-core CPU a 9-token verify costs about 1.7 decode steps at batch 1, on a GPU at
+batch 1 barely more than one), and not on the text (shapes are static). The choice measures the cost here and takes
+`tau_B` from a reference:
 
 1. Candidates: each head's registered default tree (`clover_jax.pretrained`; a head folder's type default
    otherwise), and the head-less chains `lookup-4-table` and `lookup-2-table` (prompt lookup, else the model's
    n-gram table; `lookup-4` / `lookup-2` where there is no table) when no head was named.
 2. For each candidate and our autoregressive loop, on `PROMPTS` (two short held-out Spec-Bench questions, each
-   repeated to the batch size): the jitted call for 1 new token and for `NEW_TOKENS` new tokens, after a warm-up
-   that compiles. The difference is the decode phase (prefill, dispatch and compile cancel); each run's is the
+   repeated to the batch size): the jitted call for 1 new token and for `NEW_TOKENS` new tokens (one cache size,
+   so one compiled program per run), after a warm-up that compiles. The difference is the decode phase (prefill, dispatch and compile cancel); each run's is the
    fastest of `ROUNDS` rounds that time every run in turn. As both loops emit the same tokens, the ratio of the
    decode phases is the speed-up measured on these prompts.
-3. That speed-up is rescaled from the acceptance measured on these prompts to the reference acceptance
-   (`predicted = measured * tau_reference / tau_measured`): a few short prompts tell the step's cost well and
-   tau badly. The reference tau is the head's `calibration.json` `reference` (measured on held-out ShareGPT
-   prompts, its recipe beside it); a head without one keeps the measured tau.
+3. `cost` is the tree's decode time per loop iteration over plain decoding's. `tau_B` comes from the head's
+   `calibration.json` `reference` (per held-out ShareGPT prompt: decode tokens and steps of the tree at batch 1,
+   the command beside them): the mean over random batches of `batch_size` of those prompts of the longest reply
+   over the most steps (`batch_tau`). A head without a reference keeps what the measurement saw (plain decoding's
+   iterations over the tree's): a few short prompts tell the cost well and the acceptance badly.
 4. The candidate with the highest predicted speed-up is chosen when it is at least `MARGIN`; else plain
    decoding. The choice, its reason and every candidate's numbers are kept in the user's cache
    (`~/.cache/clover_jax/calibration/choices.json`, `CLOVER_JAX_CACHE` overrides), keyed by the heads' weights,
    the hardware, the dtype and the batch size, and announced on stderr in one line when made.
 
-About 40 s on a 2-core CPU for SmolLM2-135M (five programs compiled; a measured choice is reused afterwards). The
+About 45 s on a 2-core CPU for SmolLM2-135M at batch 1 (five programs compiled; 2 minutes at batch 8, 3 at
+batch 16); a measured choice is reused afterwards. The
 full calibration (`tree="auto"`, `clover_jax.tuning.calibrate`) searches many more trees and fits new ones.
 """
 
@@ -52,11 +58,13 @@ from clover_jax.generation.calibration import (AR, FILE_NAME, cache_dir, entry_k
 from clover_jax.generation.plan import set_auto_choice
 from clover_jax.io.prompts import read_prompts
 
-VERSION = 2  # a saved choice of another version is measured again
+VERSION = 4  # a saved choice of another version is measured again
 # two short questions outside MT-Bench's categories: a step's cost grows with the context (attention over the cache),
-# so the prompts are of a chat request's length (40 and 85 tokens), not a long document's
-PROMPTS = (("spec_bench", "qa", 1), ("spec_bench", "math_reasoning", 1))
+# so the prompts are of a chat request's length (40 and 44 tokens: one prompt bucket, one program per run), not a
+# long document's
+PROMPTS = (("spec_bench", "qa", 2),)
 NEW_TOKENS = 48
+CACHE_SIZE = 512  # every call of the measurement: one compiled program per run, a chat request's cache
 ROUNDS = 2
 MARGIN = 1.05  # a tree must be predicted this much faster than plain decoding to be chosen
 HEADLESS = ("lookup-4-table", "lookup-2-table")
@@ -87,9 +95,9 @@ def candidates(model_source, head_source=None, head_tree: str | None = None, *,
     return out + [(None, t) for t in headless]
 
 
-def reference_tau(head_source, tree: str, model_source=None) -> float | None:
-    """The reference acceptance of `tree` drafted by `head_source` (its `calibration.json` `reference.tau`); for a
-    head-less chain, the first shipped head of the model that records one."""
+def reference(head_source, tree: str, model_source=None) -> dict | None:
+    """The reference of `tree` drafted by `head_source` (its `calibration.json` `reference`: `tau` and `per_prompt`
+    [[decode tokens, steps], ...]); for a head-less chain, from the first shipped head of the model that has one."""
     sources = [head_source] if head_source is not None else pretrained.heads_for(model_source)
     for src in sources:
         try:
@@ -98,21 +106,42 @@ def reference_tau(head_source, tree: str, model_source=None) -> float | None:
         except (OSError, ValueError, TypeError):
             continue
         if tree in (ref.get("tau") or {}):
-            return float(ref["tau"][tree])
+            return {"tau": float(ref["tau"][tree]), "per_prompt": (ref.get("per_prompt") or {}).get(tree)}
     return None
 
 
-def _decode(loaded, units, new_tokens: int, **kw) -> tuple[float, list, list]:
-    """(decode-phase seconds summed over the prompt batches `units`, their token ids, their accept histograms): per
-    batch, the call for `new_tokens` new tokens minus the call for one (prefill and dispatch cancel)."""
-    seconds, ids, hists = 0.0, [], []
+def reference_tau(head_source, tree: str, model_source=None) -> float | None:
+    """The reference tau (batch 1) of `tree` drafted by `head_source`, or None."""
+    ref = reference(head_source, tree, model_source)
+    return ref["tau"] if ref else None
+
+
+def batch_tau(per_prompt, batch_size: int, draws: int = 512, seed: int = 0) -> float:
+    """Tokens per loop iteration of batches of `batch_size` prompts drawn (without replacement within a batch) from
+    `per_prompt` `[[decode tokens, steps], ...]` (one prompt each, drafted alone): the sum over batches of the
+    longest reply's tokens over the sum of the most steps of a row. At batch 1, tokens over steps (tau)."""
+    a = np.asarray(per_prompt, np.float64)  # [P, 2]
+    if batch_size <= 1 or len(a) < 2:
+        return float(a[:, 0].sum() / max(a[:, 1].sum(), 1.0))
+    rng = np.random.default_rng(seed)
+    size = min(batch_size, len(a))
+    idx = np.stack([rng.choice(len(a), size=size, replace=False) for _ in range(draws)])  # [draws, B]
+    return float(a[idx, 0].max(axis=1).sum() / max(a[idx, 1].max(axis=1).sum(), 1.0))
+
+
+def _decode(loaded, units, new_tokens: int, **kw) -> tuple[float, int, list, list]:
+    """(decode-phase seconds and loop iterations summed over the prompt batches `units`, their token ids, their accept
+    histograms): per batch, the call for `new_tokens` new tokens minus the call for one (prefill and dispatch
+    cancel)."""
+    seconds, iterations, ids, hists = 0.0, 0, [], []
     for rows in units:
         short = generate(loaded, rows, max_new_tokens=1, decode_text=False, **kw)
         long = generate(loaded, rows, max_new_tokens=new_tokens, decode_text=False, **kw)
         seconds += long.seconds - short.seconds
+        iterations += long.steps - short.steps
         ids.append(long.token_ids)
         hists.append(long.stats.get("accept_hist"))
-    return seconds, ids, hists
+    return seconds, iterations, ids, hists
 
 
 def measure(loaded, pairs: Sequence[tuple[str | None, str]], *, batch_size: int = 1, mesh=None,
@@ -124,7 +153,7 @@ def measure(loaded, pairs: Sequence[tuple[str | None, str]], *, batch_size: int 
     t0 = time.perf_counter()
     # one batch per prompt, each `batch_size` rows starting at that prompt (the prompts repeated)
     units = [[prompts[(i + j) % len(prompts)] for j in range(batch_size)] for i in range(len(prompts))]
-    common = dict(mesh=mesh, temperature=0.0)
+    common = dict(mesh=mesh, temperature=0.0, cache_size=CACHE_SIZE)
     runs = {AR: dict(common, mode="ar")}
     for head, tree in pairs:
         runs[_label(head, tree)] = dict(common, mode="speculative", head=head if head is not None else NoHead(),
@@ -136,24 +165,30 @@ def measure(loaded, pairs: Sequence[tuple[str | None, str]], *, batch_size: int 
     # ROUNDS rounds, each timing every run in turn (a drift of the machine's speed spreads over all of them); a
     # run's decode time is its fastest round
     decode = {name: float("inf") for name in runs}
-    outputs, hists = {}, {}
+    iterations, outputs, hists = {}, {}, {}
     for _ in range(ROUNDS):
         for name, kw in runs.items():
-            seconds, outputs[name], hists[name] = _decode(loaded, units, new_tokens, **kw)
+            seconds, iterations[name], outputs[name], hists[name] = _decode(loaded, units, new_tokens, **kw)
             decode[name] = min(decode[name], seconds)
+    ar_iteration = decode[AR] / max(iterations[AR], 1)  # [s] one plain decoding iteration
     table: dict[str, dict] = {}
     for head, tree in pairs:
         name = _label(head, tree)
         if outputs[name] != outputs[AR]:  # greedy speculative decoding must equal plain decoding
             raise RuntimeError(f"{name}: speculative output differs from autoregressive decoding")
         tokens, steps = (int(x.sum()) for x in acceptance_stats.tokens_and_steps(np.stack(hists[name])))
-        tau = tokens / max(steps, 1)
-        measured = decode[AR] / max(decode[name], 1e-9)
-        ref = reference_tau(head, tree, model_source)
+        cost = decode[name] / max(iterations[name], 1) / ar_iteration  # an iteration, in decode iterations
+        ref = reference(head, tree, model_source)
+        if ref is None:  # what these prompts showed: plain decoding's iterations over the tree's
+            tau_b, source = iterations[AR] / max(iterations[name], 1), "measured"
+        elif ref["per_prompt"]:
+            tau_b, source = batch_tau(ref["per_prompt"], batch_size), "reference"
+        else:
+            tau_b, source = ref["tau"], "reference tau"
         table[name] = {
-            "head": head, "tree": tree, "measured_speedup": round(measured, 3), "tau_measured": round(tau, 3),
-            "tau_reference": ref, "step_cost": round(tau / measured, 3),
-            "predicted_speedup": round(measured * (ref / tau if ref else 1.0), 3)}
+            "head": head, "tree": tree, "measured_speedup": round(decode[AR] / max(decode[name], 1e-9), 3),
+            "tau_measured": round(tokens / max(steps, 1), 3), "step_cost": round(cost, 3),
+            "tau_batch": round(tau_b, 3), "tau_source": source, "predicted_speedup": round(tau_b / cost, 3)}
     best = max(table, key=lambda k: table[k]["predicted_speedup"], default=None)
     if best is None or table[best]["predicted_speedup"] < MARGIN:
         best = AR
@@ -217,8 +252,8 @@ def choose(loaded, head_source=None, head_tree: str | None = None, *, batch_size
     made = entry is None
     if made:
         if not quiet:
-            print(f"clover_jax: choosing the draft tree for {where} (first use: ~{12 * (len(pairs) + 1)} s of "
-                  f"measurement, then reused)", file=sys.stderr)
+            print(f"clover_jax: choosing the draft tree for {where} (first use: {len(pairs) + 1} runs compiled "
+                  "and timed, under a minute at batch 1 on a small model; the answer is kept)", file=sys.stderr)
         for head, tree in pairs:
             if head is not None:
                 register_saved_trees(head, tree)
@@ -239,8 +274,8 @@ def choose(loaded, head_source=None, head_tree: str | None = None, *, batch_size
         row = entry["candidates"][entry["best"]]
         choice = Choice(row["head"], row["tree"], row["predicted_speedup"],
                         f"chose {_label(row['head'], row['tree'])}: predicted {row['predicted_speedup']}x plain "
-                        f"decoding here (step cost {row['step_cost']} decode steps, reference tau "
-                        f"{row['tau_reference'] or row['tau_measured']}) [{where}]", entry)
+                        f"decoding here (step cost {row['step_cost']} decode steps, tokens per step at this batch "
+                        f"{row['tau_batch']}) [{where}]", entry)
     if made and not quiet:
         print(f"clover_jax: {choice.note} (measured in {entry['seconds']} s)", file=sys.stderr)
     return choice
@@ -249,4 +284,4 @@ def choose(loaded, head_source=None, head_tree: str | None = None, *, batch_size
 set_auto_choice(choose)  # `generate(mode="speculative")` with no tree chooses through this
 
 
-__all__ = ["Choice", "candidates", "choose", "measure", "reference_tau"]
+__all__ = ["Choice", "batch_tau", "candidates", "choose", "measure", "reference", "reference_tau"]
