@@ -103,13 +103,14 @@ def test_named_trees_default_and_in_memory_heads_measure_nothing(smollm, fake_me
     assert plan.drafter.spec.name == pretrained.default_tree(EAGLE)
     prepare_generate(smollm, ["hi"], mode="speculative", tree="chain-2+lookup-4-table")
     prepare_generate(smollm, ["hi"], mode="speculative", head=plan.head)  # a module: its type's default tree
+    prepare_generate(smollm, ["hi"], mode="speculative", draft_vocab=list(range(100, 8292)))  # drafting asked for
     assert calls == []
 
 
 def test_measure_predicts_tokens_per_iteration_over_an_iteration_cost(smollm, monkeypatch):
     """predicted = tau_B / cost: cost, the tree's decode time per loop iteration over plain decoding's (each run's
     fastest round); tau_B from the reference's per-prompt counts (`batch_tau`), else from the measured iterations.
-    An output differing from plain decoding stops the measurement."""
+    Outputs differing from plain decoding are counted."""
     seconds = {"ar": [1.2, 1.0], "lookup-4-table": [0.5, 0.6]}
     iterations = {"ar": 100, "lookup-4-table": 40}
     differ = {"value": False}
@@ -132,10 +133,11 @@ def test_measure_predicts_tokens_per_iteration_over_an_iteration_cost(smollm, mo
         "tau": 3.0, "per_prompt": [[30, 10], [30, 10]]})
     entry = choose_mod.measure(smollm, [(None, "lookup-4-table")], prompts=["x"])
     assert entry["candidates"]["lookup-4-table"]["predicted_speedup"] == pytest.approx(3.0 / 1.25)
+    assert entry["candidates"]["lookup-4-table"]["differing_outputs"] == 0
     seconds.update({"ar": [1.0, 1.0], "lookup-4-table": [0.5, 0.5]})
-    differ["value"] = True
-    with pytest.raises(RuntimeError, match="differs from autoregressive"):
-        choose_mod.measure(smollm, [(None, "lookup-4-table")], prompts=["x"])
+    differ["value"] = True  # counted, not fatal: a lower precision can round a near-tie apart
+    entry = choose_mod.measure(smollm, [(None, "lookup-4-table")], prompts=["x"])
+    assert entry["candidates"]["lookup-4-table"]["differing_outputs"] == 1
 
 
 def test_batch_tau_is_set_by_the_slowest_row():

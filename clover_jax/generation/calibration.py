@@ -121,11 +121,21 @@ def calibration_files(head_source) -> list[Path]:
     return [folder / FILE_NAME, cache_dir() / f"{weights_digest(head_source)}.json"]  # the cache: by contents
 
 
-def _read(path: Path) -> dict:
+def read_json(path: Path) -> dict:
+    """A JSON object file's contents, or {} where it is missing or unreadable."""
     try:
         return json.loads(path.read_text())
     except (OSError, ValueError):
         return {}
+
+
+def write_json(path: Path, data: dict) -> None:
+    """Writes `data` to `path` whole or not at all (a temporary file renamed over it); OSError where it cannot."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=1) + "\n")
+    tmp.replace(path)
+
 
 
 def is_stale(entry: dict) -> bool:
@@ -142,7 +152,7 @@ def load_entry(head_source, key: str, stale: list | None = None) -> dict | None:
     nearest = None
     digest = weights_digest(head_source)
     for path in calibration_files(head_source):
-        entries = {k: e for k, e in _read(path).get("entries", {}).items()
+        entries = {k: e for k, e in read_json(path).get("entries", {}).items()
                    if not (digest and e.get("weights") and e["weights"] != digest)}
         if stale is not None:
             stale += [k for k, e in entries.items() if is_stale(e) and k.split(" | ")[:2] == [hardware, dtype]]
@@ -167,7 +177,7 @@ def save_entry(head_source, key: str, entry: dict) -> Path | None:
         entry = {**entry, "weights": digest}
     for path in calibration_files(head_source):
         try:
-            data = _read(path)
+            data = read_json(path)
             # the shapes of the replaced entry's fitted trees stay in the file (`KEPT_TREES`): a name that a
             # registry's default tree or a user's script holds (`fit-5-411aab`) keeps resolving after a new
             # calibration fits other shapes (a fitted tree's name is a hash of its shape)
@@ -175,10 +185,7 @@ def save_entry(head_source, key: str, entry: dict) -> Path | None:
             if replaced:
                 data[KEPT_TREES] = {**replaced, **data.get(KEPT_TREES, {})}
             data.setdefault("entries", {})[key] = entry
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(data, indent=1) + "\n")
-            tmp.replace(path)
+            write_json(path, data)
             return path
         except OSError:
             continue
@@ -199,7 +206,7 @@ def register_saved_trees(head_source, trees) -> None:
     if not any(isinstance(t, str) and t.startswith(("fit-", "probe-")) for t in names):
         return
     for path in calibration_files(head_source):
-        data = _read(path)
+        data = read_json(path)
         register_trees({"trees": data.get(KEPT_TREES)})
         for entry in data.get("entries", {}).values():
             register_trees(entry)

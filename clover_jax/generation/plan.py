@@ -118,11 +118,14 @@ def set_auto_choice(choose: Callable[..., Any]) -> None:
     _AUTO_CHOICE = choose
 
 
-def _choose(model, tokenizer, model_source, head, batch_size: int, mesh, notes: list[str]):
+def _choose(model, tokenizer, model_source, head, batch_size: int, mesh, notes: list[str], drafting_asked: bool):
     """(head, tree, choice) for a speculative request with no tree: `tuning.choose`'s answer, or (head, None,
     None) (the head's default tree) where nothing can be measured (no tokenizer, a head given as a module)."""
     if isinstance(head, nnx.Module):
         return head, None, None  # an in-memory head has no folder to keep a choice in: its default tree
+    if drafting_asked:
+        notes.append("the head's default tree (the request names a draft vocabulary or n-gram table)")
+        return head, None, None
     if tokenizer is None or _AUTO_CHOICE is None:
         notes.append("the head's default tree (no tokenizer to measure a choice with)" if tokenizer is None else
                      "the head's default tree (import clover_jax.tuning.choose to choose by measuring)")
@@ -135,6 +138,8 @@ def _choose(model, tokenizer, model_source, head, batch_size: int, mesh, notes: 
         head_tree = pretrained.default_tree(head) or registry.of_head(loaded_head).default_tree
     loaded = LoadedModel(model.config, model, tokenizer, model_source or "")
     choice = _AUTO_CHOICE(loaded, head, head_tree, batch_size=batch_size, mesh=mesh, model_source=model_source)
+    if choice is None:  # no candidate passes the request's checks: the default tree's path reports why
+        return head, None, None
     notes.append(choice.note)
     if choice.tree == "ar":
         return head, "ar", choice
@@ -250,7 +255,8 @@ def prepare_generate(model, prompts: Sequence[Any], *, tokenizer=None, max_new_t
     if mode == "speculative" and isinstance(tree, str) and tree.strip().lower() == DEFAULT:
         tree = None  # the head's registered default tree, not measured
     elif mode == "speculative" and tree is None:
-        head, tree, choice = _choose(model, tokenizer, model_source, head, len(lens), mesh, notes)
+        head, tree, choice = _choose(model, tokenizer, model_source, head, len(lens), mesh, notes,
+                                     drafting_asked=draft_vocab is not None or ngram_table is not None)
     if mode == "speculative" and tree == "ar":  # nothing beats plain decoding here (a choice found so)
         mode, tree = "ar", None
     if mode == "speculative" and head is None:
