@@ -246,21 +246,21 @@ def choose(loaded, head_source=None, head_tree: str | None = None, *, batch_size
     chain. None when no candidate passes the request's checks (nothing to choose)."""
     model = loaded.model
     model_source = model_source or getattr(loaded, "name", None)
-    table_of = head_source if head_source is not None else pretrained.default_head(model_source)
-    ngram_table = resolve_ngram_table(None, table_of) if table_of is not None else None
-    for head in {h for h, _ in candidates(model_source, head_source, head_tree, has_table=True) if h is not None}:
-        register_saved_trees(head, pretrained.default_tree(head) or head_tree)  # fit-N-<hash> names, before checking
-    # candidates the request could not draft (a tree deeper than the head's heads, ...) are not measured; with none
-    # left there is no choice to make, and the request's own checks say what is wrong
-    pairs = [pair for pair in candidates(model_source, head_source, head_tree, has_table=ngram_table is not None)
-             if _draftable(loaded, pair, ngram_table)]
-    if not pairs:
-        return None
     where = entry_key(hardware_key(mesh), jnp.dtype(model.dtype).name, batch_size)
     key = f"{_subject(model_source, head_source)} | {where}"
     entry = None if refresh else (_MEMO.get(key) or load_choice(key))
     made = entry is None
-    if made:
+    if made:  # the candidates are checked, and the n-gram table read, only when measuring
+        table_of = head_source if head_source is not None else pretrained.default_head(model_source)
+        ngram_table = resolve_ngram_table(None, table_of) if table_of is not None else None
+        for head in {h for h, _ in candidates(model_source, head_source, head_tree, has_table=True) if h is not None}:
+            register_saved_trees(head, pretrained.default_tree(head) or head_tree)  # fit-N-<hash> names
+        # candidates the request could not draft (a tree deeper than the head's heads, ...) are not measured; with
+        # none left there is no choice to make, and the request's own checks say what is wrong
+        pairs = [pair for pair in candidates(model_source, head_source, head_tree, has_table=ngram_table is not None)
+                 if _draftable(loaded, pair, ngram_table)]
+        if not pairs:
+            return None
         if not quiet:
             print(f"clover_jax: choosing the draft tree for {where} (first use: {len(pairs) + 1} runs compiled "
                   "and timed, under a minute at batch 1 on a small model; the answer is kept)", file=sys.stderr)
