@@ -26,6 +26,7 @@ from typing import Any, Sequence
 import jax
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -121,6 +122,12 @@ def make_mesh(data: int = -1, fsdp: int = 1, tp: int = 1, devices: Sequence[Any]
         return Mesh(np.asarray(devices, dtype=object).reshape(shape), AXES, axis_types=(AxisType.Auto,) * 3)
 
 
+# The local launcher (`clover_jax.launch`) names each process's place in the job with these, beside JAX's own
+# JAX_COORDINATOR_ADDRESS; on a TPU pod, SLURM or Open MPI, JAX finds them itself.
+NUM_PROCESSES_ENV, PROCESS_ID_ENV = "CLOVER_NUM_PROCESSES", "CLOVER_PROCESS_ID"
+HEARTBEAT_ENV = "CLOVER_HEARTBEAT_TIMEOUT"  # seconds before the others stop when one process dies (JAX: 100)
+
+
 def _multi_host_env() -> str | None:
     """The environment variable that says this process is one of several, or None."""
     env = os.environ
@@ -140,12 +147,48 @@ def _multi_host_env() -> str | None:
     return None
 
 
+def _env_int(key: str, minimum: int) -> int | None:
+    raw = os.environ.get(key)
+    if raw is None or not raw.strip():
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        value = None
+    if value is None or value < minimum:
+        raise InputError(f"{key}={raw!r}: must be an integer >= {minimum}")
+    return value
+
+
+def distributed_arguments() -> dict[str, Any]:
+    """`jax.distributed.initialize` keyword arguments from the environment: the process's place in the job
+    (`JAX_COORDINATOR_ADDRESS`, `CLOVER_NUM_PROCESSES`, `CLOVER_PROCESS_ID`, as `clover_jax.launch` sets them;
+    absent on a TPU pod, where JAX detects them) and the heartbeat timeout (`CLOVER_HEARTBEAT_TIMEOUT`)."""
+    kw: dict[str, Any] = {}
+    count, index = _env_int(NUM_PROCESSES_ENV, 1), _env_int(PROCESS_ID_ENV, 0)
+    if (count is None) != (index is None):
+        raise InputError(f"{NUM_PROCESSES_ENV} and {PROCESS_ID_ENV} go together: set both or neither")
+    if count is not None:
+        if index >= count:
+            raise InputError(f"{PROCESS_ID_ENV}={index} must be below {NUM_PROCESSES_ENV}={count}")
+        if not os.environ.get("JAX_COORDINATOR_ADDRESS"):
+            raise InputError(f"{NUM_PROCESSES_ENV}/{PROCESS_ID_ENV} need JAX_COORDINATOR_ADDRESS (host:port of "
+                             "process 0)")
+        kw.update(coordinator_address=os.environ["JAX_COORDINATOR_ADDRESS"], num_processes=count, process_id=index)
+    heartbeat = _env_int(HEARTBEAT_ENV, 1)
+    if heartbeat is not None:
+        kw["heartbeat_timeout_seconds"] = heartbeat
+    return kw
+
+
 def maybe_initialize_distributed(mode: bool | str = "auto") -> bool:
     """Calls `jax.distributed.initialize()` for multi-host runs; returns whether it did (or had).
 
     mode True: always; False: never; "auto": when the environment says this is one of several processes
     (`CLOVER_MULTI_HOST=1`, `JAX_COORDINATOR_ADDRESS`, SLURM/Open MPI with more than one task, a TPU pod
-    slice with several workers). Must run before anything touches a JAX backend.
+    slice with several workers). Must run before anything touches a JAX backend. CPU processes exchange
+    collectives through gloo. When one process dies, JAX's coordination service stops the others after the
+    heartbeat timeout (`CLOVER_HEARTBEAT_TIMEOUT`, JAX's default 100 s).
     """
     if mode not in (True, False, "auto"):
         raise InputError(f"mesh.multi_host must be true, false or 'auto', got {mode!r}")
@@ -158,8 +201,18 @@ def maybe_initialize_distributed(mode: bool | str = "auto") -> bool:
         if why is None:
             return False
         log.info("multi-host environment detected (%s): jax.distributed.initialize()", why)
-    jax.distributed.initialize()
+    kw = distributed_arguments()
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU devices of several processes
+    jax.distributed.initialize(**kw)
+    log.info("process %d of %d: %d local devices of %d", jax.process_index(), jax.process_count(),
+             jax.local_device_count(), jax.device_count())
     return True
+
+
+def barrier(name: str) -> None:
+    """Waits until every process reaches `name` (nothing to wait for in a single process)."""
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices(name)
 
 
 # ------------------------------------------------------------------------------------------------- specs

@@ -226,7 +226,8 @@ class Trainer:
         self.tx, self.schedule = steps_lib.make_optimizer(cfg.optim, self.total_steps)
         self.opt_shardings = parallel.model_shardings(jax.eval_shape(self.tx.init, params), self.mesh)
         opt_state = jax.jit(self.tx.init, out_shardings=self.opt_shardings)(params)
-        rng = jax.random.key_data(jax.random.key(cfg.train.seed))
+        rng = np.asarray(jax.random.key_data(jax.random.key(cfg.train.seed)))  # [2] uint32, the same everywhere
+        rng = jax.make_array_from_process_local_data(parallel.replicated(self.mesh), rng)  # global: saved by all
         self.state = TrainState(0, params, opt_state, rng)
         self.batch_sharding = parallel.batch_sharding(self.mesh)
         self._build = lambda **kw: steps_lib.build_steps(  # noqa: E731
