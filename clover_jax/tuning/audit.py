@@ -32,6 +32,7 @@ replayed margin exceeds it is reported as unexplained, to be chased as a bug.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, Sequence
 
@@ -68,18 +69,20 @@ def near_tie_bound(h: np.ndarray, w_a: np.ndarray, w_b: np.ndarray, *, dtype, nu
     return SIGMAS * per_unit * float(np.linalg.norm(h * w_a) + np.linalg.norm(h * w_b))
 
 
-def _replay_fn(model: Llama):
-    """A jitted teacher-forced forward: tokens `[1, T]` -> (normed hidden states `[T, D]`, logits `[T, V]`), all in
-    float32 with float32 products."""
-    def fn(tokens):
-        with jax.default_matmul_precision("highest"):
-            _, hidden, _, _ = model(tokens)
-            h = rms_norm(hidden.astype(jnp.float32), model.final_norm[...].astype(jnp.float32),
-                         model.config.rms_norm_eps)
-            w = model.lm_head_matrix().astype(jnp.float32)  # [D, V]
-            return h[0], jnp.einsum("TD,DV->TV", h[0], w, preferred_element_type=jnp.float32)
+REPLAY_BUCKET = 128  # replay lengths are padded up to a multiple of this: one compile per bucket, not per output
 
-    return jax.jit(fn)
+
+@functools.partial(jax.jit, static_argnums=0)
+def _replay(graphdef, state, tokens):
+    """The teacher-forced forward: tokens `[1, T]` -> (normed hidden states `[T, D]`, logits `[T, V]`), all in
+    float32 with float32 products. The weights are an argument (not constants baked into the program): compiled
+    once per model structure and length bucket."""
+    m = nnx.merge(graphdef, state)
+    with jax.default_matmul_precision("highest"):
+        _, hidden, _, _ = m(tokens)
+        h = rms_norm(hidden.astype(jnp.float32), m.final_norm[...].astype(jnp.float32), m.config.rms_norm_eps)
+        w = m.lm_head_matrix().astype(jnp.float32)  # [D, V]
+        return h[0], jnp.einsum("TD,DV->TV", h[0], w, preferred_element_type=jnp.float32)
 
 
 def float32_copy(model: Llama) -> Llama:
@@ -96,8 +99,10 @@ def float32_copy(model: Llama) -> Llama:
 def replay_logits(model: Llama, prompt: Sequence[int], tokens: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
     """(normed hidden states `[N, D]`, logits `[N, V]`) that predicted each of the `N = len(tokens)` emitted tokens,
     from one float32 teacher-forced forward over prompt + tokens."""
-    seq = np.asarray(list(prompt) + list(tokens), np.int32)[None]
-    h, logits = _replay_fn(model)(jnp.asarray(seq))
+    seq = list(prompt) + list(tokens)
+    padded = np.zeros((1, -(-len(seq) // REPLAY_BUCKET) * REPLAY_BUCKET), np.int32)  # [1, T]: causal, so the
+    padded[0, :len(seq)] = seq  #                                    padding after the sequence changes nothing before it
+    h, logits = _replay(*nnx.split(model), jnp.asarray(padded))
     p = len(prompt)
     return np.asarray(h[p - 1: p - 1 + len(tokens)]), np.asarray(logits[p - 1: p - 1 + len(tokens)])
 
