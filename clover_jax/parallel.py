@@ -209,6 +209,14 @@ def maybe_initialize_distributed(mode: bool | str = "auto") -> bool:
     return True
 
 
+def to_host(x) -> np.ndarray:
+    """A (global) array's full value as numpy on every process: arrays spread over several processes' devices
+    are gathered (every process must call this together)."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(x)
+
+
 def barrier(name: str) -> None:
     """Waits until every process reaches `name` (nothing to wait for in a single process)."""
     if jax.process_count() > 1:

@@ -93,19 +93,20 @@ def launch(command: Sequence[str], num_processes: int, *, devices_per_process: i
         t.start()
         pumps.append(t)
     first: tuple[int, int] | None = None  # (process, status) of the first failure
-    deadline = None
+    deadline = failed_at = None
     try:
         while any(p.poll() is None for p in procs):
             for i, p in enumerate(procs):
                 code = p.poll()
                 if code not in (None, 0) and first is None:
-                    first = (i, code)
-                    deadline = time.monotonic() + heartbeat_timeout + grace
+                    first, failed_at = (i, code), time.monotonic()
+                    deadline = failed_at + heartbeat_timeout + grace
                     out.write(f"launch: process {i} {describe(code)}; the others stop within the heartbeat "
                               f"timeout ({heartbeat_timeout} s)\n")
             if deadline is not None and time.monotonic() > deadline:
                 _stop([p for p in procs if p.poll() is None], out)
             time.sleep(0.2)
+        ended = time.monotonic()
     except KeyboardInterrupt:
         _stop([p for p in procs if p.poll() is None], out)
         raise
@@ -117,8 +118,9 @@ def launch(command: Sequence[str], num_processes: int, *, devices_per_process: i
         return 0
     i, code = first
     others = [f"process {j} {describe(p.returncode)}" for j, p in enumerate(procs) if j != i]
-    out.write(f"launch: the job failed: process {i} {describe(code)}" + (f"; {', '.join(others)}" if others else "")
-              + "\n")
+    after = f", {ended - failed_at:.1f} s after it" if failed_at is not None else ""
+    out.write(f"launch: the job failed: process {i} {describe(code)}" + (f"; {', '.join(others)}{after}" if others
+                                                                          else "") + "\n")
     out.flush()
     return 128 - code if code < 0 else code
 

@@ -244,10 +244,10 @@ class SpeculativeLoop:
         out, st = fn(base_state, head_params, self.drafter.arrays(), *inputs, eos, sampling.arrays(), key)
         out = jax.block_until_ready(out)
         seconds = time.perf_counter() - t0
-        hist = np.asarray(st.accept_hist)[:stat_rows]  # [B, Dmax+1] (the rows padding the batch cut)
+        hist = parallel.to_host(st.accept_hist)[:stat_rows]  # [B, Dmax+1] (the rows padding the batch cut)
         stats = {"tau": acceptance_stats.tau(hist), "accept_hist": hist.sum(0).tolist(),
                  "accept_rate_per_depth": acceptance_stats.accept_rates(hist),
-                 "node_hist": np.asarray(st.node_hist)[:stat_rows].sum(0).tolist(),
+                 "node_hist": parallel.to_host(st.node_hist)[:stat_rows].sum(0).tolist(),
                  "row_tau": acceptance_stats.row_tau(hist)}
         return out, stats, seconds
 

@@ -15,6 +15,7 @@ from typing import Any, Iterator, Sequence
 import jax
 import numpy as np
 
+from clover_jax import parallel
 from clover_jax.decoding.streaming import streaming_to
 from clover_jax.generation.plan import GenerationPlan, prepare_generate
 from clover_jax.validation import InputError
@@ -94,8 +95,8 @@ def run_plan(plan: GenerationPlan, decode_text: bool = True) -> GenerationResult
     with streaming_to(plan.stream):
         out, stats, seconds = plan.loop(*weights, plan.prompt, lens, max_new_tokens=plan.row_new_tokens,
                                         sampling=plan.sampling, key=key, stat_rows=len(plan.ids))
-    tokens = np.asarray(out.tokens)
-    lengths = np.asarray(out.lengths)
+    tokens = parallel.to_host(out.tokens)  # [B, S]: gathered when the batch is spread over several processes
+    lengths = parallel.to_host(out.lengths)
     gen = [tokens[i, lens[i]: lengths[i]].tolist() for i in range(len(plan.ids))]
     texts = [tokenizer.decode(g, skip_special_tokens=True) for g in gen] if (decode_text and tokenizer) else None
     rows = len(plan.ids)
@@ -106,8 +107,8 @@ def run_plan(plan: GenerationPlan, decode_text: bool = True) -> GenerationResult
                                      "predicted_speedup": plan.choice.predicted}}
     if plan.notes:
         stats = {**stats, "notes": list(plan.notes)}
-    return GenerationResult(token_ids=gen, texts=texts, prompt_lengths=lens[:rows].tolist(), steps=int(out.steps),
-                            row_steps=np.asarray(out.row_steps)[:rows].tolist(), seconds=seconds, stats=stats)
+    return GenerationResult(token_ids=gen, texts=texts, prompt_lengths=lens[:rows].tolist(), steps=int(parallel.to_host(out.steps)),
+                            row_steps=parallel.to_host(out.row_steps)[:rows].tolist(), seconds=seconds, stats=stats)
 
 
 def stream_text(model, prompt, *, tokenizer=None, **kwargs) -> Iterator[str]:

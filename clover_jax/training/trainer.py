@@ -406,6 +406,7 @@ class Trainer:
         if checkpointer is not None:
             checkpointer.wait_until_finished()
         jax.block_until_ready(self.state.params)
+        parallel.barrier("training done")  # every process's saves are complete before process 0 reports or exports
         t_end = time.perf_counter()
         if window:  # metrics of steps after the last log (stopped early)
             tokens_total += float(np.sum([float(m["tokens"]) for m in jax.device_get(window)]))

@@ -33,9 +33,12 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402
 
+from clover_jax.generation import api  # noqa: E402
+from clover_jax.heads.clover2.model import Clover2Config, init_from_base  # noqa: E402
+from clover_jax.models.llama import init_llama  # noqa: E402
 from clover_jax.training import checkpoint  # noqa: E402
 from clover_jax.training.run import run_experiment  # noqa: E402
-from training_helpers import SyntheticBatcher, make_cfg, tiny_base  # noqa: E402
+from training_helpers import TINY, SyntheticBatcher, make_cfg, tiny_base  # noqa: E402
 
 
 class ProcessRows:
@@ -101,7 +104,18 @@ def train(args) -> None:
 
 
 def decode(args) -> None:
-    raise SystemExit("decode: not built yet")
+    base = init_llama(TINY, seed=1)
+    head = init_from_base(base, Clover2Config(), seed=2)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, TINY.vocab_size, int(k)).tolist() for k in rng.integers(3, 20, 6)]
+    kw = dict(max_new_tokens=24, cache_size=128)
+    mesh = None if args.one_device else args.mesh
+    runs = {"ar": api.generate(base, prompts, mesh=mesh, **kw)}
+    for tree in ("chain-3", "clover2-26"):
+        runs[tree] = api.generate(base, prompts, mode="speculative", head=head, tree=tree, mesh=mesh, **kw)
+    if jax.process_index() == 0:
+        (Path(args.out) / "decode.json").write_text(json.dumps(
+            {k: {"tokens": r.token_ids, "accept_hist": r.stats.get("accept_hist")} for k, r in runs.items()}))
 
 
 def main() -> None:
@@ -111,6 +125,8 @@ def main() -> None:
     ap.add_argument("--resume", action="store_true")
     ap.add_argument("--kill-at", type=int, default=None)
     ap.add_argument("--kill-in-save", type=int, default=None)
+    ap.add_argument("--mesh", default="data=2,tp=4")
+    ap.add_argument("--one-device", action="store_true")
     args = ap.parse_args()
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (train if args.what == "train" else decode)(args)
