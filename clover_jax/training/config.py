@@ -204,6 +204,9 @@ class TrainConfig(Section):
     # weights; an example is found by a hash of its tokens), so runs on the same model (other head types, restarts,
     # a data set grown by new examples) run the base only over examples it has not seen. None: in memory only.
     feature_cache_dir: Optional[str] = None
+    # Before the first step, estimate what a step holds per device (`clover_jax.training.memory`) and stop with an
+    # error naming the settings to change when it exceeds the device's free memory; false: skip the check.
+    check_memory: bool = True
 
     def _validate(self):
         self._need(self.steps >= 1, "steps", "must be >= 1")

@@ -23,6 +23,7 @@ from clover_jax.training import steps as steps_lib
 from clover_jax.training.checkpoint import Checkpointer, CheckpointError, head_metadata
 from clover_jax.training.config import ConfigError, ExperimentConfig, config_to_dict, save_config
 from clover_jax.training.features import attach_features
+from clover_jax.training.memory import check_training_memory
 from clover_jax.training.self_distill import self_distilled_conversations
 from clover_jax.training.trainer import Trainer
 
@@ -213,6 +214,7 @@ def run_experiment(cfg: ExperimentConfig, *, resume: bool = False, progress: boo
         if loaded is None:
             loaded = load_base(cfg, mesh)
         base = loaded.model if hasattr(loaded, "model") else loaded
+        check_training_memory(cfg, base.config, mesh)  # a step that cannot fit stops here, before data and compiles
         head_meta = head_metadata(steps_lib.head_config(cfg), base.config, cfg.model.name_or_path)
         if existing:
             try:

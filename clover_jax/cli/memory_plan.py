@@ -1,0 +1,151 @@
+"""`python -m clover_jax.cli.memory_plan`: what one training step of a config holds per device on a few TPU and GPU
+slices, by item, and whether it fits, before renting any of them (`clover_jax.training.memory`).
+
+    python -m clover_jax.cli.memory_plan --config configs/llama3-8b-instruct-clover2.yaml              # every target
+    python -m clover_jax.cli.memory_plan --config configs/vicuna-7b-v1.5-clover2.yaml --target v5e-8 --target v4-32
+    python -m clover_jax.cli.memory_plan --config configs/x.yaml --set data.batch_size=32 --base /data/my-model
+
+The config's own mesh, batch, sequence length and loss settings are used on each target's device count. The base
+model's shapes come from `--base` or the config's `model.name_or_path` when that is a local folder, GGUF file or
+known name, else from the shapes of the models the shipped configs name (`KNOWN_SHAPES`, matched by the last part
+of the path or hub id), so nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from pathlib import Path
+
+from clover_jax.cli import add_debug_argument, run_cli
+from clover_jax.io.loader import base_config_of
+from clover_jax.models.config import LlamaConfig, RopeScaling
+from clover_jax.parallel import MeshError
+from clover_jax.training.config import add_config_arguments, config_from_args
+from clover_jax.training.memory import GIB, SAFETY, estimate_training_memory, suggestions
+from clover_jax.validation import InputError
+
+GB_PER_DEVICE = {"v5e": 16, "v4": 32, "H100": 80}
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    name: str
+    devices: int  # the JAX devices of the slice
+    memory: int  # bytes per device
+    platform: str
+
+
+TARGETS = {t.name: t for t in (
+    Target("v5e-8", 8, 16 * GIB, "tpu"),  # 8 chips of 16 GiB HBM
+    Target("v4-32", 16, 32 * GIB, "tpu"),  # 16 chips of 32 GiB (32 TensorCores; megacore: one JAX device per chip)
+    Target("8xH100", 8, 80 * GIB, "gpu"),  # 8 GPUs of 80 GiB
+)}
+
+# The shapes of the base models the shipped configs name, from each model's Hugging Face config.json:
+#   meta-llama/Meta-Llama-3-8B-Instruct: vocab_size 128256, hidden_size 4096, intermediate_size 14336,
+#     num_hidden_layers 32, num_attention_heads 32, num_key_value_heads 8, rms_norm_eps 1e-5, rope_theta 500000,
+#     max_position_embeddings 8192, tie_word_embeddings false, bos 128000, eos 128009;
+#   lmsys/vicuna-7b-v1.5: vocab_size 32000, hidden_size 4096, intermediate_size 11008, num_hidden_layers 32,
+#     num_attention_heads 32, num_key_value_heads 32, rms_norm_eps 1e-5, rope_theta 10000,
+#     max_position_embeddings 4096, tie_word_embeddings false, bos 1, eos 2.
+KNOWN_SHAPES = {
+    "meta-llama-3-8b-instruct": LlamaConfig(
+        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=500000.0,
+        rope_scaling=RopeScaling(), max_position_embeddings=8192, bos_token_id=128000, eos_token_ids=(128009,)),
+    "vicuna-7b-v1.5": LlamaConfig(
+        vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=32, head_dim=128, rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=4096,
+        bos_token_id=1, eos_token_ids=(2,)),
+}
+ITEMS = ("frozen base", "gathered weights", "head", "optimizer", "gradients", "base forward", "head activations",
+         "logits", "batch")
+
+
+def plan_base_config(name_or_path: str) -> LlamaConfig:
+    """The base's config: read from a local folder, GGUF file or known name, else `KNOWN_SHAPES` by the last part
+    of the path or hub id (`/data/Meta-Llama-3-8B-Instruct`, `meta-llama/Meta-Llama-3-8B-Instruct`)."""
+    key = Path(str(name_or_path).split("@")[0].rstrip("/")).name.lower()
+    if Path(name_or_path).expanduser().exists() or key not in KNOWN_SHAPES:
+        try:
+            return base_config_of(name_or_path)
+        except FileNotFoundError as e:
+            if key not in KNOWN_SHAPES:
+                raise InputError(f"model.name_or_path: {name_or_path!r}: no local config.json to read the shapes "
+                                 f"from ({e}); pass --base with a local model folder, or a model whose shapes are "
+                                 f"known: {', '.join(KNOWN_SHAPES)}") from None
+    return KNOWN_SHAPES[key]
+
+
+def _gib(nbytes: int) -> str:
+    return f"{nbytes / GIB:.2f}"
+
+
+def plan_table(cfg, base_config: LlamaConfig, targets: list[Target]) -> tuple[str, list[str]]:
+    """(a Markdown table of GiB per device by item and target, notes: meshes that do not fit a target, the
+    settings that would fit where it does not)."""
+    columns, notes = [], []
+    for t in targets:
+        try:
+            est = estimate_training_memory(cfg, base_config, t.devices, platform=t.platform)
+        except MeshError as e:
+            notes.append(f"{t.name}: {e}")
+            columns.append(None)
+            continue
+        columns.append(est)
+        budget = t.memory * SAFETY
+        if est.total > budget:
+            fixes = suggestions(cfg, base_config, est, budget, t.platform)
+            notes.append(f"{t.name}: {_gib(est.total)} GiB per device does not fit {SAFETY:.0%} of "
+                         f"{_gib(t.memory)} GiB; " + ("; ".join(fixes) if fixes else "no single setting fits"))
+    head = "| GiB per device | " + " | ".join(t.name for t in targets) + " |"
+    rows = [head, "|---|" + "---:|" * len(targets)]
+
+    def row(label, cell):
+        rows.append(f"| {label} | " + " | ".join("-" if e is None else cell(t, e) for t, e in zip(targets, columns))
+                    + " |")
+
+    row("mesh (data x fsdp x tp)", lambda t, e: f"{e.sizes['data']} x {e.sizes['fsdp']} x {e.sizes['tp']}")
+    row("rows per device", lambda t, e: str(e.rows))
+    for item in ITEMS:
+        row(item, lambda t, e, item=item: _gib(e.items.get(item, 0)))
+    row("**total**", lambda t, e: f"**{_gib(e.total)}**")
+    row("device memory", lambda t, e: _gib(t.memory))
+    row("fits", lambda t, e: "yes" if e.total <= t.memory * SAFETY else "**no**")
+    return "\n".join(rows), notes
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_config_arguments(p)
+    p.add_argument("--target", action="append", choices=sorted(TARGETS), default=None,
+                   help="a slice to plan for (repeatable; default: all of them)")
+    p.add_argument("--base", default=None, metavar="NAME_OR_PATH",
+                   help="read the base model's shapes from here instead of model.name_or_path")
+    add_debug_argument(p)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    return run_cli(_main, argv)
+
+
+def _main(argv=None) -> int:
+    args = parse_args(argv)
+    cfg = config_from_args(args)
+    base_config = plan_base_config(args.base or cfg.model.name_or_path)
+    targets = [TARGETS[name] for name in (args.target or TARGETS)]
+    table, notes = plan_table(cfg, base_config, targets)
+    print(f"{args.config or 'defaults'}: data.batch_size={cfg.data.batch_size}, data.max_length={cfg.data.max_length}, "
+          f"loss.vocab_chunk={cfg.loss.vocab_chunk}, mesh fsdp={cfg.mesh.fsdp} tp={cfg.mesh.tp}, "
+          f"train.remat={str(cfg.train.remat).lower()}, {cfg.model.param_dtype} base")
+    print(table)
+    for note in notes:
+        print(f"- {note}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

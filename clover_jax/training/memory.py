@@ -1,0 +1,363 @@
+"""What one training step holds per device, estimated from the config before anything compiles, and checked
+against what the devices have.
+
+    est = estimate_training_memory(cfg, base_config, {"data": 2, "fsdp": 4, "tp": 1})
+    est.items   # {"frozen base": ..., "head": ..., "optimizer": ..., "gradients": ..., ...} bytes per device
+    check_training_memory(cfg, base_config, mesh)   # InsufficientMemoryError naming the settings to change
+
+The items, per device (B rows per device in a micro-batch: `data.batch_size / optim.grad_accum / (data * fsdp)`,
+T = `data.max_length`, the longest bucket):
+  frozen base      the base weights in `model.param_dtype`, sharded by `clover_jax.parallel`'s rules;
+  head             the head parameters (float32), sharded the same way;
+  optimizer        AdamW's two moments (float32, as the parameters);
+  gradients        the gradients and the update computed from them (2 x the parameters);
+  gathered weights with fsdp or tp > 1: a layer's weights and the `[D, V]` output projection gathered whole
+                   while they are used;
+  base forward     the online base forward (none with `train.cache_features`): no gradient, so one layer's
+                   working set at a time: `[B, T, D]` residuals, the `[B, T, F]` MLP, `[B, N, T, T]` float32
+                   attention scores;
+  head activations what the head's backward keeps: per Augmenting-Block layer its residuals, MLP and attention
+                   probabilities (one layer's input only with `train.remat`), per drafted depth its float32
+                   states and outputs `[B, T, D]`;
+  logits           the vocabulary-sized float32 terms: teacher `[B, C + n, V]` and student `[n, B, C, V]`
+                   logits, probabilities and their gradient, C = `loss.vocab_chunk` positions (T without
+                   chunking, `loss.vocab_positions_per_row` with packing) and V the draft vocabulary with
+                   `loss.draft_vocab`;
+  runtime          (CPU) the process itself: Python, JAX, XLA's compiler (measured, not derived).
+
+Calibrated on a 2-core CPU host against the peak resident memory (ru_maxrss) of real runs of `run_experiment`
+(2-3 steps, one device, 5 Clover-2 heads, 2 Augmenting-Block layers, float32, synthetic batches of T tokens,
+SmolLM2's 49,152-token vocabulary, the whole vocabulary in the cross-entropy):
+
+    base                        batch  T    loss                          measured   estimated
+    random, L=2, D=64           4      128  -                             3.16 GiB   3.08 GiB  (-3 %)
+    random, L=2, D=64           8      128  -                             4.79 GiB   4.93 GiB  (+3 %)
+    random, L=2, D=64           16     128  -                             8.58 GiB   8.64 GiB  (+1 %)
+    random, L=2, D=64           32     64   -                             8.56 GiB   8.66 GiB  (+1 %)
+    random, L=2, D=64           32     128  vocab_chunk=32                5.11 GiB   5.08 GiB  (-1 %)
+    random, L=2, D=64           32     128  vocab_positions_per_row=16    3.45 GiB   3.19 GiB  (-7 %)
+    SmolLM2-135M (L=30, D=576)  8      128  -                             5.65 GiB   5.81 GiB  (+3 %)
+    SmolLM2-135M (L=30, D=576)  16     256  vocab_chunk=64                7.00 GiB   6.67 GiB  (-5 %)
+
+The logits dominate all of these; the coefficients below (how many `[.., V]` float32 arrays are live at once, the
+runtime) are fitted to them. XLA's own buffer assignment of the compiled CPU step (`Compiled.memory_analysis`,
+temporaries) was lower than the resident peak: 1.9 GiB at batch 4 and 5.7 GiB at batch 16 of the first rows, so on
+an accelerator, whose allocator holds just those buffers, the estimate may be high by up to a third. Host-side
+data (the tokenized data set, cached features with `train.cache_features`) is not counted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import os
+from typing import Any, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import AbstractMesh
+
+from clover_jax import parallel
+from clover_jax.decoding.memory import available_memory
+from clover_jax.heads import registry
+from clover_jax.models.config import LlamaConfig
+from clover_jax.models.llama import Llama
+from clover_jax.parallel import MeshError
+from clover_jax.training import steps as steps_lib
+from clover_jax.validation import InputError, InsufficientMemoryError
+
+GIB = 1024 ** 3
+SAFETY = 0.9  # the share of the free memory an estimate may use (the estimate is not exact)
+RUNTIME_BYTES = int(1.2 * GIB)  # a CPU training process besides its arrays: Python, JAX, XLA compiling (measured)
+# live float32 arrays of a logits chunk at the step's peak (fitted to the measured runs, see the module docstring):
+# the student's [n, B, C, V] logits, log-probabilities, the teacher's probabilities at the n depths and the
+# gradient; the teacher's [B, C + n, V] logits and probabilities
+STUDENT_COPIES = 3.5
+TEACHER_COPIES = 2
+RNN_STATE_COPIES = 12  # float32 [B, T, D] arrays a drafted depth keeps for its backward (attention decoder, FC)
+SETTINGS = "lower data.batch_size, data.max_length or loss.vocab_chunk, or raise mesh.fsdp"
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainingMemory:
+    """An estimate of one training step's memory: `items` in bytes per device, on a mesh of `sizes`."""
+
+    items: dict[str, int]
+    sizes: dict[str, int]  # {"data", "fsdp", "tp"}
+    rows: int  # rows per device in a micro-batch
+    seq_len: int  # T
+
+    @property
+    def total(self) -> int:
+        return int(sum(self.items.values()))
+
+    @property
+    def devices(self) -> int:
+        return int(np.prod(list(self.sizes.values())))
+
+    def biggest(self, n: int = 3) -> list[tuple[str, int]]:
+        return sorted(((k, v) for k, v in self.items.items() if v), key=lambda kv: -kv[1])[:n]
+
+    def describe(self, n: int = 3) -> str:
+        return ", ".join(f"{k} {fmt_bytes(v)}" for k, v in self.biggest(n))
+
+
+def fmt_bytes(nbytes: float) -> str:
+    return f"{nbytes / GIB:.2f} GiB" if nbytes >= GIB / 10 else f"{nbytes / 1024 ** 2:.1f} MiB"
+
+
+# ------------------------------------------------------------------------------------------------ shapes
+def mesh_sizes(mesh_cfg, devices: int) -> dict[str, int]:
+    """{"data", "fsdp", "tp"} of the `mesh:` section on `devices` devices (`data: -1` takes what is left)."""
+    fixed = mesh_cfg.fsdp * mesh_cfg.tp * (1 if mesh_cfg.data == -1 else mesh_cfg.data)
+    if devices % fixed:
+        raise MeshError(f"mesh: data*fsdp*tp = {fixed} does not divide the {devices} devices")
+    data = devices // fixed if mesh_cfg.data == -1 else mesh_cfg.data
+    if data * mesh_cfg.fsdp * mesh_cfg.tp != devices:
+        raise MeshError(f"mesh: data*fsdp*tp = {data}*{mesh_cfg.fsdp}*{mesh_cfg.tp}, but there are {devices} devices")
+    return {"data": int(data), "fsdp": int(mesh_cfg.fsdp), "tp": int(mesh_cfg.tp)}
+
+
+def _sizes_of(mesh: Any, mesh_cfg) -> dict[str, int]:
+    """Axis sizes from a `Mesh`, a {"data", "fsdp", "tp"} mapping or a device count."""
+    if isinstance(mesh, Mapping):
+        return {a: int(mesh.get(a, 1)) for a in parallel.AXES}
+    if isinstance(mesh, int):
+        return mesh_sizes(mesh_cfg, mesh)
+    return {a: int(mesh.shape[a]) for a in parallel.AXES}
+
+
+def base_state_shapes(base_config: LlamaConfig, param_dtype) -> dict[str, Any]:
+    """The frozen base's state as a pure dict of `ShapeDtypeStruct`s (nothing allocated)."""
+    abstract = nnx.eval_shape(lambda: Llama(base_config, rngs=nnx.Rngs(0), param_dtype=param_dtype,
+                                            dtype=param_dtype))
+    return nnx.to_pure_dict(nnx.state(abstract))
+
+
+def abstract_head_state(cfg, base_config: LlamaConfig) -> tuple[Any, Any]:
+    """(head parameters, optimizer state) of `cfg`'s head on a base of `base_config`, as pure pytrees of
+    `ShapeDtypeStruct`s (nothing allocated): what the trainer holds and a checkpoint stores."""
+    return _head_state(cfg.head, cfg.optim, cfg.total_steps, cfg.train.compute_dtype, cfg.train.remat, base_config)
+
+
+@functools.lru_cache(maxsize=16)
+def _head_state(head, optim, total_steps: int, compute_dtype: str, remat: bool, base_config: LlamaConfig):
+    """`abstract_head_state` by the settings it depends on (cached: `suggestions` re-estimates many times)."""
+    ht = registry.get(head.type)
+    module = nnx.eval_shape(lambda: ht.module_cls(base_config, head.head_config(steps_lib.DTYPES[compute_dtype], remat),
+                                                  rngs=nnx.Rngs(0)))
+    params = nnx.to_pure_dict(nnx.state(module))
+    tx, _ = steps_lib.make_optimizer(optim, total_steps)
+    return params, jax.eval_shape(tx.init, params)
+
+
+def bytes_per_device(tree: Any, sizes: dict[str, int]) -> int:
+    """Bytes of a pytree of arrays (or `ShapeDtypeStruct`s) on each device once sharded by `clover_jax.parallel`'s
+    rules over a mesh of axis `sizes` (no devices needed)."""
+    mesh = AbstractMesh(tuple(sizes[a] for a in parallel.AXES), parallel.AXES)
+    total = 0
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        shape = tuple(getattr(leaf, "shape", ()))
+        spec = parallel.spec_for(parallel.leaf_name(path), shape, mesh)
+        shard = list(shape)
+        for i, axis in enumerate(spec):
+            if axis is not None:
+                shard[i] //= int(np.prod([sizes[a] for a in (axis if isinstance(axis, tuple) else (axis,))]))
+        total += int(np.prod(shard)) * np.dtype(leaf.dtype).itemsize
+    return total
+
+
+def _layers(params: Any) -> int:
+    """Decoder layers in a head's parameters (the leading L of its `wq` leaves: an Augmenting Block, EAGLE's
+    layer)."""
+    out = 0
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        if parallel.leaf_name(path) == "wq" and len(leaf.shape) == 4:
+            out += int(leaf.shape[0])
+    return out
+
+
+@functools.lru_cache(maxsize=64)
+def _base_bytes(base_config: LlamaConfig, param_dtype: str, sizes: tuple[tuple[str, int], ...]) -> tuple[int, int]:
+    """(the frozen base's bytes per device, one whole layer's weights: what FSDP gathers at a time)."""
+    state = base_state_shapes(base_config, steps_lib.DTYPES[param_dtype])
+    layer = sum(int(np.prod(x.shape[1:])) * np.dtype(x.dtype).itemsize
+                for x in jax.tree.leaves(state["layers"]) if len(x.shape) >= 2)  # stacked [L, ...] leaves
+    return bytes_per_device(state, dict(sizes)), layer
+
+
+def _div(n: int, by: int) -> int:
+    """`n` split `by` ways where `by` divides it (the sharding rules drop an axis that does not)."""
+    return n // by if by > 1 and n % by == 0 else n
+
+
+# ---------------------------------------------------------------------------------------------- estimate
+def estimate_training_memory(cfg, base_config: LlamaConfig, mesh: Any, *, platform: str = "cpu",
+                             vocab_size: int | None = None) -> TrainingMemory:
+    """Bytes per device of one training step of `cfg` on `mesh` (a `Mesh`, a {"data", "fsdp", "tp"} mapping or
+    a device count the `mesh:` section is laid over), by item (see the module docstring). `platform` "cpu" adds
+    the process's own runtime; `vocab_size` overrides the cross-entropy's vocabulary (the draft vocabulary's size
+    with `loss.draft_vocab`, default `train.draft_vocab_size`, else the base's)."""
+    sizes = _sizes_of(mesh, cfg.mesh)
+    c, loss = base_config, cfg.loss
+    shards = sizes["data"] * sizes["fsdp"]
+    tp = sizes["tp"]
+    b = math.ceil(cfg.data.batch_size / cfg.optim.grad_accum / shards)  # rows per device per micro-batch
+    t = int(cfg.data.max_length)
+    d, f_dim = c.hidden_size, _div(c.intermediate_size, tp)
+    n_heads = _div(c.num_attention_heads, tp)
+    nh = cfg.head.num_heads
+    base_bytes = jnp.dtype(steps_lib.DTYPES[cfg.model.param_dtype]).itemsize
+    act = jnp.dtype(steps_lib.DTYPES[cfg.model.dtype]).itemsize
+    head_act = jnp.dtype(steps_lib.DTYPES[cfg.train.compute_dtype]).itemsize
+
+    base_total, base_layer = _base_bytes(c, cfg.model.param_dtype, tuple(sizes.items()))
+    params, opt_state = _head_state(cfg.head, cfg.optim, cfg.total_steps, cfg.train.compute_dtype, cfg.train.remat, c)
+    items = {
+        "frozen base": base_total,
+        "head": bytes_per_device(params, sizes),
+        "optimizer": bytes_per_device(opt_state, sizes),
+    }
+    items["gradients"] = 2 * items["head"]
+
+    v = vocab_size or (cfg.train.draft_vocab_size if loss.draft_vocab and cfg.train.draft_vocab_size else
+                       c.vocab_size)
+    v = _div(v, tp)
+    gathered = 0
+    if sizes["fsdp"] > 1 or tp > 1:  # a layer's weights and the output projection, gathered while used
+        gathered = 2 * base_layer + d * v * base_bytes
+    items["gathered weights"] = gathered
+
+    attention = 2 * b * n_heads * t * t * 4  # float32 scores and probabilities
+    layer = b * t * (4 * d + 3 * f_dim) * act + attention
+    items["base forward"] = 0 if cfg.train.cache_features else layer + b * t * d * act
+    aug = _layers(params)
+    if cfg.train.remat:  # each layer's input kept, one layer recomputed at a time
+        kept = aug * b * t * d * head_act + b * t * (6 * d + 3 * f_dim) * head_act + attention
+    else:
+        kept = aug * (b * t * (6 * d + 3 * f_dim) * head_act + attention)
+    items["head activations"] = kept + nh * RNN_STATE_COPIES * b * t * d * 4
+
+    if loss.vocab_positions_per_row:  # packed: one pass over K positions per row, no chunking
+        positions, halo = min(loss.vocab_positions_per_row, t), 0
+    else:
+        positions, halo = min(loss.vocab_chunk or t, t), nh
+    student = nh * b * positions * v * 4
+    teacher = b * (positions + halo) * v * 4
+    items["logits"] = STUDENT_COPIES * student + TEACHER_COPIES * teacher
+    items["batch"] = b * t * (4 * 3 + (2 * d if cfg.train.cache_features else 0))
+    items["runtime"] = RUNTIME_BYTES if platform == "cpu" else 0
+    return TrainingMemory({k: int(x) for k, x in items.items()}, sizes, b, t)
+
+
+# ------------------------------------------------------------------------------------------------- check
+def _with(cfg, **changes: Any):
+    """`cfg` with `section.key` changes (by keyword `section__key`)."""
+    return cfg.replace(*(f"{k.replace('__', '.')}={v}" for k, v in changes.items()))
+
+
+def suggestions(cfg, base_config: LlamaConfig, est: TrainingMemory, budget: float, platform: str) -> list[str]:
+    """Settings that bring the estimate under `budget` bytes per device, each with its new estimate: one setting
+    where one does, else pairs. Those that keep the recipe come first (gradient accumulation, a wider FSDP axis,
+    a smaller logits chunk, rematerialisation), then a smaller batch or shorter sequences."""
+    out = []
+    tries: list[dict[str, Any]] = []
+    b, accum = cfg.data.batch_size, cfg.optim.grad_accum
+    shards = est.sizes["data"] * est.sizes["fsdp"]
+    tries += [{"optim__grad_accum": a} for a in (2, 4, 8, 16) if a > accum and b % a == 0 and (b // a) % shards == 0]
+    devices = est.devices
+    tries += [{"mesh__fsdp": f, "mesh__data": devices // (f * cfg.mesh.tp)} for f in (2, 4, 8, 16, 32)
+              if f > cfg.mesh.fsdp and devices % (f * cfg.mesh.tp) == 0]
+    if not cfg.loss.vocab_positions_per_row:
+        tries += [{"loss__vocab_chunk": c} for c in (512, 256, 128, 64, 32) if c < (cfg.loss.vocab_chunk or est.seq_len)]
+    if not cfg.train.remat:
+        tries.append({"train__remat": "true"})
+    tries += [{"data__batch_size": x} for x in (b // 2, b // 4, b // 8) if x >= shards * accum and x % (shards * accum) == 0]
+    tries += [{"data__max_length": x} for x in (cfg.data.max_length // 2, cfg.data.max_length // 4) if x >= 64]
+    seen: set[str] = set()
+    fits = []
+    for change in tries:  # one setting
+        what = change_text(change).split("=")[0]
+        total = _total_with(cfg, base_config, est.devices, platform, change)
+        if total is not None and total <= budget and what not in seen:
+            out.append(f"{change_text(change)} brings it to {fmt_bytes(total)}")
+            seen.add(what)
+            fits.append(change)
+    if out:
+        return out
+    for i, first in enumerate(tries):  # no one setting does: two of them together
+        for second in tries[i + 1:]:
+            if set(first) & set(second):
+                continue
+            change = {**first, **second}
+            total = _total_with(cfg, base_config, est.devices, platform, change)
+            if total is not None and total <= budget:
+                out.append(f"{change_text(change)} brings it to {fmt_bytes(total)}")
+                if len(out) == 3:
+                    return out
+    return out
+
+
+def _total_with(cfg, base_config, devices: int, platform: str, change: dict[str, Any]) -> int | None:
+    """The estimate's total with `change` applied, None when the config or the mesh refuses the change."""
+    try:
+        return estimate_training_memory(_with(cfg, **change), base_config, devices, platform=platform).total
+    except (InputError, ValueError):
+        return None
+
+
+def change_text(change: dict[str, Any]) -> str:
+    return " ".join(f"{k.replace('__', '.')}={v}" for k, v in change.items())
+
+
+def resident_bytes() -> int:
+    """This process's resident memory now (/proc/self/statm), 0 where unknown."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError, AttributeError):
+        return 0
+
+
+def check_training_memory(cfg, base_config: LlamaConfig, mesh, *, base_loaded: bool = True,
+                          available: tuple[int | None, str] | None = None) -> TrainingMemory | None:
+    """Stops a run whose step cannot fit: an `InsufficientMemoryError` naming the estimate, what the device has,
+    the biggest items and the settings that would fit (`suggestions`). Skipped with `train.check_memory: false`.
+
+    An accelerator is checked against its own free memory (`clover_jax.decoding.memory.available_memory`), less
+    the frozen base when `base_loaded` (it is in use already). CPU devices share the host: their needs add up
+    (the runtime once), and what this process holds already (its resident memory: the loaded base, the
+    libraries) is not asked for again. Returns the estimate (None when skipped)."""
+    if not cfg.train.check_memory:
+        return None
+    devices = list(mesh.local_devices) if hasattr(mesh, "local_devices") else jax.local_devices()
+    platform = devices[0].platform
+    est = estimate_training_memory(cfg, base_config, mesh, platform=platform)
+    free, where = available if available is not None else available_memory(devices[0])
+    if free is None:
+        return est
+    if platform == "cpu":
+        share = len(devices)
+        need = (est.total - est.items["runtime"]) * share + est.items["runtime"] - resident_bytes()
+    else:
+        share = 1
+        need = est.total - (est.items["frozen base"] if base_loaded else 0)
+    budget = free * SAFETY
+    if need <= budget:
+        return est
+    fixes = suggestions(cfg, base_config, est, est.total - (need - budget) / share, platform)
+    on = f"the host's {share} CPU devices" if share > 1 else f"each {platform} device"
+    raise InsufficientMemoryError(
+        f"training memory: a step of data.batch_size={cfg.data.batch_size} x data.max_length={est.seq_len} tokens "
+        f"(loss.vocab_chunk={cfg.loss.vocab_chunk}, mesh data={est.sizes['data']} fsdp={est.sizes['fsdp']} "
+        f"tp={est.sizes['tp']}) needs about {fmt_bytes(need)} more on {on}, but {where} has {fmt_bytes(free)} free "
+        f"({SAFETY:.0%} of it: {fmt_bytes(budget)}); {fmt_bytes(est.total)} per device, the most: {est.describe()}; "
+        f"{SETTINGS}" + (f" ({'; '.join(fixes)})" if fixes else "")
+        + ", or set train.check_memory=false to skip this check")
+
+
+__all__ = ["TrainingMemory", "abstract_head_state", "base_state_shapes", "bytes_per_device", "check_training_memory",
+           "estimate_training_memory", "fmt_bytes", "mesh_sizes", "resident_bytes", "suggestions"]

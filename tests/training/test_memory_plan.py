@@ -1,0 +1,102 @@
+"""Training memory is known before the first step: the estimate by item, a run that cannot fit stops with an error
+naming the settings, one that fits trains, and the plan command prints its table without downloading a model."""
+
+import jax
+import pytest
+
+from clover_jax import parallel
+from clover_jax.cli import user_error_types
+from clover_jax.cli import memory_plan
+from clover_jax.training import memory
+from clover_jax.training.run import run_experiment
+from clover_jax.validation import InsufficientMemoryError
+from training_helpers import TINY, SyntheticBatcher, make_cfg, tiny_base
+from clover_jax.models.config import LlamaConfig
+
+GIB = 1024 ** 3
+# a tiny base with SmolLM2's vocabulary: the logits are what grows with the batch
+WIDE_VOCAB = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+
+
+def _mesh():
+    return parallel.make_mesh(1, 1, 1, devices=jax.devices("cpu")[:1])
+
+
+def test_estimate_by_item():
+    cfg = make_cfg("head.num_heads=5", "data.batch_size=8", "data.max_length=128")
+    est = memory.estimate_training_memory(cfg, WIDE_VOCAB, 1)
+    assert est.rows == 8 and est.seq_len == 128 and est.sizes == {"data": 1, "fsdp": 1, "tp": 1}
+    assert est.biggest(1)[0][0] == "logits"
+    assert est.items["optimizer"] == pytest.approx(2 * est.items["head"], abs=64)  # AdamW: two moments + a count
+    bigger = memory.estimate_training_memory(cfg.replace("data.batch_size=32"), WIDE_VOCAB, 1)
+    assert bigger.items["logits"] == pytest.approx(4 * est.items["logits"], rel=0.01)
+    chunked = memory.estimate_training_memory(cfg.replace("data.batch_size=32", "loss.vocab_chunk=16"), WIDE_VOCAB, 1)
+    assert chunked.items["logits"] < bigger.items["logits"] / 4
+    # fsdp shards the frozen base and the optimizer state; data parallelism splits the rows
+    big = cfg.replace("mesh.data=-1", "mesh.fsdp=4")
+    sharded = memory.estimate_training_memory(big, WIDE_VOCAB, 8)
+    assert sharded.sizes == {"data": 2, "fsdp": 4, "tp": 1} and sharded.rows == 1
+    assert sharded.items["frozen base"] < est.items["frozen base"] / 3
+
+
+def _limit(monkeypatch, free_bytes):
+    monkeypatch.setattr(memory, "available_memory", lambda device=None: (free_bytes, "host memory (test limit)"))
+    monkeypatch.setattr(memory, "resident_bytes", lambda: 0)
+
+
+def test_a_step_that_cannot_fit_stops_before_its_first_step(tmp_path, monkeypatch):
+    _limit(monkeypatch, 2 * GIB)
+    cfg = make_cfg("head.num_heads=5", "data.batch_size=32", "data.max_length=128", output_dir=str(tmp_path / "run"))
+    steps = []
+    with pytest.raises(InsufficientMemoryError) as err:
+        run_experiment(cfg, progress=False, mesh=_mesh(), loaded=tiny_base(WIDE_VOCAB),
+                       batcher=SyntheticBatcher(vocab=49152, batch_size=32, length=128),
+                       on_step=lambda step, trainer: steps.append(step))
+    msg = str(err.value)
+    assert not steps and not (tmp_path / "run").exists()
+    for setting in ("data.batch_size=32", "data.max_length", "loss.vocab_chunk", "mesh.fsdp", "train.check_memory=false",
+                    "2.00 GiB free", "logits"):
+        assert setting in msg, msg
+    assert "brings it to" in msg  # a setting that fits, with its estimate
+    assert isinstance(err.value, user_error_types())  # train.py prints it as one `error: ...` line
+
+
+def test_check_memory_false_and_a_config_that_fits_train(tmp_path, monkeypatch):
+    _limit(monkeypatch, 2 * GIB)
+    cfg = make_cfg("train.steps=2", "train.check_memory=false", output_dir=str(tmp_path / "forced"))
+    assert run_experiment(cfg, progress=False, mesh=_mesh(), loaded=tiny_base(),
+                          batcher=SyntheticBatcher())["final_step"] == 2
+    cfg = make_cfg("train.steps=2", "data.max_length=16", output_dir=str(tmp_path / "fits"))
+    assert memory.check_training_memory(cfg, TINY, _mesh()).total < 2 * GIB
+    assert run_experiment(cfg, progress=False, mesh=_mesh(), loaded=tiny_base(),
+                          batcher=SyntheticBatcher())["final_step"] == 2
+
+
+def test_plan_needs_no_download():
+    llama = memory_plan.plan_base_config("/path/to/Meta-Llama-3-8B-Instruct")
+    assert (llama.vocab_size, llama.num_key_value_heads) == (128256, 8)
+    assert memory_plan.plan_base_config("lmsys/vicuna-7b-v1.5").intermediate_size == 11008
+    with pytest.raises(memory_plan.InputError, match="--base"):
+        memory_plan.plan_base_config("/path/to/unknown-model")
+
+
+def test_plan_table(capsys):
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    code = memory_plan.main(["--config", str(root / "configs" / "llama3-8b-instruct-clover2.yaml")])
+    out = capsys.readouterr().out
+    assert code == 0
+    lines = out.splitlines()
+    assert lines[1] == "| GiB per device | v5e-8 | v4-32 | 8xH100 |"
+    assert any(line.startswith("| mesh (data x fsdp x tp) | 2 x 4 x 1 | 4 x 4 x 1 | 2 x 4 x 1 |") for line in lines)
+    for item in ("frozen base", "optimizer", "gradients", "logits", "**total**", "fits"):
+        assert any(line.startswith(f"| {item} |") for line in lines), item
+    fits = next(line for line in lines if line.startswith("| fits |"))
+    assert fits.endswith("| yes |")  # 8 x 80 GiB holds the recipe
+    code = memory_plan.main(["--config", str(root / "configs" / "vicuna-7b-v1.5-clover2.yaml"), "--target", "v5e-8"])
+    out = capsys.readouterr().out
+    assert code == 0 and "| GiB per device | v5e-8 |" in out
+    if "**no**" in out:  # the way to fit is named with its estimate
+        assert "brings it to" in out
