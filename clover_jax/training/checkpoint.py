@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+import tensorstore as ts  # Orbax's storage layer (its OCDBT index names a corrupt file)
 from flax import nnx
 from jax.experimental import multihost_utils
 
@@ -140,9 +142,74 @@ def _quiet_failed_reads():
         sys.unraisablehook = previous
 
 
+_REPR = re.compile(r"<[^<>]*(?: object at 0x[0-9a-fA-F]+|bound method)[^>]*>?|See full TensorStore details:.*",
+                   re.S)
+# TensorStore's read error: the key of the array chunk and the item folder (OCDBT database) it lives in
+_OCDBT_READ = re.compile(r'Error reading "(?P<key>[^"]+)" in OCDBT database at local file "(?P<dir>[^"]+)"'
+                         r':?\s*(?P<why>.*)', re.S)
+_JSON_FILES = ("_CHECKPOINT_METADATA", "*/_CHECKPOINT_METADATA", "*/_METADATA", "*/_sharding",
+               "*/array_metadatas/*", "*/metadata", "*/manifest.ocdbt")
+
+
 def _first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0][:300] if text else ''}"
+    """The exception's first line, without the repr of any internal object (`<... object at 0x...>`)."""
+    text = _REPR.sub("", str(e)).strip().splitlines()
+    return f"{type(e).__name__}: {text[0][:300].rstrip(' .:') if text else ''}"
+
+
+def _chain(e: BaseException) -> list[BaseException]:
+    out: list[BaseException] = []
+    while e is not None and e not in out:
+        out.append(e)
+        e = e.__cause__ or e.__context__
+    return out
+
+
+def _ocdbt_file(item_dir: Path, key: str) -> Path | None:
+    """The data file of the OCDBT database `item_dir` that holds `key` (read from its B-tree), None if unknown."""
+    try:
+        kv = ts.KvStore.open(f"file://{item_dir}/").result()
+        nodes = [v["root"]["location"] for v in ts.ocdbt.dump(kv).result()["versions"][-1:]]
+        while nodes:
+            for entry in ts.ocdbt.dump(kv, nodes.pop()).result().get("entries", []):
+                if "node" in entry:  # an interior node: look below it
+                    nodes.append(entry["node"])
+                elif entry.get("key") == key.encode() and "indirect_value" in entry:
+                    _, prefix, rel = entry["indirect_value"].split(":")[:3]  # value:<dir>/:<file>:<offset>:<len>
+                    return item_dir / prefix / rel
+    except Exception:  # noqa: BLE001 - only a better message is at stake
+        return None
+    return None
+
+
+def _failure(step_dir: Path, e: BaseException) -> str:
+    """Where a failed read went wrong: the file (relative to the checkpoint's step folder), the item and
+    parameter when the error names them, and the reason, with no internal object's repr."""
+    for link in _chain(e):
+        m = _OCDBT_READ.search(str(link))
+        if m:
+            item_dir = Path(m["dir"])
+            key = m["key"]
+            name = key.rsplit("/", 1)[0]  # "aug.wq/0.0.0.0": parameter aug.wq, chunk 0.0.0.0
+            where = _ocdbt_file(item_dir, key) or item_dir
+            why = _REPR.sub("", m["why"]).strip().splitlines()
+            return (f"{_rel(where, step_dir)}: {item_dir.name} '{name}' cannot be read"
+                    + (f" ({why[0][:200]})" if why else ""))
+    for pattern in _JSON_FILES:  # a metadata file cut short or overwritten
+        for path in sorted(step_dir.glob(pattern)):
+            if path.is_file() and path.name != "manifest.ocdbt":
+                try:
+                    json.loads(path.read_bytes())
+                except (ValueError, UnicodeDecodeError) as bad:
+                    return f"{_rel(path, step_dir)}: not valid JSON ({_first_line(bad)})"
+    return _first_line(e)
+
+
+def _rel(path: Path, step_dir: Path) -> str:
+    try:
+        return str(Path(path).relative_to(step_dir))
+    except ValueError:
+        return str(path)
 
 
 # ----------------------------------------------------------------------------------------------- manager
@@ -229,7 +296,8 @@ class Checkpointer:
             with _quiet_failed_reads():
                 return self.manager.restore(step, args=ocp.args.Composite(**items))
         except Exception as e:  # noqa: BLE001 - any read failure means the files are not what we wrote
-            raise CheckpointError(f"{self.step_dir(step)}: corrupt checkpoint: {what} ({_first_line(e)})") from None
+            raise CheckpointError(f"{self.step_dir(step)}: corrupt checkpoint: {what}: "
+                                  f"{_failure(self.step_dir(step), e)}") from None
 
     def read_meta(self, step: int | None = None) -> dict[str, Any]:
         step = self._need_step(step)
@@ -261,6 +329,13 @@ class Checkpointer:
         _check_fingerprints(out["train_state"], meta["fingerprints"]["train_state"], "train_state", where)
         return {"step": int(meta["step"]), "params": out["params"], "opt_state": out["train_state"]["opt_state"],
                 "rng": out["train_state"]["rng"], "data": meta["data"], "config": out["config"]}
+
+    def verify(self, step: int | None, *, abstract_params, abstract_opt_state, abstract_rng,
+               head_meta: dict[str, Any]) -> None:
+        """Reads one step whole as `restore` would (metadata, arrays, checksums) and drops it: a `CheckpointError`
+        naming the file when any of it cannot be read."""
+        self.restore(step, abstract_params=abstract_params, abstract_opt_state=abstract_opt_state,
+                     abstract_rng=abstract_rng, head_meta=head_meta)
 
     def restore_params(self, step: int | None, abstract_params) -> tuple[int, Any, dict[str, Any]]:
         """(step, params, meta) of one step: the head only (inference)."""

@@ -349,7 +349,8 @@ def check_training_memory(cfg, base_config: LlamaConfig, mesh, *, base_loaded: b
     if need <= budget:
         return est
     fixes = suggestions(cfg, base_config, est, est.total - (need - budget) / share, platform)
-    on = f"the host's {share} CPU devices" if share > 1 else f"each {platform} device"
+    on = (f"each {platform} device" if platform != "cpu" else
+          f"the host's {share} CPU devices" if share > 1 else "the host")
     raise InsufficientMemoryError(
         f"training memory: a step of data.batch_size={cfg.data.batch_size} x data.max_length={est.seq_len} tokens "
         f"(loss.vocab_chunk={cfg.loss.vocab_chunk}, mesh data={est.sizes['data']} fsdp={est.sizes['fsdp']} "

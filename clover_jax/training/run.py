@@ -23,7 +23,7 @@ from clover_jax.training import steps as steps_lib
 from clover_jax.training.checkpoint import Checkpointer, CheckpointError, head_metadata
 from clover_jax.training.config import ConfigError, ExperimentConfig, config_to_dict, save_config
 from clover_jax.training.features import attach_features
-from clover_jax.training.memory import check_training_memory
+from clover_jax.training.memory import abstract_head_state, check_training_memory
 from clover_jax.training.self_distill import self_distilled_conversations
 from clover_jax.training.trainer import Trainer
 
@@ -164,6 +164,16 @@ def _resume_hint(e: CheckpointError, steps: list[int], bad_step: int | None) -> 
                            f"(earlier steps: {earlier})")
 
 
+def _restore_targets(cfg: ExperimentConfig, base_config, mesh) -> dict[str, Any]:
+    """The abstract head parameters, optimizer state and RNG key data a checkpoint of `cfg` restores into, on
+    `mesh` (as `Trainer.abstract_targets`, without building a trainer)."""
+    params, opt_state = abstract_head_state(cfg, base_config)
+    rng = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0)))
+    on = lambda tree: parallel.abstract_with_shardings(tree, parallel.model_shardings(tree, mesh))  # noqa: E731
+    return {"abstract_params": on(params), "abstract_opt_state": on(opt_state),
+            "abstract_rng": jax.ShapeDtypeStruct(rng.shape, rng.dtype, sharding=parallel.replicated(mesh))}
+
+
 def run_experiment(cfg: ExperimentConfig, *, resume: bool = False, progress: bool = True, mesh=None,
                    loaded=None, batcher=None, eval_batches=None,
                    on_step: Callable[[int, Trainer], None] | None = None, from_step: int | None = None,
@@ -205,7 +215,13 @@ def run_experiment(cfg: ExperimentConfig, *, resume: bool = False, progress: boo
             # finished: nothing to train, so skip the data set-up (self-distillation, base features)
             base_config = base_config_of(cfg.model.name_or_path) if loaded is None else (
                 loaded.model if hasattr(loaded, "model") else loaded).config
-            ckpt.check_all(head_metadata(steps_lib.head_config(cfg), base_config, cfg.model.name_or_path))
+            meta = head_metadata(steps_lib.head_config(cfg), base_config, cfg.model.name_or_path)
+            try:  # every step's metadata, and the last step whole (the finished head is read from it)
+                ckpt.check_all(meta)
+                ckpt.verify(max(existing), **_restore_targets(cfg, base_config, mesh), head_meta=meta)
+            except CheckpointError as e:
+                bad = next((s for s in existing if str(ckpt.step_dir(s)) in str(e)), None)
+                raise _resume_hint(e, existing, bad) from None
             log.info("%s: the run is finished (checkpoint at step %d >= train.steps=%d); nothing to do",
                      ckpt.directory, max(existing), cfg.train.steps)
             started = True

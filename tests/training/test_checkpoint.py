@@ -182,6 +182,33 @@ def test_corrupt_checkpoint_is_reported_and_kept(uninterrupted, tmp_path, damage
     assert snapshot(run_dir / "checkpoints") == before  # nothing deleted, nothing rewritten
 
 
+@pytest.mark.parametrize("damage", ["data", "array_metadata"])
+def test_corrupt_checkpoint_names_the_file_and_parameter(uninterrupted, tmp_path, damage):
+    """The error names the step folder, the file and the parameter, never an internal storage object's repr."""
+    import re
+    import shutil
+
+    src, _, _, _ = uninterrupted
+    run_dir = tmp_path / "run"
+    shutil.copytree(src / "checkpoints", run_dir / "checkpoints")
+    step_dir = run_dir / "checkpoints" / "6"
+    if damage == "data":  # the optimizer state's largest data file, cut short
+        target = max((p for p in (step_dir / "train_state").rglob("d/*") if p.is_file()), key=lambda p: p.stat().st_size)
+        target.write_bytes(target.read_bytes()[:100])
+        names = [str(target.relative_to(step_dir)), "train_state 'opt_state."]
+    else:
+        target = step_dir / "params" / "_METADATA"
+        target.write_text('{"tree_metadata": {')
+        names = ["params/_METADATA: not valid JSON"]
+    with pytest.raises(CheckpointError) as err:
+        train(run_dir, resume=True)
+    msg = str(err.value)
+    assert "checkpoints/6: corrupt checkpoint: cannot restore its arrays: " in msg, msg
+    for name in names:
+        assert name in msg, msg
+    assert not re.search(r"<[^>]*(object at 0x|bound method)", msg), msg
+
+
 def test_resume_without_checkpoints_starts_fresh(tmp_path):
     ck = Checkpointer(tmp_path / "c")
     assert ck.all_steps() == [] and ck.latest_step() is None

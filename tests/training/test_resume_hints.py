@@ -132,3 +132,20 @@ def test_batch_larger_than_the_data_set_warns(caplog):
     with caplog.at_level(logging.WARNING):
         run._warn_small_data(cfg, Tiny())
     assert any("data.batch_size=8 is larger than the 3 training examples" in r.getMessage() for r in caplog.records)
+
+
+def test_resuming_a_finished_run_reads_its_last_checkpoint(tmp_path):
+    """--resume on a finished run whose last checkpoint is corrupt names the file and the way forward (--from-step),
+    as a resume that trains does, instead of saying there is nothing to do."""
+    run_dir = tmp_path / "run"
+    _train(run_dir)
+    params = run_dir / "checkpoints" / "6" / "params"
+    target = max((p for p in params.rglob("d/*") if p.is_file()), key=lambda p: p.stat().st_size)
+    target.write_bytes(target.read_bytes()[: target.stat().st_size // 2])  # a copy cut short
+    with pytest.raises(CheckpointError) as err:
+        run_experiment(_cfg(run_dir), resume=True, progress=False, mesh=_mesh(), loaded=tiny_base())
+    msg = str(err.value)
+    assert "checkpoints/6: corrupt checkpoint: cannot restore its arrays" in msg, msg
+    assert str(target.relative_to(run_dir / "checkpoints" / "6")) in msg, msg  # the file
+    assert "params '" in msg and "--resume --from-step N (earlier steps: [2, 4])" in msg, msg
+    assert " at 0x" not in msg and "bound method" not in msg, msg
