@@ -366,7 +366,8 @@ def kd_loss_packed(outputs: jax.Array, teacher_hidden: jax.Array, loss_mask: jax
 def pack_positions(loss_mask, valid, per_row: int, rng=None):
     """Host side: `index [B, per_row]` int32 of trained positions per row (`trained_positions`), for
     `kd_loss_packed`. Rows with more than `per_row` of them keep a uniformly random subset (sorted) drawn
-    from `rng` (a `numpy.random.Generator`; None keeps the first ones); -1 fills the rest."""
+    from `rng` (a `numpy.random.Generator`, or a list of one per row; None keeps the first ones); -1 fills the
+    rest."""
 
     loss_mask, valid = np.asarray(loss_mask, bool), np.asarray(valid, bool)
     valid_next = np.pad(valid[:, 1:], ((0, 0), (0, 1)))
@@ -375,7 +376,8 @@ def pack_positions(loss_mask, valid, per_row: int, rng=None):
     for r, row in enumerate(lm):
         pos = np.flatnonzero(row)
         if len(pos) > per_row:
-            pos = np.sort(rng.choice(pos, per_row, replace=False)) if rng is not None else pos[:per_row]
+            gen = rng[r] if isinstance(rng, (list, tuple)) else rng
+            pos = np.sort(gen.choice(pos, per_row, replace=False)) if gen is not None else pos[:per_row]
         out[r, :len(pos)] = pos
     return out
 

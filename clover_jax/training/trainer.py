@@ -259,13 +259,16 @@ class Trainer:
                 for k in ("tokens", "loss_mask", "valid", "loss_index", "features") if k in batch}
 
     def with_loss_index(self, batch: dict[str, np.ndarray], step: int) -> dict[str, np.ndarray]:
-        """Adds the packed cross-entropy positions (`loss.vocab_positions_per_row`), drawn from a generator
-        seeded by (seed, step, process) so a resumed run draws the same subsets."""
+        """Adds the packed cross-entropy positions (`loss.vocab_positions_per_row`), drawn for each row of the
+        global batch from a generator seeded by (seed, step, row), so a resumed run draws the same subsets and
+        a job of several processes (each holding its own rows) the same as one process."""
         k = self.cfg.loss.vocab_positions_per_row
         if not k:
             return batch
-        rng = np.random.default_rng((self.cfg.data.seed, step, jax.process_index()))
-        return {**batch, "loss_index": pack_positions(batch["loss_mask"], batch["valid"], k, rng)}
+        rows = len(batch["loss_mask"])
+        first = jax.process_index() * rows  # this process's rows of the global batch (`BucketedBatcher`)
+        rngs = [np.random.default_rng((self.cfg.data.seed, step, first + r)) for r in range(rows)]
+        return {**batch, "loss_index": pack_positions(batch["loss_mask"], batch["valid"], k, rngs)}
 
     def head(self):
         """The current head as an `nnx.Module` (shares the parameter arrays)."""

@@ -1,8 +1,9 @@
 """Two JAX processes on this machine, 4 simulated CPU devices each, one 8-device mesh (`clover_jax.cli.launch`,
 gloo collectives): what a TPU pod's hosts do, for real.
 
-* Training on two processes equals training in one process with 8 devices: the same loss at every step and the
-  same head parameters (to 1e-6; the reductions run over the same 8 shards, only their placement differs).
+* Training on two processes equals training in one process with 8 devices: the loss at every step to 1e-6
+  relative and the head parameters to 1e-6 (the reductions run over the same 8 shards; only which process holds
+  them differs, and with it some summation orders).
 * Killing one process (SIGKILL) mid-run, or while its asynchronous checkpoint save is under way, stops the other
   within JAX's heartbeat timeout instead of hanging; the half-written checkpoint is not taken for one; relaunching
   both with --resume ends bit-identical to the uninterrupted two-process run.
@@ -77,7 +78,9 @@ def two_processes(tmp_path_factory) -> Path:
 
 def test_training_on_two_processes_equals_one_process(one_process, two_processes):
     assert json.loads((two_processes / "summary.json").read_text())["processes"] == 2
-    assert losses(two_processes) == losses(one_process) and len(losses(one_process)) == 6
+    one, two = losses(one_process), losses(two_processes)
+    assert [s for s, _ in two] == [s for s, _ in one] == [1, 2, 3, 4, 5, 6]
+    np.testing.assert_allclose([x for _, x in two], [x for _, x in one], rtol=1e-6, atol=0)
     a, b = final_params(one_process), final_params(two_processes)
     assert a.keys() == b.keys() and len(a) > 10
     for k in a:

@@ -3,8 +3,9 @@
   python tests/multihost/worker.py train --out DIR [--resume] [--kill-at STEP] [--kill-in-save STEP]
   python tests/multihost/worker.py decode --out DIR
 
-train: the tiny Clover-2 experiment of tests/training (random base, synthetic batches of 8 rows) on a mesh over
-every device of the job (data=-1), checkpoints every 2 steps, 6 steps. Each process feeds its own rows of every
+train: the tiny Clover-2 experiment of tests/training (random base, synthetic batches of 8 rows, the cross-entropy
+at 4 random trained positions per row) on a mesh over every device of the job (data=-1), checkpoints every 2 steps,
+6 steps. Each process feeds its own rows of every
 global batch. Process 0 writes `DIR/final.npz` (the head's parameters, gathered) and the run's metrics.jsonl.
 `--kill-at S`: process 1 kills itself (SIGKILL) when step S is done, before its checkpoint; `--kill-in-save S`:
 right after the asynchronous save of step S started.
@@ -74,6 +75,7 @@ _TRAINER = {}  # the run's Trainer, kept by on_step
 def train(args) -> None:
     out = Path(args.out)
     cfg = make_cfg("mesh.data=-1", "train.steps=6", "train.log_every=1", "checkpoint.save_every=2",
+                   "loss.vocab_positions_per_row=4",  # random subsets of trained positions, drawn per global row
                    "checkpoint.keep=5", f"train.output_dir={out / 'run'}")
     if args.kill_in_save is not None and jax.process_index() == 1:
         save = checkpoint.Checkpointer.save
