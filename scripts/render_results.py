@@ -124,12 +124,25 @@ def spec_table(d: dict) -> list[str]:
         ties = sum(x["verdict"] == "near-tie" for x in divs)
         lines += ["", f"Audit of the differing outputs: **{ties} near-ties, {d['greedy_unexplained']} unexplained**."]
         if divs:
+            ulps = sorted(x["margin_ulps"] for x in divs)
+            ratio = max(x["margin"] / x["bound"] for x in divs if x["bound"] > 0) if any(
+                x["bound"] > 0 for x in divs) else None
+            per_tree = {}
+            for x in divs:
+                per_tree[name(x["tree"])] = per_tree.get(name(x["tree"]), 0) + 1
+            lines += ["", "Divergences per tree: " + ", ".join(f"`{t}` {n}" for t, n in per_tree.items())
+                      + f"; replayed float32 margin between the two tokens: median {ulps[len(ulps) // 2]:.2f}, "
+                      f"largest {ulps[-1]:.2f} ulps of the compute dtype"
+                      + (f"; at most {ratio:.2f} of the near-tie bound." if ratio is not None else ".")]
+            shown = divs[:12]
             lines += ["", "| tree | prompt | position | autoregressive / speculative token | margin (ulps) | "
                           "near-tie bound | verdict |", "|---|---|---|---|---|---|---|"]
-            for x in divs:
+            for x in shown:
                 lines.append(f"| `{name(x['tree'])}` | {x['prompt']} | {x['position']} | {x['reference_token']} / "
                              f"{x['token']} | {x['margin']:.3g} ({x['margin_ulps']:.1f}) | {x['bound']:.3g} | "
                              f"{x['verdict']} |")
+            if len(divs) > len(shown):
+                lines.append(f"\n({len(divs) - len(shown)} more in the result file.)")
     for key, r in (d.get("replay") or {}).items():
         lines.append(f"\nReplay check `{name(key)}`: {r['outputs']} outputs, {r['tokens']} tokens, "
                      f"{r['near_ties']} near-ties, **{r['violations']} violations**.")
@@ -192,6 +205,26 @@ def short_label(label: str) -> str:
     return f"{short_head(head)} `{tree}`" if head else f"`{tree}`"
 
 
+def rows_table(d: dict) -> list[str]:
+    """bench/bench_rows.py: where a U-token verification forward and one-token decode steps round apart."""
+    lines = ["Product `x [M, D] @ W [D, F]` (float32 accumulation): elements of row 0 that differ from the one-row "
+             "product's.", "", "| dtype | D x F | M = 2 | M = 4 | M = 10 |", "|---|---|---|---|---|"]
+    for dtype, rows in d["products"].items():
+        shapes = {}
+        for r in rows:
+            shapes.setdefault(tuple(r["shape"]), {})[r["rows"]] = f"{r['differing']} of {r['of']}"
+        for shape, by_m in shapes.items():
+            lines.append(f"| {dtype} | {shape[0]} x {shape[1]} | {by_m.get(2, '-')} | {by_m.get(4, '-')} | "
+                         f"{by_m.get(10, '-')} |")
+    u = max(len(v) for v in d["chain"].values())
+    lines += ["", f"A chain of {u} tokens: one {u}-token forward against {u} one-token decode steps over the same "
+              f"cache; hidden-state elements (of {d['hidden_size']}) that differ, per token.", "",
+              "| dtype, batch | " + " | ".join(f"token {i}" for i in range(u)) + " |", "|---|" + "---|" * u]
+    for key, diff in d["chain"].items():
+        lines.append(f"| {key} | " + " | ".join(str(x) for x in diff) + " |")
+    return lines
+
+
 def section(d: dict) -> list[str]:
     lines = [f"## {d['title']}", "",
              f"- **Date:** {d['date']}",
@@ -201,7 +234,7 @@ def section(d: dict) -> list[str]:
     lines += [f"- **Source:** `results/{d['_file']}` ({d.get('source', 'recorded by the command')})", "",
               "```bash", d["command"], "```", ""]
     tables = {"bench_spec": spec_table, "bench_step": step_table, "batch_table": batch_table,
-              "choice": choice_table}
+              "choice": choice_table, "bench_rows": rows_table}
     lines += tables[d["benchmark"]](d)
     for note in d.get("notes", []):
         lines += ["", note]
