@@ -10,7 +10,7 @@ global batch. Process 0 writes `DIR/final.npz` (the head's parameters, gathered)
 `--kill-at S`: process 1 kills itself (SIGKILL) when step S is done, before its checkpoint; `--kill-in-save S`:
 right after the asynchronous save of step S started.
 
-decode: greedy autoregressive and speculative decoding (Clover-2 head, a chain) of a tiny random model, with the
+decode: greedy autoregressive and speculative decoding (Clover-2 head, chain-3) of a tiny random model, with the
 weights and batch on the job's 8-device mesh; process 0 writes the tokens to `DIR/decode.json`.
 """
 
@@ -113,7 +113,7 @@ def decode(args) -> None:
     kw = dict(max_new_tokens=24, cache_size=128)
     mesh = None if args.one_device else args.mesh
     runs = {"ar": api.generate(base, prompts, mesh=mesh, **kw)}
-    for tree in ("chain-3", "clover2-26"):
+    for tree in ("chain-3",):
         runs[tree] = api.generate(base, prompts, mode="speculative", head=head, tree=tree, mesh=mesh, **kw)
     if jax.process_index() == 0:
         (Path(args.out) / "decode.json").write_text(json.dumps(
