@@ -96,10 +96,8 @@ class MeshError(InputError):
 
 
 # --------------------------------------------------------------------------------------------------- mesh
-def make_mesh(data: int = -1, fsdp: int = 1, tp: int = 1, devices: Sequence[Any] | None = None) -> Mesh:
-    """A ("data", "fsdp", "tp") mesh with `AxisType.Auto` axes; `-1` on one axis takes the remaining devices."""
-    devices = list(jax.devices() if devices is None else devices)
-    n = len(devices)
+def mesh_sizes(data: int, fsdp: int, tp: int, n: int) -> dict[str, int]:
+    """{"data", "fsdp", "tp"} sizes over `n` devices; `-1` on one axis takes the remaining devices."""
     sizes = {"data": int(data), "fsdp": int(fsdp), "tp": int(tp)}
     free = [k for k, v in sizes.items() if v == -1]
     if len(free) > 1:
@@ -115,6 +113,13 @@ def make_mesh(data: int = -1, fsdp: int = 1, tp: int = 1, devices: Sequence[Any]
     if int(np.prod(list(sizes.values()))) != n:
         raise MeshError(f"mesh: data*fsdp*tp = {sizes['data']}*{sizes['fsdp']}*{sizes['tp']} = "
                         f"{int(np.prod(list(sizes.values())))}, but there are {n} devices")
+    return sizes
+
+
+def make_mesh(data: int = -1, fsdp: int = 1, tp: int = 1, devices: Sequence[Any] | None = None) -> Mesh:
+    """A ("data", "fsdp", "tp") mesh with `AxisType.Auto` axes; `-1` on one axis takes the remaining devices."""
+    devices = list(jax.devices() if devices is None else devices)
+    sizes = mesh_sizes(data, fsdp, tp, len(devices))
     shape = tuple(sizes[a] for a in AXES)
     try:  # topology-aware device order (TPU/GPU); CPU devices keep their order
         return jax.make_mesh(shape, AXES, axis_types=(AxisType.Auto,) * 3, devices=devices)

@@ -23,7 +23,8 @@ from clover_jax.io.loader import base_config_of
 from clover_jax.models.config import LlamaConfig, RopeScaling
 from clover_jax.parallel import MeshError
 from clover_jax.training.config import add_config_arguments, config_from_args
-from clover_jax.training.memory import GIB, SAFETY, estimate_training_memory, suggestions
+from clover_jax.decoding.memory import GIB
+from clover_jax.training.memory import SAFETY, estimate_training_memory, suggestions
 from clover_jax.validation import InputError
 
 GB_PER_DEVICE = {"v5e": 16, "v4": 32, "H100": 80}

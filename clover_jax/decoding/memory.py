@@ -20,7 +20,8 @@ from clover_jax.validation import InsufficientMemoryError
 GIB = 1024 ** 3
 
 
-def _fmt(nbytes: float) -> str:
+def fmt_bytes(nbytes: float) -> str:
+    """`12.34 GiB`, or MiB below a tenth of a GiB."""
     return f"{nbytes / GIB:.2f} GiB" if nbytes >= GIB / 10 else f"{nbytes / 1024 ** 2:.1f} MiB"
 
 
@@ -33,7 +34,7 @@ def available_memory(device=None) -> tuple[int | None, str]:
         stats = None
     if stats and stats.get("bytes_limit"):
         free = int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
-        return free, f"{device} (bytes_limit {_fmt(stats['bytes_limit'])} - bytes_in_use)"
+        return free, f"{device} (bytes_limit {fmt_bytes(stats['bytes_limit'])} - bytes_in_use)"
     try:
         with open("/proc/meminfo") as f:
             for line in f:
@@ -124,7 +125,7 @@ def check_memory(parts: dict[str, int], *, weights_bytes: int, what: str, device
     need = sum(parts.values())
     if free is None or need <= free:
         return
-    detail = ", ".join(f"{k} {_fmt(v)}" for k, v in sorted(parts.items(), key=lambda kv: -kv[1]) if v)
+    detail = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in sorted(parts.items(), key=lambda kv: -kv[1]) if v)
     raise InsufficientMemoryError(
-        f"{what} needs about {_fmt(need)} beyond the {_fmt(weights_bytes)} of weights ({detail}), but only "
-        f"{_fmt(free)} are free on {where}; {hint}")
+        f"{what} needs about {fmt_bytes(need)} beyond the {fmt_bytes(weights_bytes)} of weights ({detail}), but only "
+        f"{fmt_bytes(free)} are free on {where}; {hint}")

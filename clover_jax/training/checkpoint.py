@@ -330,13 +330,6 @@ class Checkpointer:
         return {"step": int(meta["step"]), "params": out["params"], "opt_state": out["train_state"]["opt_state"],
                 "rng": out["train_state"]["rng"], "data": meta["data"], "config": out["config"]}
 
-    def verify(self, step: int | None, *, abstract_params, abstract_opt_state, abstract_rng,
-               head_meta: dict[str, Any]) -> None:
-        """Reads one step whole as `restore` would (metadata, arrays, checksums) and drops it: a `CheckpointError`
-        naming the file when any of it cannot be read."""
-        self.restore(step, abstract_params=abstract_params, abstract_opt_state=abstract_opt_state,
-                     abstract_rng=abstract_rng, head_meta=head_meta)
-
     def restore_params(self, step: int | None, abstract_params) -> tuple[int, Any, dict[str, Any]]:
         """(step, params, meta) of one step: the head only (inference)."""
         step = self._need_step(step)

@@ -61,15 +61,13 @@ from flax import nnx
 from jax.sharding import AbstractMesh
 
 from clover_jax import parallel
-from clover_jax.decoding.memory import available_memory
+from clover_jax.decoding.memory import GIB, available_memory, fmt_bytes
 from clover_jax.heads import registry
 from clover_jax.models.config import LlamaConfig
 from clover_jax.models.llama import Llama
-from clover_jax.parallel import MeshError
 from clover_jax.training import steps as steps_lib
 from clover_jax.validation import InputError, InsufficientMemoryError
 
-GIB = 1024 ** 3
 SAFETY = 0.9  # the share of the free memory an estimate may use (the estimate is not exact)
 RUNTIME_BYTES = int(1.2 * GIB)  # a CPU training process besides its arrays: Python, JAX, XLA compiling (measured)
 # live float32 arrays of a logits chunk at the step's peak (fitted to the measured runs, see the module docstring):
@@ -105,28 +103,13 @@ class TrainingMemory:
         return ", ".join(f"{k} {fmt_bytes(v)}" for k, v in self.biggest(n))
 
 
-def fmt_bytes(nbytes: float) -> str:
-    return f"{nbytes / GIB:.2f} GiB" if nbytes >= GIB / 10 else f"{nbytes / 1024 ** 2:.1f} MiB"
-
-
 # ------------------------------------------------------------------------------------------------ shapes
-def mesh_sizes(mesh_cfg, devices: int) -> dict[str, int]:
-    """{"data", "fsdp", "tp"} of the `mesh:` section on `devices` devices (`data: -1` takes what is left)."""
-    fixed = mesh_cfg.fsdp * mesh_cfg.tp * (1 if mesh_cfg.data == -1 else mesh_cfg.data)
-    if devices % fixed:
-        raise MeshError(f"mesh: data*fsdp*tp = {fixed} does not divide the {devices} devices")
-    data = devices // fixed if mesh_cfg.data == -1 else mesh_cfg.data
-    if data * mesh_cfg.fsdp * mesh_cfg.tp != devices:
-        raise MeshError(f"mesh: data*fsdp*tp = {data}*{mesh_cfg.fsdp}*{mesh_cfg.tp}, but there are {devices} devices")
-    return {"data": int(data), "fsdp": int(mesh_cfg.fsdp), "tp": int(mesh_cfg.tp)}
-
-
 def _sizes_of(mesh: Any, mesh_cfg) -> dict[str, int]:
     """Axis sizes from a `Mesh`, a {"data", "fsdp", "tp"} mapping or a device count."""
     if isinstance(mesh, Mapping):
         return {a: int(mesh.get(a, 1)) for a in parallel.AXES}
     if isinstance(mesh, int):
-        return mesh_sizes(mesh_cfg, mesh)
+        return parallel.mesh_sizes(mesh_cfg.data, mesh_cfg.fsdp, mesh_cfg.tp, mesh)
     return {a: int(mesh.shape[a]) for a in parallel.AXES}
 
 
@@ -361,4 +344,4 @@ def check_training_memory(cfg, base_config: LlamaConfig, mesh, *, base_loaded: b
 
 
 __all__ = ["TrainingMemory", "abstract_head_state", "base_state_shapes", "bytes_per_device", "check_training_memory",
-           "estimate_training_memory", "fmt_bytes", "mesh_sizes", "resident_bytes", "suggestions"]
+           "estimate_training_memory", "resident_bytes", "suggestions"]

@@ -25,7 +25,7 @@ from clover_jax.training.config import ConfigError, ExperimentConfig, config_to_
 from clover_jax.training.features import attach_features
 from clover_jax.training.memory import abstract_head_state, check_training_memory
 from clover_jax.training.self_distill import self_distilled_conversations
-from clover_jax.training.trainer import Trainer
+from clover_jax.training.trainer import Trainer, checkpoint_targets
 
 log = logging.getLogger(__name__)
 
@@ -164,16 +164,6 @@ def _resume_hint(e: CheckpointError, steps: list[int], bad_step: int | None) -> 
                            f"(earlier steps: {earlier})")
 
 
-def _restore_targets(cfg: ExperimentConfig, base_config, mesh) -> dict[str, Any]:
-    """The abstract head parameters, optimizer state and RNG key data a checkpoint of `cfg` restores into, on
-    `mesh` (as `Trainer.abstract_targets`, without building a trainer)."""
-    params, opt_state = abstract_head_state(cfg, base_config)
-    rng = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0)))
-    on = lambda tree: parallel.abstract_with_shardings(tree, parallel.model_shardings(tree, mesh))  # noqa: E731
-    return {"abstract_params": on(params), "abstract_opt_state": on(opt_state),
-            "abstract_rng": jax.ShapeDtypeStruct(rng.shape, rng.dtype, sharding=parallel.replicated(mesh))}
-
-
 def run_experiment(cfg: ExperimentConfig, *, resume: bool = False, progress: bool = True, mesh=None,
                    loaded=None, batcher=None, eval_batches=None,
                    on_step: Callable[[int, Trainer], None] | None = None, from_step: int | None = None,
@@ -218,7 +208,9 @@ def run_experiment(cfg: ExperimentConfig, *, resume: bool = False, progress: boo
             meta = head_metadata(steps_lib.head_config(cfg), base_config, cfg.model.name_or_path)
             try:  # every step's metadata, and the last step whole (the finished head is read from it)
                 ckpt.check_all(meta)
-                ckpt.verify(max(existing), **_restore_targets(cfg, base_config, mesh), head_meta=meta)
+                params, opt_state, rng = checkpoint_targets(*abstract_head_state(cfg, base_config), mesh)
+                ckpt.restore(max(existing), abstract_params=params, abstract_opt_state=opt_state, abstract_rng=rng,
+                             head_meta=meta)  # read whole, and dropped
             except CheckpointError as e:
                 bad = next((s for s in existing if str(ckpt.step_dir(s)) in str(e)), None)
                 raise _resume_hint(e, existing, bad) from None

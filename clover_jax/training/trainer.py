@@ -163,6 +163,14 @@ def _same_sharding(x, sharding) -> bool:
         return False
 
 
+def checkpoint_targets(params, opt_state, mesh):
+    """(params, opt_state, rng) as `ShapeDtypeStruct`s on their shardings over `mesh`: what a checkpoint restores
+    into. `params` / `opt_state`: arrays or `ShapeDtypeStruct`s."""
+    on = lambda tree: parallel.abstract_with_shardings(tree, parallel.model_shardings(tree, mesh))  # noqa: E731
+    rng = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0)))  # [2] uint32
+    return on(params), on(opt_state), jax.ShapeDtypeStruct(rng.shape, rng.dtype, sharding=parallel.replicated(mesh))
+
+
 # ------------------------------------------------------------------------------------------------ trainer
 def warm_start(head, source: str, base):
     """`head` with the parameters of the head at `source` (a registered name, an exported folder or a run dir,
@@ -302,11 +310,7 @@ class Trainer:
 
     # ---- checkpoints
     def abstract_targets(self):
-        abstract = lambda t, s: parallel.abstract_with_shardings(t, s)  # noqa: E731
-        rep = parallel.replicated(self.mesh)
-        rng = jax.ShapeDtypeStruct(self.state.rng.shape, self.state.rng.dtype, sharding=rep)
-        return (abstract(self.state.params, self.param_shardings),
-                abstract(self.state.opt_state, self.opt_shardings), rng)
+        return checkpoint_targets(self.state.params, self.state.opt_state, self.mesh)
 
     def save(self, checkpointer: Checkpointer, data_state: dict[str, Any], force: bool = False,
              config: dict[str, Any] | None = None) -> bool:
@@ -431,4 +435,4 @@ class Trainer:
         return summary
 
 
-__all__ = ["CheckpointError", "MetricsLogger", "TrainState", "Trainer", "stop_on_signals"]
+__all__ = ["CheckpointError", "MetricsLogger", "TrainState", "Trainer", "checkpoint_targets", "stop_on_signals"]
