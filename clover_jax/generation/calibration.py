@@ -22,6 +22,7 @@ import jax
 
 from clover_jax import pretrained
 from clover_jax.decoding.tree import TreeSpec, register_tree
+from clover_jax.io.files import atomic_write_text, read_json_object, update_json
 from clover_jax.validation import InputError
 
 _DIGESTS: dict[tuple, str] = {}
@@ -123,19 +124,13 @@ def calibration_files(head_source) -> list[Path]:
 
 def read_json(path: Path) -> dict:
     """A JSON object file's contents, or {} where it is missing or unreadable."""
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
+    return read_json_object(path)
 
 
 def write_json(path: Path, data: dict) -> None:
-    """Writes `data` to `path` whole or not at all (a temporary file renamed over it); OSError where it cannot."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=1) + "\n")
-    tmp.replace(path)
-
+    """Writes `data` to `path` whole or not at all (a temporary file of a unique name renamed over it); OSError
+    where it cannot. Several processes updating one file use `update_json` (locked) instead."""
+    atomic_write_text(path, json.dumps(data, indent=1) + "\n")
 
 
 def is_stale(entry: dict) -> bool:
@@ -175,17 +170,20 @@ def save_entry(head_source, key: str, entry: dict) -> Path | None:
     digest = weights_digest(head_source)
     if digest:
         entry = {**entry, "weights": digest}
+
+    def add(data: dict) -> dict:
+        # the shapes of the replaced entry's fitted trees stay in the file (`KEPT_TREES`): a name that a registry's
+        # default tree or a user's script holds (`fit-5-411aab`) keeps resolving after a new calibration fits
+        # other shapes (a fitted tree's name is a hash of its shape)
+        replaced = (data.get("entries", {}).get(key) or {}).get("trees") or {}
+        if replaced:
+            data[KEPT_TREES] = {**replaced, **data.get(KEPT_TREES, {})}
+        data.setdefault("entries", {})[key] = entry
+        return data
+
     for path in calibration_files(head_source):
         try:
-            data = read_json(path)
-            # the shapes of the replaced entry's fitted trees stay in the file (`KEPT_TREES`): a name that a
-            # registry's default tree or a user's script holds (`fit-5-411aab`) keeps resolving after a new
-            # calibration fits other shapes (a fitted tree's name is a hash of its shape)
-            replaced = (data.get("entries", {}).get(key) or {}).get("trees") or {}
-            if replaced:
-                data[KEPT_TREES] = {**replaced, **data.get(KEPT_TREES, {})}
-            data.setdefault("entries", {})[key] = entry
-            write_json(path, data)
+            update_json(path, add)  # locked: another process's entry saved meanwhile is kept
             return path
         except OSError:
             continue

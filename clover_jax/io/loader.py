@@ -15,6 +15,7 @@ from flax import nnx
 from clover_jax import parallel
 from clover_jax.io import gguf as gguf_io
 from clover_jax.io import hub
+from clover_jax.io.files import building_dir, locked
 from clover_jax.io.hf import hf_to_params, load_hf_dir, model_from_params
 from clover_jax.models.config import LlamaConfig
 from clover_jax.models.llama import Llama
@@ -79,17 +80,20 @@ def _gguf_tokenizer_cached(reader, path: Path):
 
     st = path.stat()
     tag = hashlib.sha1(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
-    where = cache_dir() / "tokenizers" / tag
-    if (where / "tokenizer.json").is_file():
-        return PreTrainedTokenizerFast.from_pretrained(str(where))
-    tok = gguf_io.gguf_tokenizer(reader, source=str(path))
-    tmp = where.with_name(where.name + f".tmp{os.getpid()}")
-    tok.save_pretrained(str(tmp))
+    tok = None
     try:
-        tmp.rename(where)
-    except OSError:  # another process won the race
+        where = cache_dir() / "tokenizers" / tag
+        if (where / "tokenizer.json").is_file():
+            return PreTrainedTokenizerFast.from_pretrained(str(where))
+        with locked(where):  # a second first use at the same time waits, then reads the folder this one wrote
+            if (where / "tokenizer.json").is_file():
+                return PreTrainedTokenizerFast.from_pretrained(str(where))
+            tok = gguf_io.gguf_tokenizer(reader, source=str(path))
+            with building_dir(where) as tmp:  # written under a unique name, renamed whole into place
+                tok.save_pretrained(str(tmp))
+    except OSError:  # a read-only or full cache: the tokenizer is converted, not kept
         pass
-    return tok
+    return tok if tok is not None else gguf_io.gguf_tokenizer(reader, source=str(path))
 
 
 def load_tokenizer(name_or_path: str | os.PathLike):

@@ -54,8 +54,9 @@ from clover_jax.decoding.lookup import NoHead
 from clover_jax.decoding.ngram import resolve_ngram_table
 from clover_jax.generation.api import generate
 from clover_jax.generation.calibration import (AR, FILE_NAME, cache_dir, entry_key, hardware_key, read_json,
-                                               register_saved_trees, weights_digest, write_json)
+                                               register_saved_trees, weights_digest)
 from clover_jax.generation.plan import prepare_generate, set_auto_choice
+from clover_jax.io.files import update_json
 from clover_jax.io.prompts import read_prompts
 from clover_jax.validation import InputError
 
@@ -215,9 +216,11 @@ def load_choice(key: str) -> dict | None:
 
 
 def save_choice(key: str, entry: dict):
+    """Adds `entry` under `key` to the user cache's choices file (a locked read-modify-write: choices other processes
+    save at the same time are kept); returns the file, or None where it cannot be written."""
     path = cache_dir() / CHOICES_FILE
     try:
-        write_json(path, {**read_json(path), key: entry})
+        update_json(path, lambda data: {**data, key: entry})
         return path
     except OSError:
         return None
