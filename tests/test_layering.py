@@ -24,7 +24,8 @@ import clover_jax
 PACKAGE = Path(clover_jax.__file__).parent
 LAYERS = (
     ("base", ("clover_jax.validation", "clover_jax.axes", "clover_jax.sections")),
-    ("models", ("clover_jax.models", "clover_jax.parallel", "clover_jax.io", "clover_jax.pretrained")),
+    ("models", ("clover_jax.models", "clover_jax.parallel", "clover_jax.io", "clover_jax.pretrained",
+                "clover_jax.compile_cache")),
     ("decoding", ("clover_jax.decoding",)),
     ("heads", ("clover_jax.heads",)),
     ("training", ("clover_jax.training",)),

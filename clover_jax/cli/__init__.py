@@ -18,8 +18,7 @@ import sys
 import traceback
 from typing import Callable, Sequence
 
-import jax
-
+from clover_jax.compile_cache import COMPILE_CACHE_ENV, enable_compile_cache  # noqa: F401 (names of this module)
 from clover_jax.validation import InputError
 
 # (module, class) of user-facing error types that are not InputErrors; a module that was never imported
@@ -56,34 +55,10 @@ def add_debug_argument(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     return parser
 
 
-COMPILE_CACHE_ENV = "CLOVER_JAX_COMPILE_CACHE"  # a folder, or "off"
-
-
-def enable_compile_cache(path: str | None = None) -> str | None:
-    """Turns on JAX's persistent compilation cache, so a later run of a tool reuses this run's compiled loops
-    (on a CPU an unrolled one-token loop of SmolLM2 loads from the cache several times faster than it compiles).
-    The folder: `path`, else `$CLOVER_JAX_COMPILE_CACHE`, else `xla/` in the library's cache folder
-    (`$CLOVER_JAX_CACHE`, default `~/.cache/clover_jax`); `CLOVER_JAX_COMPILE_CACHE=off` turns it off, and a cache
-    the user configured through JAX (`JAX_COMPILATION_CACHE_DIR`) is left as it is. Returns the folder in use, or
-    None."""
-    root = os.environ.get("CLOVER_JAX_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "clover_jax")
-    path = path or os.environ.get(COMPILE_CACHE_ENV) or os.path.join(root, "xla")
-    if path.strip().lower() in ("off", "0", "false", "no", "none"):
-        return None
-    current = jax.config.jax_compilation_cache_dir
-    if current:
-        return current
-    try:
-        os.makedirs(path, exist_ok=True)
-    except OSError:  # a read-only home: run without the cache rather than fail
-        return None
-    jax.config.update("jax_compilation_cache_dir", path)
-    return path
-
-
 def run_cli(main: Callable[[list[str] | None], int], argv: Sequence[str] | None = None) -> int:
-    """Runs `main(argv)` with the persistent compilation cache on (`enable_compile_cache`); a user error prints
-    `error: ...` and returns 2 (see the module docstring)."""
+    """Runs `main(argv)` with the persistent compilation cache on (`clover_jax.compile_cache`: `import clover_jax`
+    turned it on already; this call changes nothing then); a user error prints `error: ...` and returns 2 (see the
+    module docstring)."""
     enable_compile_cache()
     try:
         return main(None if argv is None else list(argv))

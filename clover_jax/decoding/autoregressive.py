@@ -289,9 +289,11 @@ def traced_with(precision: str | None, fn):
 @functools.lru_cache(maxsize=None)
 def _jitted(graphdef, cache_size: int, greedy: bool, cache_dtype, mesh=None, layers: str = "scan",
             precision: str | None = None, stream: bool = False):
-    fn = functools.partial(_ar_generate, graphdef, cache_size=cache_size, greedy=greedy, cache_dtype=cache_dtype,
-                           mesh=mesh, layers=layers, stream=stream)
-    return jax.jit(traced_with(precision, fn))
+    def autoregressive_loop(*args):  # the name compile logs and `compile_cache.CompileCounter` report
+        return _ar_generate(graphdef, *args, cache_size=cache_size, greedy=greedy, cache_dtype=cache_dtype, mesh=mesh,
+                            layers=layers, stream=stream)
+
+    return jax.jit(traced_with(precision, autoregressive_loop))
 
 
 def jitted_loop(model: Llama, cache_size: int, greedy: bool, cache_dtype=None, mesh=None, layers: str | None = None,

@@ -254,10 +254,10 @@ class SpeculativeLoop:
 
 @functools.lru_cache(maxsize=None)
 def _jitted(loop: SpeculativeLoop, base_graph, head_graph):
-    def fn(base_state, head_params, *args):
+    def speculative_loop(base_state, head_params, *args):  # the name compile logs and CompileCounter report
         return _spec_generate(loop, base_graph, base_state, head_graph, head_params, *args)
 
-    return jax.jit(traced_with(loop.precision, fn))
+    return jax.jit(traced_with(loop.precision, speculative_loop))
 
 
 def jitted_loop(base, head, drafter, cache_size: int, greedy: bool, mesh=None, layers: str | None = None, *,
