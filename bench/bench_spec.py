@@ -147,9 +147,9 @@ def _main(argv=None):
     if args.head is None:
         raise SystemExit(f"--head: {args.model} has no shipped head; pass one")
     head = load_head(args.head, loaded.model)
-    from clover_jax.generation.calibration import register_saved_trees
+    from clover_jax.heads.folder import open_folder
 
-    register_saved_trees(args.head, args.trees)  # --trees fit-N-<hash>: a tree fitted by the head's calibration
+    known = open_folder(args.head).trees  # --trees fit-N-<hash>: a tree fitted by the head's calibration
     prompts, cats = load_questions(args.questions, args.limit or None, args.category)
     t0 = time.time()
     from clover_jax.tuning.evaluation import DV
@@ -174,7 +174,7 @@ def _main(argv=None):
         draft_vocab = trained_on if draft_vocab is None else draft_vocab
         args.trees = [t if t.endswith(DV) or t == "chosen" else t + DV for t in args.trees]
         print(f"the head was trained on a {len(trained_on)}-token draft vocabulary: every tree drafts from it (+dv)")
-    result = evaluate(loaded, head, prompts, trees=args.trees, batch_size=args.batch_size,
+    result = evaluate(loaded, head, prompts, trees=args.trees, batch_size=args.batch_size, known_trees=known,
                       max_new_tokens=args.max_new_tokens, temperature=args.temperature, categories=cats,
                       draft_vocab=draft_vocab, mesh=mesh, layers=args.layers, ngram_table=ngram_table,
                       replay=args.replay, chosen_head=chosen_head)

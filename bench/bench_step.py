@@ -76,14 +76,15 @@ def tree_drafter(config, head, tree: str, vocab, ngram_table=None):
     (`fit-N-<hash>`) resolve, and trees named `...-table` draft from `ngram_table` (default: the shipped SmolLM2
     head's table, which needs SmolLM2's vocabulary)."""
     from clover_jax import pretrained
-    from clover_jax.generation.calibration import register_saved_trees
+    from clover_jax.heads.folder import open_folder
     from clover_jax.decoding.ngram import resolve_ngram_table
     from clover_jax.heads.registry import drafter_for
     from clover_jax.decoding.tree import LookupTree, get_tree
 
-    for name in pretrained.HEADS:  # fit-N-<hash>: a tree fitted by a shipped head's calibration
-        register_saved_trees(name, [tree])
-    spec = get_tree(tree)
+    known = {}  # fit-N-<hash>: a tree fitted by a shipped head's calibration
+    for name in pretrained.HEADS:
+        known.update(open_folder(name).trees)
+    spec = get_tree(tree, known)
     table = None
     if isinstance(spec, LookupTree) and spec.table:
         table = resolve_ngram_table(ngram_table, None if ngram_table else
@@ -91,7 +92,7 @@ def tree_drafter(config, head, tree: str, vocab, ngram_table=None):
         if table.vocab_size != config.vocab_size:
             raise SystemExit(f"{tree}: the n-gram table was built for a vocabulary of {table.vocab_size}, the "
                              f"model of these shapes has {config.vocab_size} (--ngram-table)")
-    return spec, drafter_for(type(head), tree, vocab, table)
+    return spec, drafter_for(type(head), spec, vocab, table)
 
 
 def loop_ms_per_step(args, base, head, drafter, prompt, lens) -> tuple[float, float]:

@@ -40,13 +40,14 @@ def training_cost(run: Path) -> dict:
     return out
 
 
-def unsupported(head_type, tree: str, ngram_table=None) -> str | None:
+def unsupported(head_type, tree: str, ngram_table=None, known=None) -> str | None:
     """Why a head of this type cannot draft `tree` (merged `...+lookup-K[-table]` names included), or None."""
+    from clover_jax.decoding.tree import get_tree
     from clover_jax.heads.registry import drafter_for
     from clover_jax.validation import InputError
 
     try:
-        drafter_for(head_type.module_cls, tree, None, ngram_table)
+        drafter_for(head_type.module_cls, get_tree(tree, known), None, ngram_table)
     except InputError as e:
         return str(e)
     return None
@@ -75,7 +76,7 @@ def _main(argv=None):
 
     from bench_spec import load_questions
 
-    from clover_jax.generation.calibration import register_saved_trees
+    from clover_jax.heads.folder import open_folder
     from clover_jax.decoding.ngram import resolve_ngram_table
     from clover_jax.tuning.evaluation import DV, evaluate
     from clover_jax.heads import registry
@@ -91,10 +92,10 @@ def _main(argv=None):
         where = Path(args.runs) / f"{args.prefix}{spec}" if args.runs and spec in registry.names() else spec
         head = load_head(str(where), loaded.model)
         ht = registry.of_head(head)
-        register_saved_trees(str(where), args.trees)  # fit-N-<hash>: a tree this head's calibration fitted
+        known = open_folder(str(where)).trees  # fit-N-<hash>: a tree this head's calibration fitted
         table = resolve_ngram_table(args.ngram_table, str(where)) if any(t.endswith("-table") for t in args.trees) \
             else None
-        why = {t: unsupported(ht, t, table) for t in args.trees}
+        why = {t: unsupported(ht, t, table, known) for t in args.trees}
         trees = [t for t in args.trees if why[t] is None]
         for t in args.trees:
             if why[t] is not None:
@@ -107,7 +108,7 @@ def _main(argv=None):
         t0 = time.time()
         res = evaluate(loaded, head, prompts, trees=names, batch_size=args.batch_size,
                        max_new_tokens=args.max_new_tokens, categories=cats, draft_vocab=vocab, progress=False,
-                       ngram_table=table)
+                       ngram_table=table, known_trees=known)
         import jax
         from flax import nnx
 

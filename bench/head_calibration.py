@@ -47,7 +47,8 @@ def reliability(p: np.ndarray, hit: np.ndarray, bins=BINS) -> tuple[list[tuple[f
 def main(argv=None) -> int:
     import clover_jax
     from bench_spec import load_questions
-    from clover_jax.generation.plan import resolve_head
+    from clover_jax.heads.bundle import open_head
+    from clover_jax.training.checkpoint import load_head_from_run
     from simulate_lookup import add_reply_args, greedy_replies, padded, top_drafts
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -56,7 +57,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     loaded = clover_jax.load_model(args.model)
-    head, _, draft_vocab = resolve_head(args.head, loaded.model)
+    bundle = open_head(args.head, loaded.model, run_loader=load_head_from_run)
+    head, draft_vocab = bundle.module, bundle.draft_vocab
     if not hasattr(head, "train_outputs"):
         raise SystemExit(f"{args.head}: this head type has no teacher-forced outputs to measure")
     prompts, _ = load_questions(args.questions, args.limit, None)

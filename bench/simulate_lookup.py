@@ -193,7 +193,8 @@ def add_reply_args(ap: argparse.ArgumentParser, *, questions: str, limit: int) -
 def main(argv=None) -> int:
     import clover_jax
     from bench_spec import load_questions
-    from clover_jax.generation.plan import resolve_head
+    from clover_jax.heads.bundle import open_head
+    from clover_jax.training.checkpoint import load_head_from_run
     from clover_jax.decoding.tree import TreeSpec, get_tree
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -212,7 +213,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     loaded = clover_jax.load_model(args.model)
-    head, _, draft_vocab = resolve_head(args.head, loaded.model)
+    bundle = open_head(args.head, loaded.model, run_loader=load_head_from_run)
+    head, draft_vocab = bundle.module, bundle.draft_vocab
     trees = {}
     for name in args.trees:
         spec = get_tree(name)

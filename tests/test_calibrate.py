@@ -8,8 +8,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from clover_jax.decoding.trees import names as tree_names
-from clover_jax.generation import api, calibration, plan
+import clover_jax
+from clover_jax.generation import calibration
+from clover_jax.heads import bundle as bundle_mod
+from clover_jax.heads.folder import open_folder
 from clover_jax.tuning import calibrate
 from clover_jax.heads.clover2.model import Clover2Config, init_from_base
 from clover_jax.heads.medusa.head import MedusaConfig, init_from_base as medusa_from_base
@@ -117,10 +119,9 @@ def test_a_new_calibration_keeps_the_fitted_trees_it_replaces(tmp_path, monkeypa
     data = json.loads((folder / "calibration.json").read_text())
     assert list(data["entries"]) == [key] and data["entries"][key]["best"] == "chain-2"
     assert data[calibration.KEPT_TREES] == old | new
-    monkeypatch.setattr(tree_names, "_REGISTERED", {})  # a fresh process
-    calibration.register_saved_trees(str(folder), "fit-3-aaaaaa+lookup-4")
-    assert tree_mod.get_tree("fit-3-aaaaaa").choices == ((0,), (1,))
-    assert tree_mod.get_tree("fit-3-bbbbbb").choices == ((0,), (0, 0))
+    trees = open_folder(str(folder)).trees  # what a head read from this folder knows by name
+    assert tree_mod.get_tree("fit-3-aaaaaa+lookup-4", trees).inner.choices == ((0,), (1,))
+    assert tree_mod.get_tree("fit-3-bbbbbb", trees).choices == ((0,), (0, 0))
 
 
 def test_generate_auto_uses_the_saved_choice(tiny, tmp_path, monkeypatch, capsys):
@@ -130,25 +131,25 @@ def test_generate_auto_uses_the_saved_choice(tiny, tmp_path, monkeypatch, capsys
     folder.mkdir()
     (folder / "model.safetensors").write_bytes(b"0")
     monkeypatch.setenv("CLOVER_JAX_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(plan, "resolve_head", lambda source, model, tree, dv: (head, tree, dv))
+    monkeypatch.setattr(bundle_mod, "_load_module", lambda folder, base, step, run_loader: head)
     key = calibration.entry_key(calibration.hardware_key(), "float32", 2)
     ids = [[5, 6, 7], [9, 10, 11, 12]]
-    ar = api.generate(loaded.model, ids, max_new_tokens=10)
+    ar = clover_jax.generate(loaded.model, ids, max_new_tokens=10)
     calibration.save_entry(str(folder), key, _entry("ar"))
-    res = api.generate(loaded.model, ids, max_new_tokens=10, mode="speculative", head=str(folder), tree="auto")
-    assert res.stats["tree"] == "ar" and res.token_ids == ar.token_ids
+    res = clover_jax.generate(loaded.model, ids, max_new_tokens=10, mode="speculative", head=str(folder), tree="auto")
+    assert res.stats["choice"]["tree"] == "ar" and res.stats["mode"] == "ar" and res.token_ids == ar.token_ids
     assert res.stats["notes"] == ["tree auto -> ar (autoregressive: no tree beats it on this hardware)"]
-    assert set(res.stats) == {"tree", "notes"}  # plain decoding: no acceptance statistics
+    assert set(res.stats) == {"mode", "layers", "choice", "notes"}  # plain decoding: no acceptance statistics
     calibrate._MEMO.clear()
     calibration.save_entry(str(folder), key, _entry("chain-2"))
-    res = api.generate(loaded.model, ids, max_new_tokens=10, mode="speculative", head=str(folder), tree="auto")
+    res = clover_jax.generate(loaded.model, ids, max_new_tokens=10, mode="speculative", head=str(folder), tree="auto")
     assert res.stats["tree"] == "chain-2" and res.token_ids == ar.token_ids
     assert len(res.stats["accept_hist"]) == 3  # a chain-2 tree: 0, 1 or 2 drafts accepted
     # a stale entry (an older calibration's) is measured again, and the reason is printed
     calibrate._MEMO.clear()
     calibration.save_entry(str(folder), key, _entry("chain-2", version=None))
     monkeypatch.setattr(calibrate, "measure", lambda *a, **k: _entry("chain-3"))
-    res = api.generate(loaded, ids, max_new_tokens=10, mode="speculative", head=str(folder), tree="auto")
+    res = clover_jax.generate(loaded, ids, max_new_tokens=10, mode="speculative", head=str(folder), tree="auto")
     assert res.stats["tree"] == "chain-3" and res.token_ids == ar.token_ids
     assert "predates candidates this version tries" in capsys.readouterr().err
     assert calibration.load_entry(str(folder), key)["best"] == "chain-3"  # saved over the stale one
@@ -162,14 +163,14 @@ def test_generate_auto_calibrates_when_nothing_is_saved(tiny, capsys, monkeypatc
     monkeypatch.setattr(calibrate, "DYNAMIC_CANDIDATES", ("dynamic-4",))
     monkeypatch.setattr(calibrate, "PROBE_WIDTHS", (2, 2))
     with pytest.raises(InputError, match="needs a tokenizer"):
-        api.generate(loaded.model, [[5, 6, 7]], max_new_tokens=4, mode="speculative", head=head, tree="auto")
-    res = api.generate(loaded, [[5, 6, 7]], max_new_tokens=4, mode="speculative", head=head, tree="auto")
+        clover_jax.generate(loaded.model, [[5, 6, 7]], max_new_tokens=4, mode="speculative", head=head, tree="auto")
+    res = clover_jax.generate(loaded, [[5, 6, 7]], max_new_tokens=4, mode="speculative", head=head, tree="auto")
     err = capsys.readouterr().err
     assert "no calibration of this head" in err and "tree='auto' ->" in err
-    tree = res.stats["tree"].removesuffix(f"+lookup-{calibrate.LOOKUP_LENGTH}")
+    tree = res.stats["choice"]["tree"].removesuffix(f"+lookup-{calibrate.LOOKUP_LENGTH}")
     assert tree in ("chain-2", "dynamic-4", "probe-2-2", "ar") or tree.startswith("fit-")
     # remembered for this head object in this process: no second calibration
-    api.generate(loaded, [[5, 6, 7]], max_new_tokens=4, mode="speculative", head=head, tree="auto")
+    clover_jax.generate(loaded, [[5, 6, 7]], max_new_tokens=4, mode="speculative", head=head, tree="auto")
     assert "no calibration" not in capsys.readouterr().err
 
 
@@ -215,19 +216,17 @@ def test_calibration_fits_the_tree_the_head_accepts(tmp_path, monkeypatch):
     folder.mkdir()
     (folder / "model.safetensors").write_bytes(b"0")
     monkeypatch.setenv("CLOVER_JAX_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(plan, "resolve_head", lambda source, model, tree, dv: (head, tree, dv))
+    monkeypatch.setattr(bundle_mod, "_load_module", lambda folder, base, step, run_loader: head)
     entry["best"] = path[0]
     calibration.save_entry(str(folder), calibration.entry_key(calibration.hardware_key(), "float32", 1), entry)
     calibrate._MEMO.clear()
-    monkeypatch.setattr(tree_names, "_REGISTERED", {})  # a fresh process knows no fitted tree
     ids = [[5, 6, 7]]
-    ar = api.generate(base, ids, max_new_tokens=13)
-    res = api.generate(base, ids, max_new_tokens=13, mode="speculative", head=str(folder), tree="auto")
+    ar = clover_jax.generate(base, ids, max_new_tokens=13)
+    res = clover_jax.generate(base, ids, max_new_tokens=13, mode="speculative", head=str(folder), tree="auto")
     assert res.stats["tree"] == path[0] and res.token_ids == ar.token_ids
     assert res.stats["tau"] == 4.0
-    # ... and by its own name, in a process that has not resolved `auto` (generate registers the head's trees)
-    monkeypatch.setattr(tree_names, "_REGISTERED", {})
+    # ... and by its own name, read from the head's folder (the grammar alone does not know it)
     with pytest.raises(InputError, match="fitted tree"):
         tree_mod.get_tree(path[0])
-    res = api.generate(base, ids, max_new_tokens=13, mode="speculative", head=str(folder), tree=path[0])
+    res = clover_jax.generate(base, ids, max_new_tokens=13, mode="speculative", head=str(folder), tree=path[0])
     assert res.token_ids == ar.token_ids and res.stats["tau"] == 4.0

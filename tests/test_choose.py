@@ -12,7 +12,7 @@ import pytest
 from clover_jax import pretrained
 from clover_jax.decoding.autoregressive import AutoregressiveLoop
 from clover_jax.decoding.lookup import NoHead
-from clover_jax.generation.plan import prepare_generate
+from clover_jax import prepare_generate
 from clover_jax.heads.clover2 import Clover2Head
 from clover_jax.heads.eagle import EagleHead
 from clover_jax.tuning import choose as choose_mod
@@ -53,7 +53,7 @@ def test_no_tree_chooses_among_the_shipped_heads_and_keeps_the_choice(smollm, fa
                                     (None, "lookup-4-table"), (None, "lookup-2-table")]
     assert plan.mode == "speculative" and isinstance(plan.head, EagleHead)
     assert plan.drafter.spec.name == pretrained.default_tree(EAGLE)
-    assert plan.choice.head == EAGLE and plan.choice.predicted == 1.3
+    assert plan.choice["head"] == EAGLE and plan.choice["predicted_speedup"] == 1.3
     assert any(n.startswith(f"chose {EAGLE} fit-5-36f662") and "1.3x" in n for n in plan.notes)
     err = capsys.readouterr().err
     assert "choosing the draft tree for cpu" in err and "chose " in err  # announced when measured, once
@@ -61,7 +61,7 @@ def test_no_tree_chooses_among_the_shipped_heads_and_keeps_the_choice(smollm, fa
     prepare_generate(smollm, ["hello there"], mode="speculative")
     choose_mod._MEMO.clear()
     again = prepare_generate(smollm, ["hello there"], mode="speculative")
-    assert len(calls) == 1 and again.choice.head == EAGLE and capsys.readouterr().err == ""
+    assert len(calls) == 1 and again.choice["head"] == EAGLE and capsys.readouterr().err == ""
     saved = json.loads((choose_mod.cache_dir() / choose_mod.CHOICES_FILE).read_text())
     (key, entry), = saved.items()
     assert "model smollm2-135m-instruct" in key and "| float32 | batch 1" in key and entry["best"].startswith(EAGLE)
@@ -75,7 +75,7 @@ def test_plain_decoding_when_no_tree_pays(smollm, fake_measure):
     predicted["lookup-4-table"] = 1.04  # below the margin
     plan = prepare_generate(smollm, ["hi"], mode="speculative")
     assert plan.mode == "ar" and isinstance(plan.loop, AutoregressiveLoop) and plan.drafter is None
-    assert plan.choice.tree == "ar"
+    assert plan.choice["tree"] == "ar"
     assert any("plain autoregressive decoding" in n and "lookup-4-table at 1.04x" in n for n in plan.notes)
 
 

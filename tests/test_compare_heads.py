@@ -30,7 +30,7 @@ def test_supported_takes_merged_fitted_and_table_trees():
     """The shipped head's default tree (a fitted tree with a table-filled lookup chain) runs in a comparison: it
     was dropped without a word when only plain tree names were understood. A head with no table of its own (a
     fresh EAGLE head) drafts a table tree with the table `--ngram-table` gives every head."""
-    from clover_jax.generation.calibration import register_saved_trees
+    from clover_jax.heads.folder import open_folder
     from clover_jax.decoding.ngram import resolve_ngram_table
     from clover_jax.heads import registry
     from clover_jax import pretrained
@@ -42,11 +42,11 @@ def test_supported_takes_merged_fitted_and_table_trees():
     name = "smollm2-135m-instruct-clover2"
     tree = pretrained.default_tree(name)
     assert tree.startswith("fit-") and tree.endswith("-table"), tree
-    register_saved_trees(name, [tree])
+    known = open_folder(name).trees
     shipped = resolve_ngram_table(None, name)
-    assert mod.unsupported(clover2, tree, shipped) is None
+    assert mod.unsupported(clover2, tree, shipped, known) is None
     table_file = pretrained.head_path(name) / "ngram_table.npz"
-    assert mod.unsupported(registry.get("eagle"), tree, resolve_ngram_table(str(table_file), None)) is None
+    assert mod.unsupported(registry.get("eagle"), tree, resolve_ngram_table(str(table_file), None), known) is None
 
 
 def test_training_cost_from_a_run_folder(tmp_path):

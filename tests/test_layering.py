@@ -189,3 +189,57 @@ def test_the_scan_sees_function_local_and_relative_imports(tmp_path, monkeypatch
 def test_a_planted_cycle_is_found():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_generation_does_not_import_training():
+    """Generation reads heads through the heads layer; a training run directory's reader is handed down by the
+    public API (`clover_jax.tuning.fastest`), never imported by generation."""
+    found = [f"{m} imports {t}" for m, p in modules().items() if m.startswith("clover_jax.generation")
+             for _, t, _ in imports(p) if t.startswith("clover_jax.training")]
+    assert not found, "\n".join(found)
+
+
+# module-level calls that add to a registry another module declares for that purpose: a head package's entry in the
+# head registry and the sharding rules of its parameter names
+DECLARED_REGISTRIES = {"registry.register", "parallel.add_rules"}
+INSTALLING = ("set_", "install", "register", "add_", "patch")
+
+
+def installs_at_import(path: Path) -> list[str]:
+    """Module-level statements of a file that put behaviour into another module: an assignment to an attribute
+    (or item) of an imported name, or a call of an imported function named like an installer (`set_*`,
+    `install*`, `register*`, `add_*`, `patch*`), outside `DECLARED_REGISTRIES`."""
+    tree = ast.parse(path.read_text())
+    imported = {(a.asname or a.name).split(".")[0] for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))
+                for a in n.names}
+
+    def root(node):
+        while isinstance(node, (ast.Attribute, ast.Subscript)):
+            node = node.value
+        return node.id if isinstance(node, ast.Name) else None
+
+    out = []
+    for node in tree.body:
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+            node, (ast.AugAssign, ast.AnnAssign)) else []
+        out += [f"{node.lineno}: {ast.unparse(t)} = ..." for t in targets
+                if isinstance(t, (ast.Attribute, ast.Subscript)) and root(t) in imported]
+        value = node.value if isinstance(node, (ast.Expr, ast.Assign, ast.AnnAssign)) else None
+        if isinstance(value, ast.Call) and root(value.func) in imported:
+            name = ast.unparse(value.func)
+            if name.rsplit(".", 1)[-1].startswith(INSTALLING) and name not in DECLARED_REGISTRIES:
+                out.append(f"{node.lineno}: {name}(...)")
+    return out
+
+
+def test_nothing_at_import_installs_behaviour_into_another_module():
+    found = [f"{p.relative_to(PACKAGE.parent)}:{line}" for m, p in modules().items() for line in installs_at_import(p)]
+    assert not found, "module-level statements installing behaviour elsewhere:\n" + "\n".join(found)
+
+
+def test_the_install_scan_sees_a_callback_installed_at_import(tmp_path):
+    f = tmp_path / "m.py"
+    f.write_text("from clover_jax.generation import plan\nfrom clover_jax.generation.plan import set_auto_choice\n"
+                 "def choose():\n    pass\nset_auto_choice(choose)\nplan._AUTO = choose\n"
+                 "from clover_jax.heads import registry\nT = registry.register(object())\n")
+    assert installs_at_import(f) == ["5: set_auto_choice(...)", "6: plan._AUTO = ..."]

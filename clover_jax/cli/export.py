@@ -21,8 +21,8 @@ from huggingface_hub import HfApi
 from clover_jax import pretrained
 from clover_jax.cli import add_debug_argument, run_cli
 from clover_jax.decoding.ngram import NGRAM_FILE
-from clover_jax.heads.clover2.export import HEAD_CONFIG_KEYS
 from clover_jax.heads.draft_vocab import DRAFT_VOCAB_FILE
+from clover_jax.heads import registry
 from clover_jax.heads.export import default_model_card, export_head, import_head
 from clover_jax.io.export import ExportError, export_base
 from clover_jax.io.loader import load_model
@@ -64,7 +64,8 @@ def export_head_from_folder(folder, out, *, model=None, include_embedding=True, 
     loaded = load_model(base_name, with_tokenizer=False)
     head = import_head(src, loaded.model)
     card = (src / "README.md").read_text() if (src / "README.md").is_file() else None
-    extra = {k: v for k, v in meta.items() if k not in HEAD_CONFIG_KEYS}
+    written = registry.of_head(head).config_dict(head, base_name)  # what the export writes itself
+    extra = {k: v for k, v in meta.items() if k not in written}
     out = export_head(head, out, base=loaded.model, base_name=base_name, include_embedding=include_embedding,
                       model_card=card, extra_config=extra, overwrite=overwrite, dtype=_np_dtype(dtype))
     for name in ("training_config.json", "training_config.yaml", DRAFT_VOCAB_FILE):

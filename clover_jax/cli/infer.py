@@ -20,13 +20,13 @@ from clover_jax import pretrained
 from clover_jax.cli import add_debug_argument, run_cli
 from clover_jax.decoding import acceptance_stats
 from clover_jax.decoding.sizes import bucket_length, round_up
-from clover_jax.decoding.tree import is_lookup_only
-from clover_jax.generation.api import run_plan, stream_text
-from clover_jax.generation.plan import prepare_generate
+from clover_jax.decoding.tree import TreeSpecError, get_tree, is_lookup_only
+from clover_jax.generation.api import run_plan
 from clover_jax.heads.draft_vocab import load_draft_vocab
 from clover_jax.io.loader import load_model
 from clover_jax.io.prompts import encode_prompts, read_prompts
 from clover_jax.parallel import parse_mesh
+from clover_jax.tuning.fastest import prepare_generate, stream_text
 from clover_jax.validation import InputError, check_float, check_int
 
 
@@ -92,13 +92,21 @@ def check_args(args) -> None:
     if args.limit and not args.prompts_file:
         raise InputError(f"--limit: {args.limit} applies to --prompts-file, which is not given")
     # the head, before the model is loaded (the plan resolves it again, as for `generate`)
-    if args.mode == "speculative" and not args.head and not is_lookup_only(args.tree) \
+    if args.mode == "speculative" and not args.head and not _lookup_only(args.tree) \
             and pretrained.default_head(args.model) is None:
         raise InputError(f"--mode speculative needs --head (no head is shipped for {args.model!r}; shipped: "
                          f"{', '.join(pretrained.HEADS)}), or a prompt-lookup tree that needs none (--tree lookup-4)")
     if args.mode == "speculative" and args.head and not pretrained.head_path(args.head).exists():
         raise InputError(f"--head: draft head {args.head!r} not found: neither a folder nor a registered head "
                          f"({', '.join(pretrained.HEADS)})")
+
+
+def _lookup_only(tree: str | None) -> bool:
+    """Whether --tree names a prompt-lookup chain alone (it drafts without a head)."""
+    try:
+        return tree is not None and is_lookup_only(get_tree(tree))
+    except TreeSpecError:
+        return False
 
 
 def _print_stream(pieces):
@@ -134,7 +142,8 @@ def _main(argv=None) -> int:
     loaded = load_model(args.model, dtype=dtype, mesh=mesh)  # weights read straight onto the mesh
     draft_vocab = load_draft_vocab(args.draft_vocab) if args.draft_vocab else None
     # the head, tree, draft vocabulary and n-gram table are resolved by the plan (`prepare_generate`), as for
-    # `generate`: a head named by a registered name or folder, the model's shipped head when none is given
+    # `clover_jax.generate`: a head named by a registered name or folder, the model's shipped head when none is
+    # given, the tree fastest here when none is named
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
               chat=not args.no_chat, system=args.system, cache_size=args.cache_size, mode=args.mode, head=args.head,
               tree=args.tree, draft_vocab=draft_vocab, mesh=mesh, layers=args.layers, ngram_table=args.ngram_table)

@@ -193,9 +193,9 @@ def _spec_generate(loop: SpeculativeLoop, base_graph, base_state, head_graph, he
 class SpeculativeLoop:
     """The speculative loop for one static configuration: a frozen, hashable object whose fields are everything the
     compiled program depends on besides the arrays' shapes (the static `self` of its jitted call, as gemma's
-    sampler loop). `build` checks a request once; calling the loop runs it on weights and padded prompts.
+    sampler loop). `build` makes it for a checked request; calling the loop runs it on weights and padded prompts.
 
-        loop = SpeculativeLoop.build(base, head, drafter, prompt_lengths=lens, max_new_tokens=128)
+        loop = SpeculativeLoop.build(base, drafter, cache_size=512)
         out, stats, seconds = loop(base, head, prompt, lens, max_new_tokens=128, sampling=SamplingParams(), key=key)
     """
 
@@ -209,16 +209,10 @@ class SpeculativeLoop:
     stream: bool = False  # hand each step's accepted tokens to the host (`clover_jax.decoding.streaming`)
 
     @classmethod
-    def build(cls, base, head, drafter, *, prompt_lengths, max_new_tokens, cache_size: int | None = None,
-              greedy: bool = True, mesh=None, layers: str | None = None, stream: bool = False,
-              checked: bool = False) -> "SpeculativeLoop":
-        """The loop for a request: the drafter's contract and its fit to the head and base, and the cache size
-        (`plan_cache`), checked here unless `checked` (a `GenerationPlan` checked them already)."""
-        if not checked:
-            check_drafter(drafter)
-            drafter.check(head, base)
-            cache_size = plan_cache(np.asarray(prompt_lengths), int(np.max(max_new_tokens)), drafter.num_nodes,
-                                    cache_size, None)
+    def build(cls, base, drafter, *, cache_size: int, greedy: bool = True, mesh=None, layers: str | None = None,
+              stream: bool = False) -> "SpeculativeLoop":
+        """The loop of a checked request (`clover_jax.generation.plan.build_plan` checks the drafter's contract, its
+        fit to the head and base, and the cache size, once): the static configuration of its jitted program."""
         return cls(drafter=drafter, cache_size=int(cache_size), greedy=bool(greedy),
                    cache_dtype=jnp.dtype(base.dtype), mesh=mesh,
                    layers=decode_layers(layers, mesh, tokens_per_step=drafter.num_nodes, model=base),
@@ -264,8 +258,8 @@ def jitted_loop(base, head, drafter, cache_size: int, greedy: bool, mesh=None, l
                 graphs=None, stream: bool = False):
     """The jitted speculative loop for these settings (no checks: see `SpeculativeLoop.build`)."""
     base_graph, head_graph = (nnx.split(base)[0], nnx.split(head)[0]) if graphs is None else graphs
-    loop = SpeculativeLoop.build(base, head, drafter, prompt_lengths=None, max_new_tokens=None, cache_size=cache_size,
-                                 greedy=greedy, mesh=mesh, layers=layers, stream=stream, checked=True)
+    loop = SpeculativeLoop.build(base, drafter, cache_size=cache_size, greedy=greedy, mesh=mesh, layers=layers,
+                                 stream=stream)
     return loop.compiled(base_graph, head_graph)
 
 
@@ -281,8 +275,11 @@ def spec_generate(base, head, prompt, prompt_lengths, *, max_new_tokens, cache_s
     over the batch axes, and both KV caches over rows and KV heads. `layers`: how the base model's layers run
     (`clover_jax.decoding.autoregressive.decode_layers`). `stream`: hand each step's accepted tokens to the host as
     they come (`clover_jax.decoding.streaming`; one device only)."""
-    loop = SpeculativeLoop.build(base, head, drafter, prompt_lengths=prompt_lengths, max_new_tokens=max_new_tokens,
-                                 cache_size=cache_size, greedy=sampling.greedy, mesh=mesh, layers=layers,
-                                 stream=stream)
+    check_drafter(drafter)
+    drafter.check(head, base)
+    cache_size = plan_cache(np.asarray(prompt_lengths), int(np.max(max_new_tokens)), drafter.num_nodes, cache_size,
+                            None)
+    loop = SpeculativeLoop.build(base, drafter, cache_size=cache_size, greedy=sampling.greedy, mesh=mesh,
+                                 layers=layers, stream=stream)
     return loop(base, head, prompt, prompt_lengths, max_new_tokens=max_new_tokens, sampling=sampling, key=key,
                 eos_ids=eos_ids, stat_rows=stat_rows)

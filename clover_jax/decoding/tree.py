@@ -7,8 +7,8 @@
   trees/presets.py   `clover2_26`, `medusa_63`, `small_10`, `chain`, `PRESETS` and the parsers of their names
   trees/policies.py  per-step policies `DynamicTree` (EAGLE-2), `BeamTree` (ReDrafter) and `LookupTree` (a
                      prompt-lookup chain beside any tree), each parsing its own names
-  trees/names.py     the name grammar (`get_tree` over the parsers of `GRAMMAR`, `register_grammar`), fitted trees
-                     registered at run time (`register_tree`), `policy_kind`, `is_lookup_only`, `is_table_tree`
+  trees/names.py     the name grammar (`get_tree` over the parsers of `GRAMMAR`, `register_grammar`; trees a caller
+                     knows by name first: a head's fitted trees), `policy_kind`, `is_lookup_only`, `is_table_tree`
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from __future__ import annotations
 from clover_jax.decoding.trees.base import DEFAULT_TOP_K, MAX_DEPTH, TreePolicy, TreeSpecError
 from clover_jax.decoding.trees.buffers import TreeBuffers, build_buffers, stack_buffers
 from clover_jax.decoding.trees.names import (GRAMMAR, get_tree, is_lookup_only, is_table_tree, policy_kind,
-                                             register_grammar, register_tree)
+                                             register_grammar)
 from clover_jax.decoding.trees.policies import BeamTree, DynamicTree, LookupTree
 from clover_jax.decoding.trees.presets import (CLOVER2_26, MEDUSA_63, PRESETS, SMALL_10, chain, clover2_26, medusa_63,
                                                small_10)
@@ -26,6 +26,6 @@ __all__ = [
     "BeamTree", "CLOVER2_26", "DEFAULT_TOP_K", "DynamicTree", "GRAMMAR", "LookupTree", "MAX_DEPTH", "MEDUSA_63",
     "PRESETS", "SMALL_10", "TreeBuffers", "TreePolicy", "TreeSpec", "TreeSpecError", "build_buffers", "chain",
     "clover2_26", "from_json", "get_tree", "is_lookup_only", "is_table_tree", "medusa_63", "policy_kind",
-    "register_grammar", "register_tree", "small_10", "stack_buffers",
+    "register_grammar", "small_10", "stack_buffers",
 ]
 

@@ -1,7 +1,8 @@
-"""The user-facing generation call: prompts in, text and statistics out.
+"""Generation: prompts in, text and statistics out, for a request whose tree is named (or the head's default).
 
-`generate(model, prompts, tokenizer=...)` handles chat templating, validation, length buckets and
-batching; the jitted loops live in `clover_jax.decoding`.
+`generate(model, prompts, ...)` = `prepare_generate` (check the request, resolve the draft, build the plan:
+`clover_jax.generation.plan`) then `run_plan`; the jitted loops live in `clover_jax.decoding`. The public
+`clover_jax.generate` adds the choice of a tree where the request names none (`clover_jax.tuning`).
 """
 
 from __future__ import annotations
@@ -10,14 +11,15 @@ import dataclasses
 import numbers
 import queue
 import threading
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import jax
 import numpy as np
 
 from clover_jax import parallel
 from clover_jax.decoding.streaming import streaming_to
-from clover_jax.generation.plan import GenerationPlan, prepare_generate
+from clover_jax.generation.plan import Decide, GenerationPlan, prepare_generate
+from clover_jax.heads.bundle import RunLoader
 from clover_jax.validation import InputError
 
 
@@ -44,7 +46,7 @@ def generate(model, prompts: Sequence[Any], *, tokenizer=None, max_new_tokens: i
              top_k: int = 0, top_p: float = 1.0, seed: int = 0, chat: bool = True, system: str | None = None,
              cache_size: int | None = None, mode: str = "ar", head=None, tree=None, draft_vocab=None,
              decode_text: bool = True, mesh=None, layers: str = "auto", ngram_table=None,
-             stream=None) -> GenerationResult:
+             stream=None, decide: Decide | None = None, run_loader: RunLoader | None = None) -> GenerationResult:
     """Generates for a batch of prompts.
 
     Args:
@@ -52,14 +54,13 @@ def generate(model, prompts: Sequence[Any], *, tokenizer=None, max_new_tokens: i
       prompts: strings (chat template applied when `chat`), message lists, or token-id lists.
       mode: "ar" (plain autoregressive) or "speculative" (needs `head`, optionally `tree`).
       head: a draft head module, or where to load one: a registered name (`clover_jax.pretrained`, e.g.
-        "smollm2-135m-instruct-clover2"), an exported head folder or a training run directory.
-      tree: a tree name or JSON file; None: the head and tree fastest on this machine, dtype and batch size, or
-        plain decoding where no tree pays (`clover_jax.tuning.choose`: measured on first use, about 40 s on a
-        CPU, then reused; the choice is in `stats["choice"]` and `stats["notes"]`); with no head named it chooses
-        among the model's shipped heads and head-less prompt-lookup chains; "default": the head's registered
-        default tree, else its type's, without measuring; "auto":
-        the tree a calibration of this head on this hardware found fastest (`clover_jax.tuning.calibrate`; runs one
-        and saves it when none is saved), or plain autoregressive decoding when no tree pays.
+        "smollm2-135m-instruct-clover2"), an exported head folder or a hub id (a training run directory through
+        `clover_jax.generate`, which reads Orbax checkpoints); None: the model's shipped head, or none for a
+        prompt-lookup tree.
+      tree: a tree name (`chain-4`, `clover2-26`, `dynamic-26`, `lookup-4`, a head's fitted `fit-5-411aab`), a JSON
+        file, a tree policy or a list of paths ([[0], [0, 0], [1]]); None or "default": the head's registered default
+        tree, else its type's. (`clover_jax.generate` chooses what is fastest here for None and calibrates for
+        "auto".)
       draft_vocab: token ids the drafts are drawn from (`clover_jax.heads.draft_vocab`); None: all, or, for
         a head given by name or path, the vocabulary it was trained on (if any).
       ngram_table: for trees named `...lookup-K-table`: an n-gram table (`clover_jax.decoding.ngram`) or its
@@ -75,6 +76,8 @@ def generate(model, prompts: Sequence[Any], *, tokenizer=None, max_new_tokens: i
       stream: a callable `sink(row, token_ids)`, called while the loop runs with each prompt's new tokens in order
         (row = the prompt's index; the first token, then what every step accepts), or None. One device only;
         `stream_text` yields a single prompt's text this way.
+      decide, run_loader: what settles a tree the request leaves open and reads a training run directory (the public
+        `clover_jax.generate` passes `clover_jax.tuning`'s; `clover_jax.generation.plan.prepare_generate`).
 
     Every argument is checked before anything compiles (`prepare_generate`); a bad one raises an
     `InputError` naming it, its value and the limit.
@@ -83,7 +86,7 @@ def generate(model, prompts: Sequence[Any], *, tokenizer=None, max_new_tokens: i
                             temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, chat=chat, system=system,
                             cache_size=cache_size, mode=mode, head=head, tree=tree, draft_vocab=draft_vocab,
                             decode_text=decode_text, mesh=mesh, layers=layers, ngram_table=ngram_table,
-                            stream=stream)
+                            stream=stream, decide=decide, run_loader=run_loader)
     return run_plan(plan, decode_text=decode_text)
 
 
@@ -100,11 +103,11 @@ def run_plan(plan: GenerationPlan, decode_text: bool = True) -> GenerationResult
     gen = [tokens[i, lens[i]: lengths[i]].tolist() for i in range(len(plan.ids))]
     texts = [tokenizer.decode(g, skip_special_tokens=True) for g in gen] if (decode_text and tokenizer) else None
     rows = len(plan.ids)
-    if plan.auto_choice is not None:
-        stats = {**stats, "tree": plan.auto_choice}
+    stats = {**stats, "mode": plan.mode, "layers": plan.layers}
+    if plan.tree is not None:
+        stats["tree"] = plan.tree.name
     if plan.choice is not None:
-        stats = {**stats, "choice": {"head": plan.choice.head, "tree": plan.choice.tree,
-                                     "predicted_speedup": plan.choice.predicted}}
+        stats["choice"] = dict(plan.choice)
     if plan.notes:
         stats = {**stats, "notes": list(plan.notes)}
     return GenerationResult(token_ids=gen, texts=texts, prompt_lengths=lens[:rows].tolist(), steps=int(parallel.to_host(out.steps)),
@@ -112,6 +115,12 @@ def run_plan(plan: GenerationPlan, decode_text: bool = True) -> GenerationResult
 
 
 def stream_text(model, prompt, *, tokenizer=None, **kwargs) -> Iterator[str]:
+    """Generates for one prompt and yields its text piece by piece as the loop accepts tokens (see
+    `stream_with`; `generate`'s other keyword arguments apply)."""
+    return stream_with(prepare_generate, model, prompt, tokenizer=tokenizer, **kwargs)
+
+
+def stream_with(prepare: Callable[..., GenerationPlan], model, prompt, *, tokenizer=None, **kwargs) -> Iterator[str]:
     """Generates for one prompt and yields its text piece by piece as the loop accepts tokens (`generate`'s
     other keyword arguments apply; `stream` and `decode_text` are set here). The generator's return value (the
     `value` of its `StopIteration`) is the `GenerationResult`. Every check runs before the first piece.
@@ -137,7 +146,7 @@ def stream_text(model, prompt, *, tokenizer=None, **kwargs) -> Iterator[str]:
                          f"streams a batch")
     pieces: queue.Queue = queue.Queue()
     done = object()
-    plan = prepare_generate(model, [prompt], tokenizer=tokenizer, stream=lambda row, ids: pieces.put(ids), **kwargs)
+    plan = prepare(model, [prompt], tokenizer=tokenizer, stream=lambda row, ids: pieces.put(ids), **kwargs)
     outcome: dict = {}
 
     def run():

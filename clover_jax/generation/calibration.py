@@ -1,6 +1,7 @@
 """The calibration store: which tree a calibration found fastest for a head on some hardware, dtype and batch size,
 and the shapes of the trees it fitted (`fit-N-<hash>`), saved as `calibration.json` beside the head or in the user's
-cache. `generate(tree="auto")` reads it here; the runs that fill it live in `clover_jax.tuning.calibrate`.
+cache. `clover_jax.tuning.calibrate` fills and reads it (`tree="auto"`); a head's fitted trees are read by
+`clover_jax.heads.folder`.
 
 A calibration is keyed by the hardware (backend and device kind; on a CPU the processor model and core count), the
 compute dtype and the batch size. It is saved beside the head (`calibration.json` in the head's folder) when that
@@ -12,7 +13,6 @@ head's default tree) still resolves.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import platform
@@ -20,12 +20,9 @@ from pathlib import Path
 
 import jax
 
-from clover_jax import pretrained
-from clover_jax.decoding.tree import TreeSpec, register_tree
+from clover_jax.heads.folder import CALIBRATION_FILE, KEPT_TREES, HeadFolder, cache_dir, open_folder
 from clover_jax.io.files import atomic_write_text, read_json_object, update_json
 from clover_jax.validation import InputError
-
-_DIGESTS: dict[tuple, str] = {}
 
 AUTO = "auto"
 
@@ -33,10 +30,7 @@ AUTO = "auto"
 AR = "ar"  # the calibration's answer when no tree beats autoregressive decoding
 
 
-FILE_NAME = "calibration.json"
-
-
-KEPT_TREES = "kept_trees"  # calibration.json: tree shapes of replaced entries, still resolvable by name
+FILE_NAME = CALIBRATION_FILE
 
 
 # What a calibration tries. An entry saved by an older version never measured candidates the current one would
@@ -78,48 +72,26 @@ def entry_key(hardware: str, dtype: str, batch_size: int) -> str:
 
 
 # -------------------------------------------------------------------------------------------- storage
-def cache_dir() -> Path:
-    root = os.environ.get("CLOVER_JAX_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "clover_jax")
-    return Path(root) / "calibration"
-
-
-def _head_folder(head_source) -> Path | None:
+def _folder(head_source) -> HeadFolder | None:
+    if isinstance(head_source, HeadFolder):
+        return head_source if head_source.is_dir else None
     if not isinstance(head_source, (str, os.PathLike)):
         return None
-    path = pretrained.head_path(head_source)
-    return path if path.is_dir() else None
-
-
-_WEIGHT_SUFFIXES = (".safetensors", ".msgpack", ".bin", ".pt")
+    folder = open_folder(head_source)
+    return folder if folder.is_dir else None
 
 
 def weights_digest(head_source) -> str | None:
-    """A digest of the contents of a head folder's weight files (not their dates, so a fresh clone of a repository
-    agrees with the copy that was calibrated); None for a head given as a module. A calibration saved with one
-    digest is not reused for other weights (a head replaced in place, a run directory trained further)."""
-    folder = _head_folder(head_source)
-    if folder is None:
-        return None
-    files = sorted(p for p in folder.rglob("*") if p.is_file() and (p.suffix in _WEIGHT_SUFFIXES or
-                                                                      "checkpoints" in p.relative_to(folder).parts))
-    stamp = tuple((str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in files)
-    if stamp not in _DIGESTS:
-        h = hashlib.sha1()
-        for p in files:
-            h.update(str(p.relative_to(folder)).encode())
-            with p.open("rb") as f:
-                for block in iter(lambda: f.read(1 << 20), b""):
-                    h.update(block)
-        _DIGESTS[stamp] = h.hexdigest()[:16]
-    return _DIGESTS[stamp]
+    """The digest of a head folder's weight files (`clover_jax.heads.folder.weights_digest`); None for a head given
+    as a module."""
+    folder = _folder(head_source)
+    return folder.digest if folder is not None else None
 
 
 def calibration_files(head_source) -> list[Path]:
     """Where calibrations of this head are read from, in order: the head's folder, then the user cache."""
-    folder = _head_folder(head_source)
-    if folder is None:
-        return []
-    return [folder / FILE_NAME, cache_dir() / f"{weights_digest(head_source)}.json"]  # the cache: by contents
+    folder = _folder(head_source)
+    return folder.calibration_files if folder is not None else []
 
 
 def read_json(path: Path) -> dict:
@@ -188,23 +160,3 @@ def save_entry(head_source, key: str, entry: dict) -> Path | None:
         except OSError:
             continue
     return None
-
-
-def register_trees(entry: dict) -> None:
-    """Makes a calibration entry's probe and fitted trees known by name in this process."""
-    for name, t in (entry.get("trees") or {}).items():
-        register_tree(TreeSpec([tuple(c) for c in t["choices"]], top_k=int(t["top_k"]), name=name))
-
-
-def register_saved_trees(head_source, trees) -> None:
-    """Makes the probe and fitted trees of this head's saved calibrations known by name when `trees` (a tree
-    name or names) asks for one (`tree="fit-3-c5bf00"` wherever the head is given by name or folder); other
-    names read nothing."""
-    names = [trees] if isinstance(trees, str) else list(trees or ())
-    if not any(isinstance(t, str) and t.startswith(("fit-", "probe-")) for t in names):
-        return
-    for path in calibration_files(head_source):
-        data = read_json(path)
-        register_trees({"trees": data.get(KEPT_TREES)})
-        for entry in data.get("entries", {}).values():
-            register_trees(entry)

@@ -51,13 +51,18 @@ DRAFT_VOCAB_FILE = "draft_vocab.json"  # its name in a training run directory an
 
 
 def head_draft_vocab(head_path) -> np.ndarray | None:
-    """The draft vocabulary a head was trained on (`loss.draft_vocab`), or None.
+    """The draft vocabulary a head was trained on (`loss.draft_vocab`), or None: `folder_draft_vocab` of a head
+    given by registered name (`clover_jax.pretrained`) or folder."""
+    return folder_draft_vocab(pretrained.head_path(head_path))
+
+
+def folder_draft_vocab(folder: Path) -> np.ndarray | None:
+    """The draft vocabulary a head in `folder` was trained on (`loss.draft_vocab`), or None.
 
     Such a head's cross-entropy only ever saw those tokens, so it must draft from them: a training run
     directory or an exported head folder then holds `draft_vocab.json` with `"head_trained_on_it": true`.
-    A draft vocabulary written only as an inference option (the flag false or absent) gives None.
-    `head_path` may also be a registered head name (`clover_jax.pretrained`)."""
-    path = pretrained.head_path(head_path) / DRAFT_VOCAB_FILE
+    A draft vocabulary written only as an inference option (the flag false or absent) gives None."""
+    path = Path(folder) / DRAFT_VOCAB_FILE
     if not path.is_file():
         return None
     meta = _read_draft_vocab(path)

@@ -9,7 +9,7 @@ import dataclasses
 import json
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -46,6 +46,12 @@ class RopeScaling:
 @dataclasses.dataclass(frozen=True)
 class LlamaConfig:
     """Hyper-parameters of a Llama-family decoder (Llama 2/3, Vicuna, Mistral-style, SmolLM2, Qwen2 bias)."""
+
+    # the fields that fix a draft head's parameter shapes (or its token space): a head fits a base model that agrees
+    # with the one it was made for on each of them (checked on load, saved in checkpoints)
+    HEAD_FIT_FIELDS: ClassVar[tuple[str, ...]] = (
+        "vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+        "attention_bias", "attention_out_bias", "mlp_bias")
 
     vocab_size: int
     hidden_size: int  # D

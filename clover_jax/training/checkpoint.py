@@ -33,7 +33,6 @@ from flax import nnx
 from jax.experimental import multihost_utils
 
 from clover_jax.heads import registry
-from clover_jax.heads.clover2.model import _COMPAT_FIELDS
 from clover_jax.models.config import LlamaConfig
 
 FORMAT_VERSION = 1
@@ -48,7 +47,7 @@ def head_metadata(head_cfg, base_config: LlamaConfig, base_name: str) -> dict[st
     """JSON description of a head: type, config (`HeadType.fields` + dtypes), and the base model it belongs to
     (name and dims)."""
     ht = registry.of_config(head_cfg)
-    base = {k: getattr(base_config, k) for k in _COMPAT_FIELDS}
+    base = {k: getattr(base_config, k) for k in LlamaConfig.HEAD_FIT_FIELDS}
     base.update(num_hidden_layers=base_config.num_hidden_layers, rms_norm_eps=base_config.rms_norm_eps,
                 rope_theta=base_config.rope_theta, tie_word_embeddings=base_config.tie_word_embeddings)
     return {"format_version": FORMAT_VERSION, "head_type": ht.name, "head_config": ht.config_to_meta(head_cfg),
@@ -62,7 +61,7 @@ def check_head_metadata(saved: dict[str, Any], current: dict[str, Any], where: s
                               f"this run trains {current['head_type']!r}")
     fields = registry.get(current["head_type"]).fields
     for section, what in (("head_config", "head config"), ("base_dims", "base model")):
-        keys = fields if section == "head_config" else _COMPAT_FIELDS
+        keys = fields if section == "head_config" else LlamaConfig.HEAD_FIT_FIELDS
         s, c = saved.get(section, {}), current[section]
         for k in keys:
             if s.get(k) != c[k]:
@@ -367,7 +366,7 @@ def load_head_from_run(run_dir: str | Path, base, step: int | None = None, *, dt
             raise CheckpointError(f"{where}: head type {saved.get('head_type')!r} is not one of {registry.names()}")
         ht = registry.get(saved["head_type"])
         bd = saved["base_dims"]
-        for k in _COMPAT_FIELDS:
+        for k in LlamaConfig.HEAD_FIT_FIELDS:
             if bd.get(k) != getattr(base.config, k):
                 raise CheckpointError(f"{where}: the head was trained for a base model with {k}={bd.get(k)!r}, "
                                       f"this base model has {k}={getattr(base.config, k)!r}")

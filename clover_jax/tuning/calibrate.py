@@ -46,7 +46,7 @@ import jax
 import jax.numpy as jnp
 
 from clover_jax.decoding.ngram import resolve_ngram_table
-from clover_jax.decoding.tree import TreeSpec, get_tree, register_tree
+from clover_jax.decoding.tree import TreeSpec, get_tree
 from clover_jax.decoding.tree_fit import (
     fit_step_cost,
     fitted_candidates,
@@ -61,10 +61,13 @@ from clover_jax.generation.calibration import (
     entry_key,
     hardware_key,
     load_entry,
-    register_trees,
     save_entry,
 )
-from clover_jax.generation.plan import set_auto_calibration
+from clover_jax.generation.request import AUTO, NAMED, Request
+from clover_jax.heads.bundle import RunLoader, open_head
+from clover_jax.generation.draft import shipped_head
+from clover_jax.heads.folder import HeadFolder, fitted_trees
+from clover_jax.io.loader import LoadedModel
 from clover_jax.heads.registry import drafter_for
 from clover_jax.io.prompts import read_prompts
 from clover_jax.tuning.evaluation import DV, evaluate
@@ -90,14 +93,14 @@ def _row(run: dict) -> dict:
 
 
 def candidate_trees(head, base, draft_vocab=None, candidates: Sequence[str] | None = None,
-                    ngram_table=None) -> list[str]:
+                    ngram_table=None, known=None) -> list[str]:
     """The candidate trees this head can draft (depth within its heads, tree kind supported by its drafter)."""
 
     names = list(candidates) if candidates else list(STATIC_CANDIDATES + DYNAMIC_CANDIDATES + BEAM_CANDIDATES)
     ok = []
     for name in names:
         try:
-            drafter_for(type(head), name, draft_vocab, ngram_table).check(head, base)
+            drafter_for(type(head), get_tree(name, known), draft_vocab, ngram_table).check(head, base)
         except (InputError, ValueError):
             continue
         ok.append(name)
@@ -110,19 +113,19 @@ def max_candidate_nodes() -> int:
     return max(sizes + [probe_tree(PROBE_WIDTHS).num_nodes]) + LOOKUP_LENGTH
 
 
-def _lookup_variants(head, base, draft_vocab, trees: Sequence[str], ngram_table=None) -> list[str]:
+def _lookup_variants(head, base, draft_vocab, trees: Sequence[str], ngram_table=None, known=None) -> list[str]:
     """`TREE+lookup-LOOKUP_LENGTH` for each of `trees` (distinct) the head can draft, and with an n-gram table
     also `TREE+lookup-LOOKUP_LENGTH-table` and the chain alone, `lookup-LOOKUP_LENGTH-table` (no head: the
     table and prompt lookup draft without the head's cost; `clover_jax.decoding.ngram`)."""
     ends = [""] + (["-table"] if ngram_table is not None else [])
     alone = [f"lookup-{LOOKUP_LENGTH}-table"] if ngram_table is not None else []
     return candidate_trees(head, base, draft_vocab, [f"{t}+lookup-{LOOKUP_LENGTH}{e}" for t in dict.fromkeys(trees)
-                                                     for e in ends] + alone, ngram_table)
+                                                     for e in ends] + alone, ngram_table, known)
 
 
 def probe_for(head, base, draft_vocab=None):
-    """The deepest prefix of the probe comb (`PROBE_WIDTHS`) this head can draft (registered by name), or None
-    for heads that draft no static tree."""
+    """The deepest prefix of the probe comb (`PROBE_WIDTHS`) this head can draft, or None for heads that draft no
+    static tree."""
 
     for depth in range(len(PROBE_WIDTHS), 0, -1):
         spec = probe_tree(PROBE_WIDTHS[:depth])
@@ -130,7 +133,7 @@ def probe_for(head, base, draft_vocab=None):
             drafter_for(type(head), spec, draft_vocab).check(head, base)
         except (InputError, ValueError):
             continue
-        return register_tree(spec)
+        return spec
     return None
 
 
@@ -138,7 +141,9 @@ def _fit(table: dict, runs: dict, names: dict, probe) -> tuple[list, dict]:
     """The fitted trees to measure (best predicted first) and what the fit found (per-rank acceptance, step
     cost points), from the first round's static runs."""
 
-    static = {t: get_tree(t) for t in table if isinstance(get_tree(t), TreeSpec) and runs[names[t]].get("node_hist")}
+    known = {probe.name: probe}
+    static = {t: get_tree(t, known) for t in table
+              if isinstance(get_tree(t, known), TreeSpec) and runs[names[t]].get("node_hist")}
     p, parents = rank_acceptance([(static[t], runs[names[t]]["node_hist"]) for t in static], probe.max_depth,
                                  max(PROBE_WIDTHS))
     points = [(spec.num_nodes, spec.max_depth, table[t]["tau"] / table[t]["speedup"]) for t, spec in static.items()
@@ -180,21 +185,21 @@ def measure(loaded, head, *, prompts: Sequence[str] | None = None, candidates: S
     dv = DV if draft_vocab is not None else ""
     names = {t: t + dv for t in trees}
     t0 = time.perf_counter()
+    known = {probe.name: probe} if probe is not None else {}  # trees named here, not by the grammar
     res = evaluate(loaded, head, prompts, trees=list(names.values()), batch_size=batch_size,
                    max_new_tokens=max_new_tokens, draft_vocab=draft_vocab, progress=progress, mesh=mesh,
-                   ngram_table=ngram_table)
+                   ngram_table=ngram_table, known_trees=known)
     runs = res["runs"]
     mismatches = res["greedy_mismatches"]
     table = {t: _row(runs[names[t]]) for t in trees}
     fitted, fit_info = [], {}
     if probe is not None:
         fitted, fit_info = _fit(table, runs, names, probe)
-    for spec, _, _ in fitted:
-        register_tree(spec)
+    known.update({spec.name: spec for spec, _, _ in fitted})
     final = list(table)  # the runs `best` is chosen from: the first round's, or the final round's
     finalists = sorted(table, key=lambda t: -table[t]["speedup"])[:FINALISTS]
     lookups = _lookup_variants(head, loaded.model, draft_vocab, [spec.name for spec, _, _ in fitted[:1]] + [
-        t for t in finalists if isinstance(get_tree(t), TreeSpec)][:1], ngram_table)
+        t for t in finalists if isinstance(get_tree(t, known), TreeSpec)][:1], ngram_table, known)
     if fitted or lookups:
         # The final round measures the fitted trees beside the first round's fastest candidates, against the same
         # autoregressive runs: a speed-up measured in another round meets another baseline (the machine's speed
@@ -204,7 +209,7 @@ def measure(loaded, head, *, prompts: Sequence[str] | None = None, candidates: S
             t: t + dv for t in lookups}
         res2 = evaluate(loaded, head, prompts, trees=list(more.values()), batch_size=batch_size,
                         max_new_tokens=max_new_tokens, draft_vocab=draft_vocab, progress=progress, mesh=mesh,
-                        ngram_table=ngram_table)
+                        ngram_table=ngram_table, known_trees=known)
         mismatches += res2["greedy_mismatches"]
         for spec, tau, speed in fitted:
             table[spec.name] = _row(res2["runs"][more[spec.name]]) | {
@@ -234,7 +239,8 @@ def resolve_auto(loaded, head, head_source=None, *, batch_size: int = 1, draft_v
     None takes the one shipped beside the head named by `head_source`, if any."""
     model = loaded.model if hasattr(loaded, "model") else loaded
     key = entry_key(hardware_key(mesh), jnp.dtype(model.dtype).name, batch_size)
-    memo = (str(head_source) if head_source is not None else id(head), key)
+    folder = head_source if isinstance(head_source, HeadFolder) else None
+    memo = (str(getattr(head_source, "name", head_source)) if head_source is not None else id(head), key)
     stale: list[str] = []
     entry = None if recalibrate else (_MEMO.get(memo) or load_entry(head_source, key, stale))
     if entry is None:
@@ -243,12 +249,36 @@ def resolve_auto(loaded, head, head_source=None, *, batch_size: int = 1, draft_v
         msg = (f"tree='auto': {why}; calibrating now (autoregressive vs each candidate tree on a few prompts)")
         print(msg, file=sys.stderr)
         entry = measure(loaded, head, batch_size=batch_size, draft_vocab=draft_vocab, mesh=mesh,
-                        ngram_table=resolve_ngram_table(ngram_table, head_source), **measure_kw)
+                        ngram_table=(ngram_table if ngram_table is not None else folder.ngram_table) if folder
+                        else resolve_ngram_table(ngram_table, head_source), **measure_kw)
         where = save_entry(head_source, key, entry)
         print(f"tree='auto' -> {entry['best']}" + (f" (saved in {where})" if where else ""), file=sys.stderr)
-    register_trees(entry)
     _MEMO[memo] = entry
     return entry["best"], entry
 
 
-set_auto_calibration(resolve_auto)  # `generate(tree="auto")` calibrates through this when nothing is saved
+def decide_auto(request: Request, *, run_loader: RunLoader | None = None
+                ) -> tuple[Request, tuple[str, ...], dict | None]:
+    """(request with its tree decided, notes, choice) for `tree="auto"`: the tree the head's calibration here
+    found fastest (`resolve_auto`: calibrating when none is saved, which needs a tokenizer), or plain decoding."""
+    if not request.speculative or request.tree_rule != AUTO:
+        return request, (), None
+    head = request.head if request.head is not None else shipped_head(request.model_source)
+    bundle = open_head(head, request.model, run_loader=run_loader)
+    key = entry_key(hardware_key(request.mesh), jnp.dtype(request.model.dtype).name, request.batch_size)
+    if request.tokenizer is None and (bundle.folder is None or load_entry(bundle.folder, key) is None):
+        raise InputError("tree='auto': this head has no calibration for this hardware, and calibrating needs a "
+                         "tokenizer (pass tokenizer=..., or run python -m clover_jax.cli.calibrate first)")
+    loaded = LoadedModel(request.model.config, request.model, request.tokenizer, request.model_source or "")
+    draft_vocab = request.draft_vocab if request.draft_vocab is not None else bundle.draft_vocab
+    best, entry = resolve_auto(loaded, bundle.module, bundle.folder, batch_size=request.batch_size,
+                               draft_vocab=draft_vocab, mesh=request.mesh,
+                               ngram_table=request.ngram_table if request.ngram_table is not None
+                               else bundle.ngram_table)
+    about = {"tree": best, "by": "calibration"}
+    if best == AR:
+        return (request.replace(speculative=False),
+                ("tree auto -> ar (autoregressive: no tree beats it on this hardware)",), about)
+    known = fitted_trees({"entries": {key: entry}})
+    tree = known[best] if best in known else bundle.tree(best)
+    return request.replace(head=bundle, tree=tree, tree_rule=NAMED), (f"tree auto -> {best}",), about

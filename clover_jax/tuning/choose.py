@@ -47,15 +47,19 @@ from typing import Any, Sequence
 
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from clover_jax import pretrained
 from clover_jax.decoding import acceptance_stats
 from clover_jax.decoding.lookup import NoHead
 from clover_jax.decoding.ngram import resolve_ngram_table
 from clover_jax.generation.api import generate
-from clover_jax.generation.calibration import (AR, FILE_NAME, cache_dir, entry_key, hardware_key, read_json,
-                                               register_saved_trees, weights_digest)
-from clover_jax.generation.plan import prepare_generate, set_auto_choice
+from clover_jax.generation.calibration import AR, entry_key, hardware_key
+from clover_jax.generation.plan import prepare_generate
+from clover_jax.generation.request import DEFAULT, FASTEST, NAMED, Request
+from clover_jax.heads.bundle import HeadBundle, RunLoader, open_head
+from clover_jax.io.loader import LoadedModel
+from clover_jax.heads.folder import cache_dir, open_folder, read_json
 from clover_jax.io.files import update_json
 from clover_jax.io.prompts import read_prompts
 from clover_jax.validation import InputError
@@ -86,12 +90,11 @@ def _label(head, tree) -> str:
     return tree if head is None else f"{head} {tree}"
 
 
-def candidates(model_source, head_source=None, head_tree: str | None = None, *,
-               has_table: bool) -> list[tuple[str | None, str]]:
-    """(head or None, tree) pairs to measure: the named head's default tree (`head_tree`), or, when no head is
-    named, each shipped head's default tree and the head-less chains."""
-    if head_source is not None:
-        return [(str(head_source), head_tree or pretrained.default_tree(head_source))]
+def candidates(model_source, head: HeadBundle | None = None, *, has_table: bool) -> list[tuple[str | None, str]]:
+    """(head or None, tree) pairs to measure: the named head's default tree, or, when no head is named, each
+    shipped head's default tree and the head-less chains."""
+    if head is not None:
+        return [(head.name, head.default_tree)]
     out = [(h, pretrained.default_tree(h)) for h in pretrained.heads_for(model_source)]
     headless = HEADLESS if has_table else tuple(t.removesuffix("-table") for t in HEADLESS)
     return out + [(None, t) for t in headless]
@@ -103,8 +106,7 @@ def reference(head_source, tree: str, model_source=None) -> dict | None:
     sources = [head_source] if head_source is not None else pretrained.heads_for(model_source)
     for src in sources:
         try:
-            path = pretrained.head_path(src) / FILE_NAME
-            ref = json.loads(path.read_text()).get("reference") or {}
+            ref = open_folder(src).reference
         except (OSError, ValueError, TypeError):
             continue
         if tree in (ref.get("tau") or {}):
@@ -202,11 +204,11 @@ def measure(loaded, pairs: Sequence[tuple[str | None, str]], *, batch_size: int 
 
 
 # -------------------------------------------------------------------------------------------- storage
-def _subject(model_source, head_source) -> str:
+def _subject(model_source, head: HeadBundle | None) -> str:
     """What a saved choice is about: the named head's weights, or the model and its shipped heads' weights."""
-    if head_source is not None:
-        return f"head {weights_digest(head_source) or head_source}"
-    digests = ",".join(str(weights_digest(h)) for h in pretrained.heads_for(model_source))
+    if head is not None:
+        return f"head {head.folder.digest or head.name}"
+    digests = ",".join(str(open_folder(h).digest) for h in pretrained.heads_for(model_source))
     return f"model {str(model_source).lower()} [{digests}]"
 
 
@@ -241,26 +243,28 @@ def _draftable(loaded, pair, ngram_table) -> bool:
     return True
 
 
-def choose(loaded, head_source=None, head_tree: str | None = None, *, batch_size: int = 1, mesh=None, refresh: bool = False,
+def choose(loaded, head: HeadBundle | None = None, *, batch_size: int = 1, mesh=None, refresh: bool = False,
            model_source=None, quiet: bool = False) -> Choice | None:
     """The head and tree to draft with here (or plain decoding): the saved choice for this machine, dtype and batch
     size, else a new measurement (announced on stderr, saved in the user's cache). `head_source`: the head the
     request named (its default tree `head_tree`, or plain decoding); None: any of the model's shipped heads or a head-less
-    chain. None when no candidate passes the request's checks (nothing to choose)."""
+    chain. `head`: a head read from a folder (`clover_jax.heads.bundle.open_head`). None when no candidate passes the
+    request's checks (nothing to choose)."""
     model = loaded.model
     model_source = model_source or getattr(loaded, "name", None)
     where = entry_key(hardware_key(mesh), jnp.dtype(model.dtype).name, batch_size)
-    key = f"{_subject(model_source, head_source)} | {where}"
+    key = f"{_subject(model_source, head)} | {where}"
     entry = None if refresh else (_MEMO.get(key) or load_choice(key))
     made = entry is None
     if made:  # the candidates are checked, and the n-gram table read, only when measuring
-        table_of = head_source if head_source is not None else pretrained.default_head(model_source)
-        ngram_table = resolve_ngram_table(None, table_of) if table_of is not None else None
-        for head in {h for h, _ in candidates(model_source, head_source, head_tree, has_table=True) if h is not None}:
-            register_saved_trees(head, pretrained.default_tree(head) or head_tree)  # fit-N-<hash> names
+        if head is not None:
+            ngram_table = head.ngram_table
+        else:
+            shipped = pretrained.default_head(model_source)
+            ngram_table = resolve_ngram_table(None, shipped) if shipped is not None else None
         # candidates the request could not draft (a tree deeper than the head's heads, ...) are not measured; with
         # none left there is no choice to make, and the request's own checks say what is wrong
-        pairs = [pair for pair in candidates(model_source, head_source, head_tree, has_table=ngram_table is not None)
+        pairs = [pair for pair in candidates(model_source, head, has_table=ngram_table is not None)
                  if _draftable(loaded, pair, ngram_table)]
         if not pairs:
             return None
@@ -271,9 +275,6 @@ def choose(loaded, head_source=None, head_tree: str | None = None, *, batch_size
                         ngram_table=ngram_table)
         save_choice(key, entry)
     _MEMO[key] = entry
-    for row in entry["candidates"].values():
-        if row["head"] is not None:
-            register_saved_trees(row["head"], row["tree"])
     ranked = sorted(entry["candidates"].values(), key=lambda r: -r["predicted_speedup"])
     if entry["best"] == AR:
         top = ranked[0] if ranked else None
@@ -291,7 +292,40 @@ def choose(loaded, head_source=None, head_tree: str | None = None, *, batch_size
     return choice
 
 
-set_auto_choice(choose)  # `generate(mode="speculative")` with no tree chooses through this
+
+# ------------------------------------------------------------------------------------------- the request
+def decide_fastest(request: Request, *, run_loader: RunLoader | None = None
+                   ) -> tuple[Request, tuple[str, ...], dict | None]:
+    """(request with its tree decided, notes, choice) for a speculative request that names no tree
+    (`tree_rule` FASTEST): the head and tree `choose` finds fastest here, or plain decoding. Where nothing can be
+    measured (a head given as a module, a request naming a draft vocabulary or n-gram table, no tokenizer, a model
+    with no shipped head when none is named) the head's default tree, said in the notes."""
+    if not request.speculative or request.tree_rule != FASTEST:
+        return request, (), None
+    default = request.replace(tree_rule=DEFAULT)
+    head = request.head
+    if isinstance(head, nnx.Module) or (isinstance(head, HeadBundle) and head.folder is None):
+        return default, (), None  # an in-memory head has no folder to keep a choice in: its default tree
+    if request.draft_vocab is not None or request.ngram_table is not None:
+        return default, ("the head's default tree (the request names a draft vocabulary or n-gram table)",), None
+    if request.tokenizer is None:
+        return default, ("the head's default tree (no tokenizer to measure a choice with)",), None
+    if head is None and not (request.model_source and pretrained.heads_for(request.model_source)):
+        return default, (), None  # no shipped head to choose among: the draft's resolution says what to pass
+    bundle = open_head(head, request.model, run_loader=run_loader) if head is not None else None
+    loaded = LoadedModel(request.model.config, request.model, request.tokenizer, request.model_source or "")
+    choice = choose(loaded, bundle, batch_size=request.batch_size, mesh=request.mesh,
+                    model_source=request.model_source)
+    if choice is None:  # no candidate passes the request's checks: the default tree's resolution reports why
+        return default.replace(head=bundle if bundle is not None else head), (), None
+    about = {"head": choice.head, "tree": choice.tree, "predicted_speedup": choice.predicted}
+    if choice.tree == AR:
+        return request.replace(speculative=False), (choice.note,), about
+    if choice.head is None:
+        chosen_head = NoHead()
+    else:
+        chosen_head = bundle if bundle is not None and choice.head == bundle.name else choice.head
+    return request.replace(head=chosen_head, tree=choice.tree, tree_rule=NAMED), (choice.note,), about
 
 
-__all__ = ["Choice", "batch_tau", "candidates", "choose", "measure", "reference", "reference_tau"]
+__all__ = ["Choice", "batch_tau", "candidates", "choose", "decide_fastest", "measure", "reference", "reference_tau"]

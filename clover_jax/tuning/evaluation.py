@@ -18,6 +18,8 @@ from clover_jax.decoding.sizes import bucket_length, round_up
 from clover_jax.decoding.tree import get_tree
 from clover_jax.generation.api import generate
 from clover_jax.io.prompts import encode_prompts
+from clover_jax.training.checkpoint import load_head_from_run
+from clover_jax.tuning.choose import decide_fastest
 from clover_jax.tuning.audit import UNEXPLAINED, audit_divergence, float32_copy, replay_check
 from clover_jax.validation import InputError
 from tqdm.auto import tqdm
@@ -93,12 +95,15 @@ def bootstrap_ci(num: np.ndarray, den: np.ndarray, *, level: float = CI_LEVEL, r
 def evaluate(loaded, head, prompts: Sequence[str], *, trees: Sequence[str] = ("clover2-26",), batch_size: int = 1,
              max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
              categories: Sequence[str] | None = None, progress: bool = True, draft_vocab=None, mesh=None,
-             layers: str = "auto", ngram_table=None, replay: bool = False, chosen_head=None) -> dict[str, Any]:
+             layers: str = "auto", ngram_table=None, replay: bool = False, chosen_head=None,
+             known_trees=None) -> dict[str, Any]:
     """Runs AR and speculative decoding (one run per tree) on the prompts; returns stats and mismatches.
     `mesh`: decode on a device mesh; `layers`: how the decoding loops run the layers; `ngram_table`: for trees
     named `...-table` (all three as in `generate`). A tree named `chosen` runs a request that names no tree
     (`generate`'s default: the head and tree chosen for this machine, or plain decoding), with the head
     `chosen_head` (None: chosen among the model's shipped heads; `loaded` must then know its name).
+
+    `known_trees`: trees named outside the grammar (a calibration's probe and fitted trees: name -> policy).
 
     A tree name ending in `+dv` (e.g. "chain-3+dv") runs that tree with the draft vocabulary `draft_vocab`
     (token ids, `clover_jax.heads.draft_vocab`), so both can be compared in one run.
@@ -111,7 +116,7 @@ def evaluate(loaded, head, prompts: Sequence[str], *, trees: Sequence[str] = ("c
     runs = {"ar": RunStats("ar")} | {t: RunStats(t) for t in trees}
     if any(t.endswith(DV) for t in trees) and draft_vocab is None:
         raise InputError(f"trees {[t for t in trees if t.endswith(DV)]} ask for a draft vocabulary; pass draft_vocab")
-    specs = {t: get_tree(t.removesuffix(DV)) for t in trees if t != CHOSEN}
+    specs = {t: get_tree(t.removesuffix(DV), known_trees) for t in trees if t != CHOSEN}
     max_nodes = max([s.num_nodes for s in specs.values()] + [0])
     warmed = set()
     mismatches = 0
@@ -132,9 +137,10 @@ def evaluate(loaded, head, prompts: Sequence[str], *, trees: Sequence[str] = ("c
             if name == "ar":
                 kw = dict(common, mode="ar")
             elif name == CHOSEN:  # no tree named (and the head only if `chosen_head`): what the user gets by default
-                target, kw = loaded, dict(common, mode="speculative", head=chosen_head, cache_size=None)
+                target, kw = loaded, dict(common, mode="speculative", head=chosen_head, cache_size=None,
+                                          decide=decide_fastest, run_loader=load_head_from_run)
             else:
-                kw = dict(common, mode="speculative", head=head, tree=name.removesuffix(DV),
+                kw = dict(common, mode="speculative", head=head, tree=specs[name],
                           draft_vocab=draft_vocab if name.endswith(DV) else None, ngram_table=ngram_table)
             key = (name, len(chunk), bucket)
             if key not in warmed:

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from clover_jax.decoding.tree import TreeSpec, TreeSpecError, get_tree, register_tree
+from clover_jax.decoding.tree import TreeSpec, TreeSpecError, get_tree
 from clover_jax.decoding.tree_fit import (best_tree, expected_tau, fit_step_cost, fitted_candidates, path_scores,
                                           probe_tree, rank_acceptance, smooth_acceptance)
 
@@ -124,12 +124,10 @@ def test_fitted_trees_are_reached_by_name():
     assert tree.name.startswith("fit-4-")
     with pytest.raises(TreeSpecError, match="calibration's fitted tree"):
         get_tree(tree.name)
-    assert register_tree(tree) is tree and get_tree(tree.name) == tree
-    register_tree(tree)  # the same tree again: fine
-    with pytest.raises(TreeSpecError, match="already taken"):
-        register_tree(TreeSpec([[0]], top_k=1, name=tree.name))
-    with pytest.raises(TreeSpecError, match="already taken"):
-        register_tree(TreeSpec([[1]], top_k=2, name="chain-1"))
+    known = {tree.name: tree}  # a head's fitted trees (`HeadBundle.trees`)
+    assert get_tree(tree.name, known) is tree
+    assert get_tree(f"{tree.name}+lookup-4", known).inner is tree  # inside a merged name too
+    assert get_tree("chain-1", known).name == "chain-1"  # the grammar still answers other names
 
 
 def test_a_head_that_accepts_known_ranks_gets_those_ranks():

@@ -169,7 +169,10 @@ def test_a_head_given_by_path_is_loaded_once_per_base_and_version(tmp_path, base
     """`generate(head=folder)` in a loop reuses the loaded head; a changed folder or another base reloads it."""
     import os
 
-    from clover_jax.generation.plan import resolve_head
+    from clover_jax.heads.bundle import open_head
+
+    def resolve_head(source, base):
+        return (open_head(source, base).module,)
 
     base, head = base_and_head
     export_head(head, tmp_path / "h", base=base)

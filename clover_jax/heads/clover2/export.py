@@ -69,11 +69,6 @@ def to_reference(head, base=None, include_frozen: bool = True,
     return {k: np.ascontiguousarray(v) for k, v in out.items()}
 
 
-# the keys head_config_dict writes (anything else in an exported config.json is extra information)
-HEAD_CONFIG_KEYS = frozenset({"head_type", "architectures", "num_heads", "num_layers", "embed_source", "rope_theta",
-                              "rope_scaling", "rope_follows_base", "hidden_size", "vocab_size", "base_model"})
-
-
 def config_dict(head, base_name: str | None = None, extra: dict | None = None) -> dict:
     """config.json of an exported head. `rope_theta` / `rope_scaling` are what the Augmenting Block actually
     uses (the reference's plain RoPE with base 10000 unless the head follows the base's RoPE)."""

@@ -34,9 +34,6 @@ EMBED_SOURCES = ("lm_head", "input")
 # type). A number here is plain RoPE with that base, no scaling: the reference's function for unscaled bases.
 REFERENCE_ROPE_THETA = 10000.0
 _AD_NAMES = ("norm", "wq", "bq", "wk", "bk", "wv", "bv")
-# Config fields that fix parameter shapes (or the token space) and must agree with the base model.
-_COMPAT_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads",
-                  "num_key_value_heads", "head_dim", "attention_bias", "attention_out_bias", "mlp_bias")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,7 +104,7 @@ def attention_decoder(p: dict[str, jax.Array], x: jax.Array, e: jax.Array, num_h
 
 def check_compatible(head: "Clover2Head", base_config: LlamaConfig) -> None:
     """Raises ValueError naming the first dimension in which `head` does not fit `base_config`."""
-    for name in _COMPAT_FIELDS:
+    for name in LlamaConfig.HEAD_FIT_FIELDS:
         hv, bv = getattr(head.base_config, name), getattr(base_config, name)
         if hv != bv:
             raise InputError(f"Clover-2 head does not fit the base model: {name} is {hv} in the head "
