@@ -43,7 +43,7 @@ def load_questions(which: str, limit: int | None, category: str | None):
     return [r["turns"][0] for r in rows], [r.get("category", "all") for r in rows]
 
 
-def plots(result: dict, out: Path, trees: list[str]):
+def plots(result: dict, out: Path, trees: list[str], known=None):
     import matplotlib
 
     matplotlib.use("Agg")
@@ -76,14 +76,15 @@ def plots(result: dict, out: Path, trees: list[str]):
     fig.tight_layout()
     fig.savefig(out / "accept_hist.png", dpi=120)
     plt.close(fig)
-    # speedup vs tree size
+    # speedup vs tree size (the `chosen` run has no one size: its tree is whatever was chosen)
     from clover_jax.decoding.tree import get_tree
 
+    sized = [t for t in trees if t != "chosen"]
+    if not sized:
+        return
     fig, ax = plt.subplots(figsize=(6, 4))
-    for t in trees:
-        if t == "chosen":
-            continue
-        n = get_tree(t.removesuffix("+dv")).num_nodes
+    for t in sized:
+        n = get_tree(t.removesuffix("+dv"), known).num_nodes
         ax.scatter(n, result["runs"][t]["speedup_vs_ar"], label=t)
         ax.scatter(n, result["runs"][t]["tau"], marker="x", color="gray")
     ax.set_xlabel("tree size (tokens verified per step)")
@@ -250,7 +251,7 @@ def _main(argv=None):
                          f"{r['violations']} violations")
     (out / "results.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
-    plots(result, out, args.trees)
+    plots(result, out, args.trees, known)
 
 
 def main(argv=None) -> int:

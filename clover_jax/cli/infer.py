@@ -19,14 +19,14 @@ import jax.numpy as jnp
 from clover_jax import pretrained
 from clover_jax.cli import add_debug_argument, run_cli
 from clover_jax.decoding import acceptance_stats
-from clover_jax.decoding.sizes import bucket_length, round_up
+from clover_jax.decoding.sizes import bucket_length
 from clover_jax.decoding.tree import TreeSpecError, get_tree, is_lookup_only
 from clover_jax.generation.api import run_plan
 from clover_jax.heads.draft_vocab import load_draft_vocab
 from clover_jax.io.loader import load_model
 from clover_jax.io.prompts import encode_prompts, read_prompts
 from clover_jax.parallel import parse_mesh
-from clover_jax.tuning.fastest import prepare_generate, stream_text
+from clover_jax.tuning.fastest import prepare_generate, stream_text, warmup
 from clover_jax.validation import InputError, check_float, check_int
 
 
@@ -69,6 +69,9 @@ def parse_args(argv=None):
     p.add_argument("--stream", action="store_true", help="print each reply as it is generated (prompts one at a "
                    "time: --batch-size 1; one device)")
     p.add_argument("--quiet", action="store_true", help="print only the summary")
+    p.add_argument("--warmup", action="store_true", help="compile every program the prompts need before the first "
+                   "one (in parallel threads; the time is printed); otherwise each new prompt bucket compiles on "
+                   "first use")
     add_debug_argument(p)
     return p.parse_args(argv)
 
@@ -151,16 +154,19 @@ def _main(argv=None) -> int:
     hist = None  # speculative: steps that accepted n drafts, summed over batches
     compile_seconds = 0.0
     seen_shapes = set()
+    encoded = encode_prompts(loaded.tokenizer, prompts, chat=not args.no_chat, system=args.system)
+    if args.warmup:  # every (batch, bucket, cache) program of these prompts, compiled before the first is timed
+        warm_kw = {k: v for k, v in kw.items() if k not in ("chat", "system")}
+        report = warmup(loaded, prompt_lengths=[len(b) for b in encoded], batch_size=args.batch_size, **warm_kw)
+        print(f"warm-up: {len(report['programs'])} programs compiled in {report['seconds']:.1f} s "
+              f"({report['resolve_seconds']:.1f} s resolving the request)", file=sys.stderr)
+        compile_seconds += report["seconds"]
+        seen_shapes = {(p["batch"], p["bucket"]) for p in report["programs"]}
     for start in range(0, len(prompts), args.batch_size):
         texts = prompts[start:start + args.batch_size]
-        batch = encode_prompts(loaded.tokenizer, texts, chat=not args.no_chat, system=args.system)
+        batch = encoded[start:start + args.batch_size]
         shape_key = (len(batch), bucket_length(max(len(b) for b in batch)))
-        plan = prepare_generate(loaded, batch, **kw, seed=args.seed + start)
-        if args.cache_size is None:  # one cache size per prompt bucket: the warm-up's program is the timed call's
-            nodes = plan.drafter.num_nodes if plan.drafter is not None else 0
-            kw["cache_size"] = round_up(shape_key[1] + args.max_new_tokens + max(64, nodes), 256)
-            # every check (context, cache, memory) with the values asked for, before the warm-up compiles
-            plan = prepare_generate(loaded, batch, **kw, seed=args.seed + start)
+        plan = prepare_generate(loaded, batch, **{**kw, "chat": False}, seed=args.seed + start)
         if start == 0:
             if plan.mode == "speculative":  # what the plan resolved: the head loaded once, "auto" calibrated once
                 kw.update(head=plan.head, tree=plan.tree, draft_vocab=plan.draft_vocab, ngram_table=plan.ngram_table)
@@ -169,13 +175,13 @@ def _main(argv=None) -> int:
                 print(note, file=sys.stderr)
         quiet_sink = {"stream": (lambda row, ids: None)} if args.stream else {}
         if shape_key not in seen_shapes:  # compile outside the timed call (max_new_tokens is traced)
-            warm = run_plan(prepare_generate(loaded, batch, **{**kw, "max_new_tokens": 1}, seed=args.seed,
-                                             check_free_memory=False, **quiet_sink))
+            warm = run_plan(prepare_generate(loaded, batch, **{**kw, "max_new_tokens": 1, "chat": False},
+                                             seed=args.seed, check_free_memory=False, **quiet_sink))
             compile_seconds += warm.seconds
             seen_shapes.add(shape_key)
         if args.stream:
             print(f"\n### prompt {start}: {texts[0][:100]!r}")
-            res = _print_stream(stream_text(loaded, batch[0], **kw, seed=args.seed + start))
+            res = _print_stream(stream_text(loaded, batch[0], **{**kw, "chat": False}, seed=args.seed + start))
         else:
             res = run_plan(plan)
         total_tokens += res.num_generated

@@ -16,6 +16,7 @@ from typing import Any, Iterator, Sequence
 
 from clover_jax.generation import api, plan
 from clover_jax.generation.request import AUTO, Request
+from clover_jax.generation.warmup import warmup as warmup_with
 from clover_jax.heads.bundle import RunLoader
 from clover_jax.training.checkpoint import load_head_from_run
 from clover_jax.tuning.calibrate import decide_auto
@@ -53,10 +54,17 @@ def generate(model, prompts: Sequence[Any], **kwargs) -> api.GenerationResult:
     return api.run_plan(prepare_generate(model, prompts, **kwargs), decode_text=decode_text)
 
 
+def warmup(model, prompts=None, **kwargs) -> dict[str, Any]:
+    """Compiles every decoding program `generate(model, ...)` will run for these prompts (or `prompt_lengths=`),
+    the tree decided first as `generate` would (`clover_jax.generation.warmup.warmup`); returns the programs built
+    and the seconds it took."""
+    return warmup_with(prepare_generate, model, prompts, **kwargs)
+
+
 def stream_text(model, prompt, *, tokenizer=None, **kwargs) -> Iterator[str]:
     """Generates for one prompt and yields its text piece by piece as the loop accepts tokens, the tree decided as
     for `generate` (`clover_jax.generation.api.stream_with`)."""
     return api.stream_with(prepare_generate, model, prompt, tokenizer=tokenizer, **kwargs)
 
 
-__all__ = ["decide", "generate", "prepare_generate", "stream_text"]
+__all__ = ["decide", "generate", "prepare_generate", "stream_text", "warmup"]
