@@ -24,6 +24,7 @@ from clover_jax.training.checkpoint import Checkpointer, CheckpointError, head_m
 from clover_jax.training.config import ConfigError, ExperimentConfig, config_to_dict, save_config
 from clover_jax.training.features import attach_features
 from clover_jax.training.memory import abstract_head_state, check_training_memory
+from clover_jax.training.run_lock import take_run_lock
 from clover_jax.training.self_distill import self_distilled_conversations
 from clover_jax.training.trainer import Trainer, checkpoint_targets
 
@@ -171,8 +172,9 @@ def run_experiment(cfg: ExperimentConfig, *, resume: bool = False, progress: boo
     """Trains a head as `cfg` says; returns the loop's summary. With `resume`, continues from the latest
     checkpoint in `cfg.checkpoint_dir` (or starts fresh when there is none, with a warning); without it, refuses
     to start where checkpoints already exist. `from_step` (with `resume`) continues from that step instead of
-    the latest, moving later checkpoints aside (`discard_checkpoints_after`). A run that fails before its
-    first checkpoint leaves no empty checkpoint directory behind."""
+    the latest, moving later checkpoints aside (`discard_checkpoints_after`). The run folder is locked while the
+    run lasts (`clover_jax.training.run_lock`): a second job on it stops with a `RunLockedError`, having touched
+    nothing. A run that fails before its first checkpoint leaves no empty checkpoint directory behind."""
     if from_step is not None and not resume:
         raise ConfigError(f"from_step={from_step} needs resume=True")
     parallel.maybe_initialize_distributed(cfg.mesh.multi_host)
@@ -181,10 +183,13 @@ def run_experiment(cfg: ExperimentConfig, *, resume: bool = False, progress: boo
     run_dir = Path(cfg.train.output_dir)
     ckpt_dir = Path(cfg.checkpoint_dir)
     created = [d for d in (run_dir, ckpt_dir) if not d.exists()]  # removed again if the start fails
-    ckpt = Checkpointer(cfg.checkpoint_dir, save_every=cfg.checkpoint.save_every, keep=cfg.checkpoint.keep,
-                        async_save=cfg.checkpoint.async_save, save_on_preemption=cfg.checkpoint.save_on_preemption)
+    lock = take_run_lock(run_dir)  # one job per run folder: a second one stops here, having touched nothing
+    ckpt = None
     started = False
     try:
+        ckpt = Checkpointer(cfg.checkpoint_dir, save_every=cfg.checkpoint.save_every, keep=cfg.checkpoint.keep,
+                            async_save=cfg.checkpoint.async_save,
+                            save_on_preemption=cfg.checkpoint.save_on_preemption)
         existing = ckpt.all_steps()
         if existing and not resume:
             raise CheckpointError(f"{ckpt.directory}: already holds checkpoints (steps {existing}); pass --resume "
@@ -267,9 +272,13 @@ def run_experiment(cfg: ExperimentConfig, *, resume: bool = False, progress: boo
         summary["config"] = config_to_dict(cfg)
         return summary
     finally:
-        ckpt.close()
-        if not started:
-            _remove_if_empty(created)
+        try:
+            if ckpt is not None:
+                ckpt.close()  # waits for the last asynchronous save
+        finally:
+            lock.release()
+            if not started:
+                _remove_if_empty(created)
 
 
 def _remove_if_empty(dirs: list[Path]) -> None:
