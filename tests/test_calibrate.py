@@ -194,7 +194,7 @@ def test_calibration_fits_the_tree_the_head_accepts(tmp_path, monkeypatch):
     # observations of each rank toward the other depths' rates), a little less. Which trees the fit picks
     # depends on this machine's measured step costs, so the bound below is the prediction for the smallest tree
     # holding the path (a tree with more nodes can only be predicted more): about 2.98 from these few steps.
-    from clover_jax.decoding.tree_fit import expected_tau, smooth_acceptance
+    from clover_jax.decoding.trees.fit import expected_tau, smooth_acceptance
 
     smoothed = smooth_acceptance(np.array(entry["rank_acceptance"]), np.array(entry["rank_parents"]))
     minimal = expected_tau(tree_mod.TreeSpec(tuple(map(tuple, target)), top_k=4, name="path"), smoothed)

@@ -36,7 +36,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from clover_jax.decoding.autoregressive import PREFILL_CHUNK, run_blocks
-from clover_jax.decoding.topology import TreeTopology
+from clover_jax.decoding.trees.topology import TreeTopology
 from clover_jax.decoding.tree import TreeBuffers
 from clover_jax.validation import InputError, check_draft_vocab
 

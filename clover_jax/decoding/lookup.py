@@ -41,7 +41,7 @@ from flax import nnx, struct
 from clover_jax import parallel
 from clover_jax.decoding.drafter import Drafter, Proposal, cached_arrays
 from clover_jax.decoding.ngram import NgramTable, ngram_chain
-from clover_jax.decoding.topology import TreeTopology, topology_from_parents
+from clover_jax.decoding.trees.topology import TreeTopology, topology_from_parents
 from clover_jax.decoding.tree import LookupTree
 from clover_jax.validation import InputError
 

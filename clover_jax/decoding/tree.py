@@ -7,6 +7,8 @@
   trees/presets.py   `clover2_26`, `medusa_63`, `small_10`, `chain`, `PRESETS` and the parsers of their names
   trees/policies.py  per-step policies `DynamicTree` (EAGLE-2), `BeamTree` (ReDrafter) and `LookupTree` (a
                      prompt-lookup chain beside any tree), each parsing its own names
+  trees/topology.py  `TreeTopology`: a tree's index arrays built on device from parent pointers (per-step trees)
+  trees/fit.py       trees fitted to a head's measured acceptance and a machine's step cost (after Sequoia)
   trees/names.py     the name grammar (`get_tree` over the parsers of `GRAMMAR`, `register_grammar`; trees a caller
                      knows by name first: a head's fitted trees), `policy_kind`, `is_lookup_only`, `is_table_tree`
 """

@@ -14,7 +14,7 @@ candidate's tau, acceptance per depth, tokens/s and speedup over autoregressive 
 candidate with the highest speedup, or plain autoregressive decoding when no tree beats it (speculation that
 does not pay is not used).
 
-For heads that draft static trees the calibration also fits trees to the head (`clover_jax.decoding.tree_fit`,
+For heads that draft static trees the calibration also fits trees to the head (`clover_jax.decoding.trees.fit`,
 after Sequoia, Chen et al. 2024): a probe tree (a comb of the first child ranks along the top-1 path) joins the
 candidates, the loop's per-node acceptance counts of every static run give the head's acceptance per depth and
 child rank, a least-squares model of the step cost in verified tokens and depth comes from the same runs, and
@@ -47,7 +47,7 @@ import jax.numpy as jnp
 
 from clover_jax.decoding.ngram import resolve_ngram_table
 from clover_jax.decoding.tree import TreeSpec, get_tree
-from clover_jax.decoding.tree_fit import (
+from clover_jax.decoding.trees.fit import (
     fit_step_cost,
     fitted_candidates,
     probe_tree,

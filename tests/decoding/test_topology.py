@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from clover_jax.decoding import verify
-from clover_jax.decoding.topology import topology_from_parents
+from clover_jax.decoding.trees.topology import topology_from_parents
 from clover_jax.decoding.tree import build_buffers, get_tree
 
 TREES = ["chain-3", "small-10", "clover2-26", "medusa-63"]

@@ -1,4 +1,4 @@
-"""Trees fitted to a head (`clover_jax.decoding.tree_fit`): the greedy expansion is the optimum (exhaustive search),
+"""Trees fitted to a head (`clover_jax.decoding.trees.fit`): the greedy expansion is the optimum (exhaustive search),
 per-rank acceptance is recovered from the loop's per-node counts, and a head that accepts known ranks gets the tree
 that holds exactly those ranks."""
 
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from clover_jax.decoding.tree import TreeSpec, TreeSpecError, get_tree
-from clover_jax.decoding.tree_fit import (best_tree, expected_tau, fit_step_cost, fitted_candidates, path_scores,
+from clover_jax.decoding.trees.fit import (best_tree, expected_tau, fit_step_cost, fitted_candidates, path_scores,
                                           probe_tree, rank_acceptance, smooth_acceptance)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "heads"))  # spec_helpers

@@ -59,7 +59,7 @@ def random_parents(rng, batch: int, slots: int, max_depth: int) -> np.ndarray:
 def cases():
     """(buffers, batch) pairs: presets, random shared trees, per-row stacked trees, and per-row trees built on
     device from parent pointers with unused slots (what dynamic and beam policies verify)."""
-    from clover_jax.decoding.topology import topology_from_parents
+    from clover_jax.decoding.trees.topology import topology_from_parents
 
     rng = np.random.default_rng(1)
     out = [(T.build_buffers(T.clover2_26()), 6), (T.build_buffers(T.chain(4)), 5)]

@@ -18,7 +18,7 @@ from typing import Sequence
 import numpy as np
 from flax import struct
 
-from clover_jax.decoding.topology import TreeTopology
+from clover_jax.decoding.trees.topology import TreeTopology
 from clover_jax.decoding.trees.base import DEFAULT_TOP_K, TreeSpecError
 from clover_jax.decoding.trees.spec import TreeSpec
 

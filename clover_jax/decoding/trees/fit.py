@@ -37,7 +37,8 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from clover_jax.decoding.tree import TreeSpec, TreeSpecError
+from clover_jax.decoding.trees.base import TreeSpecError
+from clover_jax.decoding.trees.spec import TreeSpec
 
 
 def probe_tree(widths: Sequence[int]) -> TreeSpec:

@@ -22,7 +22,7 @@ from flax import struct
 from clover_jax import parallel
 from clover_jax.decoding.drafter import Proposal, TreeDrafterBase, cached_arrays, commit_prompt, vocab_ids
 from clover_jax.decoding.sampling import top_k_ids
-from clover_jax.decoding.topology import topology_from_parents
+from clover_jax.decoding.trees.topology import topology_from_parents
 from clover_jax.decoding.tree import DynamicTree, TreeBuffers, TreeSpec, build_buffers
 from clover_jax.heads import registry
 from clover_jax.heads.clover2.model import Clover2Head

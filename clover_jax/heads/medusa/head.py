@@ -36,7 +36,7 @@ from flax import nnx, struct
 from clover_jax import parallel
 from clover_jax.decoding.drafter import Proposal, TreeDrafterBase, cached_arrays, vocab_ids
 from clover_jax.decoding.sampling import top_k_ids
-from clover_jax.decoding.topology import TreeTopology
+from clover_jax.decoding.trees.topology import TreeTopology
 from clover_jax.decoding.tree import TreeBuffers, TreeSpec, build_buffers
 from clover_jax.heads.losses import kd_loss, kd_loss_packed, next_token_labels, output_projection
 from clover_jax.io.export import ExportError

@@ -48,7 +48,7 @@ from flax import nnx, struct
 from safetensors import safe_open
 
 from clover_jax.decoding.drafter import Proposal, TreeDrafterBase, cached_arrays, vocab_ids
-from clover_jax.decoding.topology import topology_from_parents
+from clover_jax.decoding.trees.topology import topology_from_parents
 from clover_jax.decoding.tree import BeamTree
 from clover_jax.heads.losses import kd_loss, kd_loss_packed, next_token_labels, output_projection
 from clover_jax.io.export import ExportError
