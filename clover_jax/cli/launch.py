@@ -14,6 +14,11 @@ Output lines are prefixed with the process index. When a process fails or is kil
 stops the others after its heartbeat timeout (`--heartbeat-timeout`); should one still be running `--grace`
 seconds after that, the launcher stops it (SIGTERM, then SIGKILL). The exit status is the first failure's (a
 process killed by a signal counts as 128 + the signal), 0 when all succeed.
+
+SIGTERM, SIGHUP or SIGINT (Ctrl-C) to the launcher (a scheduler's `timeout`, a preemption notice, a closed terminal)
+is passed on to every process as SIGTERM: `train.py` saves a checkpoint and exits 0, the launcher waits for them and
+exits with their status (0; 130 after Ctrl-C), and `--resume` continues the job. A second signal kills them. The
+processes run in a process group of their own, so a terminal's signals reach them through the launcher only.
 """
 
 from __future__ import annotations
@@ -30,7 +35,11 @@ from typing import Sequence
 
 from clover_jax.cli import add_debug_argument, run_cli
 from clover_jax.parallel import HEARTBEAT_ENV, NUM_PROCESSES_ENV, PROCESS_ID_ENV
-from clover_jax.validation import InputError, check_int
+from clover_jax.validation import InputError, check_float, check_int
+
+
+MAX_PROCESSES = 64  # processes of one job on one machine
+MAX_DEVICES = 1024  # simulated devices per process
 
 
 def free_port() -> int:
@@ -78,6 +87,45 @@ def describe(code: int) -> str:
     return f"exited with status {code}"
 
 
+_FORWARDED = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
+
+
+class _Signals:
+    """While installed (main thread only): SIGTERM, SIGHUP and SIGINT to the launcher are passed on to every
+    process still running as SIGTERM (each saves a checkpoint and exits); a second one kills them (SIGKILL)."""
+
+    def __init__(self, procs, out):
+        self.procs, self.out, self.received = procs, out, []
+        self.old = {}
+
+    def install(self) -> "_Signals":
+        if threading.current_thread() is threading.main_thread():
+            self.old = {s: signal.signal(s, self.handle) for s in _FORWARDED}
+        return self
+
+    def restore(self) -> None:
+        for s, h in self.old.items():
+            signal.signal(s, h)
+        self.old = {}
+
+    def handle(self, signum, frame) -> None:  # noqa: ARG002
+        self.received.append(signum)
+        running = [(i, p) for i, p in enumerate(self.procs) if p.poll() is None]
+        name = signal.Signals(signum).name
+        if len(self.received) == 1:
+            self.out.write(f"launch: received {name}: passing SIGTERM on to processes "
+                           f"{', '.join(str(i) for i, _ in running) or '(none running)'}; waiting for them to save "
+                           f"and exit (send it again to kill them)\n")
+            for _, p in running:
+                p.send_signal(signal.SIGTERM)
+        else:
+            self.out.write(f"launch: received {name} again: killing processes "
+                           f"{', '.join(str(i) for i, _ in running) or '(none running)'} (SIGKILL)\n")
+            for _, p in running:
+                p.kill()
+        self.out.flush()
+
+
 def launch(command: Sequence[str], num_processes: int, *, devices_per_process: int | None = None,
            port: int | None = None, heartbeat_timeout: int = 30, grace: float = 30.0, out=None) -> int:
     """Runs `command` as `num_processes` processes of one JAX job; returns the job's exit status (above)."""
@@ -85,36 +133,37 @@ def launch(command: Sequence[str], num_processes: int, *, devices_per_process: i
     argv = command_line(command)
     port = port or free_port()
     procs, pumps = [], []
-    for i in range(num_processes):
-        p = subprocess.Popen(argv, env=process_env(i, num_processes, port, devices_per_process, heartbeat_timeout),
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace")
-        procs.append(p)
-        t = threading.Thread(target=_pump, args=(p.stdout, f"[{i}] ", out), daemon=True)
-        t.start()
-        pumps.append(t)
-    first: tuple[int, int] | None = None  # (process, status) of the first failure
-    deadline = failed_at = None
+    signals = _Signals(procs, out).install()
     try:
-        while any(p.poll() is None for p in procs):
-            for i, p in enumerate(procs):
-                code = p.poll()
-                if code not in (None, 0) and first is None:
-                    first, failed_at = (i, code), time.monotonic()
-                    deadline = failed_at + heartbeat_timeout + grace
-                    out.write(f"launch: process {i} {describe(code)}; the others stop within the heartbeat "
-                              f"timeout ({heartbeat_timeout} s)\n")
-            if deadline is not None and time.monotonic() > deadline:
-                _stop([p for p in procs if p.poll() is None], out)
-            time.sleep(0.2)
-        ended = time.monotonic()
-    except KeyboardInterrupt:
+        for i in range(num_processes):
+            if signals.received:  # stopped while starting: start no more
+                break
+            # a process group of their own: a terminal's Ctrl-C or hang-up reaches the launcher alone, which passes
+            # it on as SIGTERM (a hang-up would kill the processes before they save)
+            p = subprocess.Popen(argv, env=process_env(i, num_processes, port, devices_per_process,
+                                                       heartbeat_timeout),
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace",
+                                 process_group=0)
+            procs.append(p)
+            t = threading.Thread(target=_pump, args=(p.stdout, f"[{i}] ", out), daemon=True)
+            t.start()
+            pumps.append(t)
+        first, failed_at, ended = _wait(procs, out, heartbeat_timeout, grace)
+    except BaseException:
         _stop([p for p in procs if p.poll() is None], out)
         raise
+    finally:
+        signals.restore()
     for t in pumps:
         t.join(timeout=5)
     if first is None:
         first = next(((i, p.returncode) for i, p in enumerate(procs) if p.returncode), None)
     if first is None:
+        if signals.received:
+            out.write(f"launch: the job stopped on {signal.Signals(signals.received[0]).name}; every process "
+                      "exited with status 0\n")
+            out.flush()
+            return 130 if signals.received[0] == signal.SIGINT else 0
         return 0
     i, code = first
     others = [f"process {j} {describe(p.returncode)}" for j, p in enumerate(procs) if j != i]
@@ -123,6 +172,25 @@ def launch(command: Sequence[str], num_processes: int, *, devices_per_process: i
                                                                           else "") + "\n")
     out.flush()
     return 128 - code if code < 0 else code
+
+
+def _wait(procs, out, heartbeat_timeout: int, grace: float) -> tuple[tuple[int, int] | None, float | None, float]:
+    """Waits for every process; stops those still running `heartbeat_timeout + grace` s after the first failure.
+    Returns ((process, status) of the first failure or None, when it failed, when the last one ended)."""
+    first: tuple[int, int] | None = None
+    deadline = failed_at = None
+    while any(p.poll() is None for p in procs):
+        for i, p in enumerate(procs):
+            code = p.poll()
+            if code not in (None, 0) and first is None:
+                first, failed_at = (i, code), time.monotonic()
+                deadline = failed_at + heartbeat_timeout + grace
+                out.write(f"launch: process {i} {describe(code)}; the others stop within the heartbeat "
+                          f"timeout ({heartbeat_timeout} s)\n")
+        if deadline is not None and time.monotonic() > deadline:
+            _stop([p for p in procs if p.poll() is None], out)
+        time.sleep(0.2)
+    return first, failed_at, time.monotonic()
 
 
 def _stop(procs, out) -> None:
@@ -156,12 +224,30 @@ def parse_args(argv=None):
     return args
 
 
+def check_args(args) -> None:
+    """Every setting in range, the script there and the port free: an `InputError` naming the first that is not."""
+    check_int("--num-processes", args.num_processes, minimum=1, maximum=MAX_PROCESSES)
+    if args.devices_per_process is not None:
+        check_int("--devices-per-process", args.devices_per_process, minimum=1, maximum=MAX_DEVICES)
+    check_int("--heartbeat-timeout", args.heartbeat_timeout, minimum=1)
+    check_float("--grace", args.grace, minimum=0)
+    if args.port is not None:
+        check_int("--port", args.port, minimum=1, maximum=65535)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", args.port))
+            except OSError as e:
+                raise InputError(f"--port {args.port}: cannot be the coordinator's port ({e.strerror}); leave it "
+                                 "out to use a free one") from None
+    argv = command_line(args.command)
+    script = next((a for a in argv[1:2] if a.endswith(".py")), None) if argv[0] == sys.executable else None
+    if script is not None and not os.path.isfile(script):
+        raise InputError(f"{script}: no such script to launch (from {os.getcwd()})")
+
+
 def _main(argv=None) -> int:
     args = parse_args(argv)
-    check_int("--num-processes", args.num_processes, minimum=1)
-    if args.devices_per_process is not None:
-        check_int("--devices-per-process", args.devices_per_process, minimum=1)
-    check_int("--heartbeat-timeout", args.heartbeat_timeout, minimum=1)
+    check_args(args)
     return launch(args.command, args.num_processes, devices_per_process=args.devices_per_process, port=args.port,
                   heartbeat_timeout=args.heartbeat_timeout, grace=args.grace)
 

@@ -7,6 +7,7 @@ gloo collectives): what a TPU pod's hosts do, for real.
 * Killing one process (SIGKILL) mid-run, or while its asynchronous checkpoint save is under way, stops the other
   within JAX's heartbeat timeout instead of hanging; the half-written checkpoint is not taken for one; relaunching
   both with --resume ends bit-identical to the uninterrupted two-process run.
+* SIGTERM to the launcher stops both processes at one step, saved whole, and the launcher exits 0 after them.
 * Greedy autoregressive and speculative decoding (chain-3) on the two-process mesh give the one-device tokens
   (trees on a mesh: tests/decoding/test_mesh.py, one process).
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -119,6 +121,38 @@ def test_a_killed_process_stops_the_job_and_resume_is_bit_identical(kill, two_pr
     assert losses(tmp_path) == losses(two_processes)
     a, b = final_params(two_processes), final_params(tmp_path)
     assert all(np.array_equal(a[k], b[k]) for k in a)
+
+
+def test_sigterm_to_the_launcher_stops_the_job_at_a_saved_step(two_processes, tmp_path):
+    """SIGTERM to the launcher alone (a scheduler's timeout, `kill <pid>`) reaches both processes: JAX's preemption
+    sync stops them at one step, which is saved whole; both exit 0, and so does the launcher, after them; the run
+    folder's lock is released. (A resume from a listed checkpoint is bit-identical: the tests above.)"""
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]), CLOVER_JAX_COMPILE_CACHE="off")
+    launcher = subprocess.Popen([sys.executable, "-m", "clover_jax.cli.launch", "-n", "2", "--devices-per-process",
+                                 "4", "--heartbeat-timeout", str(HEARTBEAT), "--", WORKER, "train", "--out",
+                                 str(tmp_path), "--step-delay", "1"], env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    try:
+        t0 = time.monotonic()
+        while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 2):  # steps 1 and 2 done
+            assert launcher.poll() is None and time.monotonic() - t0 < 300, launcher.stdout.read()[-4000:]
+            time.sleep(0.2)
+        launcher.send_signal(signal.SIGTERM)
+        log, _ = launcher.communicate(timeout=300)
+    finally:
+        launcher.kill()
+        launcher.wait()
+    assert launcher.returncode == 0, log[-4000:]
+    assert "launch: received SIGTERM: passing SIGTERM on to processes 0, 1" in log
+    stops = sorted(line.split()[:5] for line in log.splitlines() if "stopping at step" in line)
+    assert len(stops) == 2 and stops[0][4] == stops[1][4], stops  # both processes, at one step
+    step = int(stops[0][4])
+    assert 2 <= step < 6
+    ckpt = Checkpointer(tmp_path / "run" / "checkpoints", read_only=True, async_save=False, save_on_preemption=False)
+    assert ckpt.all_steps()[-1] == step and ckpt.read_meta(step)["step"] == step
+    assert not (tmp_path / "run" / "run.lock").exists()
+    assert losses(tmp_path) == losses(two_processes)[:step]  # the same run, up to the stop
 
 
 def test_decoding_on_two_processes_equals_one_device(tmp_path):

@@ -8,7 +8,8 @@ at 4 random trained positions per row) on a mesh over every device of the job (d
 6 steps. Each process feeds its own rows of every
 global batch. Process 0 writes `DIR/final.npz` (the head's parameters, gathered) and the run's metrics.jsonl.
 `--kill-at S`: process 1 kills itself (SIGKILL) when step S is done, before its checkpoint; `--kill-in-save S`:
-right after the asynchronous save of step S started.
+right after the asynchronous save of step S started. `--step-delay T`: every process waits T s after each step
+(time to signal the job mid-run; the numbers do not change).
 
 decode: greedy autoregressive and speculative decoding (Clover-2 head, chain-3) of a tiny random model, with the
 weights and batch on the job's 8-device mesh; process 0 writes the tokens to `DIR/decode.json`.
@@ -21,6 +22,7 @@ import json
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -90,6 +92,7 @@ def train(args) -> None:
 
     def on_step(step, trainer):
         _TRAINER["trainer"] = trainer
+        time.sleep(args.step_delay)
         if step == args.kill_at and jax.process_index() == 1:
             die()
 
@@ -127,6 +130,7 @@ def main() -> None:
     ap.add_argument("--resume", action="store_true")
     ap.add_argument("--kill-at", type=int, default=None)
     ap.add_argument("--kill-in-save", type=int, default=None)
+    ap.add_argument("--step-delay", type=float, default=0.0)
     ap.add_argument("--mesh", default="data=2,tp=4")
     ap.add_argument("--one-device", action="store_true")
     args = ap.parse_args()
