@@ -95,7 +95,7 @@ class _Signals:
     process still running as SIGTERM (each saves a checkpoint and exits); a second one kills them (SIGKILL)."""
 
     def __init__(self, procs, out):
-        self.procs, self.out, self.received = procs, out, []
+        self.procs, self.out, self.received, self.messages = procs, out, [], []
         self.old = {}
 
     def install(self) -> "_Signals":
@@ -111,19 +111,22 @@ class _Signals:
     def handle(self, signum, frame) -> None:  # noqa: ARG002
         self.received.append(signum)
         running = [(i, p) for i, p in enumerate(self.procs) if p.poll() is None]
-        name = signal.Signals(signum).name
+        name, which = signal.Signals(signum).name, ", ".join(str(i) for i, _ in running) or "(none running)"
         if len(self.received) == 1:
-            self.out.write(f"launch: received {name}: passing SIGTERM on to processes "
-                           f"{', '.join(str(i) for i, _ in running) or '(none running)'}; waiting for them to save "
-                           f"and exit (send it again to kill them)\n")
+            self.messages.append(f"launch: received {name}: passing SIGTERM on to processes {which}; waiting for "
+                                 "them to save and exit (send it again to kill them)")
             for _, p in running:
                 p.send_signal(signal.SIGTERM)
         else:
-            self.out.write(f"launch: received {name} again: killing processes "
-                           f"{', '.join(str(i) for i, _ in running) or '(none running)'} (SIGKILL)\n")
+            self.messages.append(f"launch: received {name} again: killing processes {which} (SIGKILL)")
             for _, p in running:
                 p.kill()
-        self.out.flush()
+
+    def report(self) -> None:
+        """Writes what the handler did (not from the handler itself: it may interrupt a write to `out`)."""
+        while self.messages:
+            self.out.write(self.messages.pop(0) + "\n")
+            self.out.flush()
 
 
 def launch(command: Sequence[str], num_processes: int, *, devices_per_process: int | None = None,
@@ -148,12 +151,13 @@ def launch(command: Sequence[str], num_processes: int, *, devices_per_process: i
             t = threading.Thread(target=_pump, args=(p.stdout, f"[{i}] ", out), daemon=True)
             t.start()
             pumps.append(t)
-        first, failed_at, ended = _wait(procs, out, heartbeat_timeout, grace)
+        first, failed_at, ended = _wait(procs, out, heartbeat_timeout, grace, signals)
     except BaseException:
         _stop([p for p in procs if p.poll() is None], out)
         raise
     finally:
         signals.restore()
+        signals.report()
     for t in pumps:
         t.join(timeout=5)
     if first is None:
@@ -174,12 +178,14 @@ def launch(command: Sequence[str], num_processes: int, *, devices_per_process: i
     return 128 - code if code < 0 else code
 
 
-def _wait(procs, out, heartbeat_timeout: int, grace: float) -> tuple[tuple[int, int] | None, float | None, float]:
+def _wait(procs, out, heartbeat_timeout: int, grace: float,
+          signals: _Signals) -> tuple[tuple[int, int] | None, float | None, float]:
     """Waits for every process; stops those still running `heartbeat_timeout + grace` s after the first failure.
     Returns ((process, status) of the first failure or None, when it failed, when the last one ended)."""
     first: tuple[int, int] | None = None
     deadline = failed_at = None
     while any(p.poll() is None for p in procs):
+        signals.report()
         for i, p in enumerate(procs):
             code = p.poll()
             if code not in (None, 0) and first is None:

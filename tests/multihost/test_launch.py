@@ -153,8 +153,9 @@ def running(pid: int) -> bool:
 @pytest.mark.parametrize("sig, mode, status, expected", [
     (signal.SIGTERM, "save", 0, 0),  # train.py: saves and exits 0, and so does the launcher
     (signal.SIGHUP, "save", 5, 5),  # a closed terminal: passed on as SIGTERM; the processes' status
+    (signal.SIGINT, "save", 0, 130),  # Ctrl-C: passed on as SIGTERM too; the status of an interrupt
     (signal.SIGTERM, "ignore", 0, 128 + signal.SIGKILL),  # a process that does not stop: the second signal kills
-], ids=["SIGTERM", "SIGHUP", "SIGTERM-twice"])
+], ids=["SIGTERM", "SIGHUP", "SIGINT", "SIGTERM-twice"])
 def test_a_signal_to_the_launcher_stops_every_process(sig, mode, status, expected, tmp_path):
     """The launcher as a real process, and only it signalled (as `kill <pid>` or a scheduler's timeout does): each
     process gets SIGTERM, saves, and the launcher exits with their status after them; none keeps running."""
