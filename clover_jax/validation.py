@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import numbers
 import operator
+import os
 from typing import Any, Sequence
 
 import numpy as np
@@ -118,11 +119,20 @@ def check_token_ids(name: str, ids: Any, vocab_size: int) -> list[int]:
 
 
 def check_draft_vocab(ids, vocab_size: int) -> np.ndarray:
-    """`ids` as a sorted, duplicate-free int32 array of valid token ids, or an `InputError` naming the problem."""
-    a = np.asarray(ids)
+    """`ids` as a sorted, duplicate-free int32 array of valid token ids, or an `InputError` naming the problem.
+    A file name is refused with the way to read the file (`clover_jax.heads.draft_vocab.load_draft_vocab`)."""
+    if isinstance(ids, (str, bytes, os.PathLike)):
+        raise InputError(f"draft_vocab: expected token ids (a list or 1-D array of ints), got the path {str(ids)!r}; "
+                         "read a draft_vocab.json file with clover_jax.heads.draft_vocab.load_draft_vocab(path) and "
+                         "pass what it returns")
+    try:
+        a = np.asarray(ids)
+    except (ValueError, TypeError):  # ragged nesting
+        a = np.asarray(None)
     if a.ndim != 1 or a.size == 0 or not np.issubdtype(a.dtype, np.integer):
-        raise InputError(f"draft vocabulary must be a non-empty 1-D list of token ids, got shape {a.shape} "
-                         f"of {a.dtype}")
+        got = (f"{type(ids).__name__} {ids!r}"[:80] if a.ndim == 0 or a.dtype == object else
+               f"shape {a.shape} of {a.dtype}")
+        raise InputError(f"draft_vocab: expected a non-empty 1-D list or array of token ids (ints), got {got}")
     if a.min() < 0 or a.max() >= vocab_size:
         raise InputError(f"draft vocabulary holds token id {int(a.min() if a.min() < 0 else a.max())} outside "
                          f"the model's vocabulary [0, {vocab_size})")

@@ -24,7 +24,7 @@ from clover_jax.parallel import parse_mesh
 from clover_jax.training.loading import load_head
 from clover_jax.tuning.calibrate import DYNAMIC_CANDIDATES, STATIC_CANDIDATES, resolve_auto
 from clover_jax.tuning.choose import choose
-from clover_jax.validation import InputError
+from clover_jax.validation import InputError, check_int
 
 
 # ------------------------------------------------------------------------------------------------ CLI
@@ -43,7 +43,7 @@ def _main(argv=None) -> int:
                     "tree, or plain decoding; under a minute at batch 1) and print it")
     ap.add_argument("--prompts-file", help="questions to calibrate on (default: 8 Spec-Bench questions outside "
                     "MT-Bench: translation, QA, math)")
-    ap.add_argument("--limit", type=int, default=8)
+    ap.add_argument("--limit", type=int, default=8, help="the first N questions of --prompts-file")
     ap.add_argument("--candidates", nargs="+", help=f"trees to try (default: {' '.join(STATIC_CANDIDATES)} "
                     f"{' '.join(DYNAMIC_CANDIDATES)}, those the head supports)")
     ap.add_argument("--batch-size", type=int, default=1)
@@ -54,6 +54,9 @@ def _main(argv=None) -> int:
                     "fitted to the head's per-rank acceptance")
     add_debug_argument(ap)
     args = ap.parse_args(argv)
+    check_int("--batch-size", args.batch_size, minimum=1)  # before the model loads
+    check_int("--limit", args.limit, minimum=1)
+    check_int("--max-new-tokens", args.max_new_tokens, minimum=1)
     mesh = None
     if args.mesh:
         mesh = parse_mesh(args.mesh)

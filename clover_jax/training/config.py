@@ -430,7 +430,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raise FileNotFoundError(f"config file not found: {path}")
         where = f"{path}: "
         try:
-            raw = yaml.load(path.read_text(), Loader=_Loader)
+            raw = yaml.load(path.read_text(encoding="utf-8"), Loader=_Loader)
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{where}not a YAML text file (byte {e.start} is not UTF-8 text: {e.reason}); "
+                              "give a config such as configs/smollm2-135m-clover2.yaml") from None
         except yaml.YAMLError as e:
             raise ConfigError(f"{where}not valid YAML ({e})") from None
         raw = {} if raw is None else raw
