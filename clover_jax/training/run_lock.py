@@ -35,6 +35,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 from clover_jax.validation import InputError
 
@@ -175,8 +176,6 @@ def acquire(run_dir: str | os.PathLike) -> RunLock:
 
 def _broadcast_text(text: str, size: int = 2048) -> str:
     """Process 0's `text` on every process of the job."""
-    from jax.experimental import multihost_utils
-
     buf = np.zeros(size, np.uint8)
     data = text.encode("utf-8")[:size]
     buf[:len(data)] = np.frombuffer(data, np.uint8)
