@@ -394,25 +394,6 @@ def output_projection(base: Llama, vocab_ids: jax.Array | None = None) -> jax.Ar
     return base.lm_head_rows(jnp.asarray(vocab_ids, jnp.int32)).T
 
 
-def clover2_loss_from_features(head, base: Llama, f: jax.Array, tokens: jax.Array, loss_mask: jax.Array,
-                               valid: jax.Array, cfg: LossConfig = LossConfig(),
-                               teacher_hidden: jax.Array | None = None, index: jax.Array | None = None,
-                               vocab_ids: jax.Array | None = None, **outputs_kw):
-    """The loss from precomputed base features (the reference's stored `hidden_state_onnorm` f and,
-    optionally, `hidden_state` h; h defaults to RMSNorm_final(f)). With `index` (see `pack_positions`)
-    the vocabulary terms are packed (`kd_loss_packed`); with `vocab_ids` they run over that draft
-    vocabulary only (`output_projection`). `outputs_kw` go to the head's `train_outputs`."""
-    f = jax.lax.stop_gradient(f)
-    if teacher_hidden is None:
-        teacher_hidden = rms_norm(f, jax.lax.stop_gradient(base.final_norm[...]), base.config.rms_norm_eps)
-    outputs = head.train_outputs(base, f, tokens, valid, **outputs_kw)
-    lm_head = output_projection(base, vocab_ids)
-    labels = next_token_labels(tokens, valid, vocab_ids) if cfg.hard_labels else None
-    if index is not None:
-        return kd_loss_packed(outputs, teacher_hidden, loss_mask, valid, lm_head, index, cfg, labels=labels)
-    return kd_loss(outputs, teacher_hidden, tokens, loss_mask, valid, lm_head, cfg, labels=labels)
-
-
 def uniform_feature_noise(rng: jax.Array, valid: jax.Array, dim: int, std: float) -> jax.Array:
     """`[B, T, D]` EAGLE's training noise on input features (SafeAILab/EAGLE v1 `AddUniformNoise`): uniform in
     `(-a/2, a/2)` with `a = std * 512 / length`, `length` each row's number of valid positions (the reference
@@ -428,14 +409,3 @@ def base_features(base: Llama, tokens: jax.Array, valid: jax.Array) -> jax.Array
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     f, _, _ = base.forward_hidden(tokens, positions, causal_mask(valid.astype(bool)))
     return f
-
-
-def clover2_loss(head, base: Llama, tokens: jax.Array, loss_mask: jax.Array, valid: jax.Array,
-                 cfg: LossConfig = LossConfig(), index: jax.Array | None = None,
-                 vocab_ids: jax.Array | None = None):
-    """Online self-distillation: runs the frozen base on `tokens [B, T]` (right padded by `valid`),
-    then the head with teacher forcing, and returns `(loss, metrics)` (see `kd_loss`; `kd_loss_packed`
-    when `index` is given)."""
-    f = base_features(base, tokens, valid)
-    return clover2_loss_from_features(head, base, f, tokens, loss_mask, valid, cfg, index=index,
-                                      vocab_ids=vocab_ids)

@@ -14,7 +14,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from clover_jax.decoding import acceptance_stats
-from clover_jax.decoding.sizes import bucket_length, round_up
+from clover_jax.decoding.sizes import bucket_length, cache_for_bucket
 from clover_jax.decoding.tree import get_tree
 from clover_jax.generation.api import generate
 from clover_jax.io.prompts import encode_prompts
@@ -129,7 +129,7 @@ def evaluate(loaded, head, prompts: Sequence[str], *, trees: Sequence[str] = ("c
     for start in tqdm(batches, desc="eval", disable=not progress):
         chunk = ids[start:start + batch_size]
         bucket = bucket_length(max(len(p) for p in chunk))
-        cache = round_up(bucket + max_new_tokens + max_nodes + 8, 256)
+        cache = cache_for_bucket(bucket, max_new_tokens, max_nodes)  # the cache every tree's run shares
         common = dict(cache_size=cache, temperature=temperature, top_p=top_p, mesh=mesh, layers=layers)
         outs = {}
         for name, run in runs.items():

@@ -54,7 +54,7 @@ class OracleDrafter(TreeDrafterBase):
     """Drafts from a known sequence `seq [B, S]` (prompt + the base model's greedy continuation, laid out
     like the loop's token buffer). The first path of the tree (rank 0 at every depth) gets the true next
     tokens, every other node a wrong one, distinct among siblings: (true + 1 + rank) % V. With
-    `anti=True` every node is wrong. Hashable by identity, like `Clover2Drafter`."""
+    `anti=True` every node is wrong. Hashable by identity, like `RecurrentDrafter`."""
 
     spec: TreeSpec
     seq: np.ndarray

@@ -19,7 +19,7 @@ from clover_jax.heads.registry import drafter_for
 from clover_jax.decoding.tree import DynamicTree, TreeSpecError, get_tree
 from clover_jax.heads import registry
 from clover_jax.heads.clover1.head import Clover1Config, Clover1Head, init_from_base
-from clover_jax.heads.clover2.drafter import Clover2DynamicDrafter
+from clover_jax.heads.recurrent.drafter import RecurrentDynamicDrafter
 from clover_jax.models.llama import init_llama
 from clover_jax.heads.losses import base_features
 from clover_jax.validation import InputError
@@ -44,7 +44,7 @@ def test_top_p_policy_names_and_registry():
     with pytest.raises(TreeSpecError, match="top_p must be in"):
         DynamicTree(10, top_p=1.5)
     assert registry.of_head(Clover1Head).name == "clover1" and registry.get("clover1").default_tree == "dynamic-10-p0.8"
-    assert isinstance(drafter_for(Clover1Head, "dynamic-10-p0.8"), Clover2DynamicDrafter)
+    assert isinstance(drafter_for(Clover1Head, "dynamic-10-p0.8"), RecurrentDynamicDrafter)
     with pytest.raises(InputError, match="beam-search policy"):
         drafter_for(Clover1Head, "beam-2x3")
 

@@ -270,7 +270,7 @@ def test_blockwise_top_k_equals_lax_top_k():
 
 def test_commit_with_unrolled_layers_equals_the_scan(base, head):
     """The decoding loop runs the Augmenting Block unrolled on per-layer weights taken once before it
-    (`Clover2Drafter.init_state(layers="unrolled")`): the same state and cache as the scan over stacked layers."""
+    (`RecurrentDrafter.init_state(layers="unrolled")`): the same state and cache as the scan over stacked layers."""
     b, size = 2, 16
     f, _, y = _data(b, 5, 3)
     num = jnp.asarray([5, 3])

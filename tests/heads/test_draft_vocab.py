@@ -8,7 +8,7 @@ import pytest
 from clover_jax.generation.api import generate
 from clover_jax.decoding.tree import get_tree
 from clover_jax.heads.clover2.model import Clover2Config, init_from_base
-from clover_jax.heads.clover2.drafter import Clover2Drafter
+from clover_jax.heads.recurrent.drafter import RecurrentDrafter
 from clover_jax.heads.draft_vocab import (check_draft_vocab, coverage, frequent_tokens, load_draft_vocab,
                                           save_draft_vocab)
 from clover_jax.models.llama import init_llama
@@ -48,8 +48,8 @@ def test_frequent_tokens_and_file_round_trip(tmp_path):
 
 def test_drafts_come_from_the_draft_vocabulary(tiny):
     base, head = tiny
-    drafter = Clover2Drafter(get_tree("clover2-26"), draft_vocab=tuple(SUBSET.tolist()))
-    full = Clover2Drafter(get_tree("clover2-26"))
+    drafter = RecurrentDrafter(get_tree("clover2-26"), draft_vocab=tuple(SUBSET.tolist()))
+    full = RecurrentDrafter(get_tree("clover2-26"))
     s0 = jax.random.normal(jax.random.key(0), (3, CFG.hidden_size))
     root = jnp.array([4, 5, 6])
     props = []

@@ -11,8 +11,9 @@ from clover_jax.heads.clover2.model import Clover2Config, Clover2Head
 from clover_jax.models.cache import causal_mask
 from clover_jax.models.config import LlamaConfig
 from clover_jax.models.llama import init_llama, rms_norm
-from clover_jax.heads.losses import (LossConfig, base_features, clover2_loss, clover2_loss_from_features, kd_loss,
+from clover_jax.heads.losses import (LossConfig, base_features, kd_loss,
                                       kd_loss_packed, pack_positions)
+from clover_jax.heads.recurrent.loss import loss as recurrent_loss, loss_from_features as recurrent_loss_from_features
 
 NH, B, T, D, V = 5, 3, 11, 16, 40
 LENGTHS = np.array([11, 8, 3])  # the last row is shorter than the number of heads
@@ -202,7 +203,7 @@ def test_clover2_loss_end_to_end_and_gradients_only_reach_the_head():
     cfg = LossConfig(vocab_chunk=4)
 
     (loss, metrics), (g_head, g_base) = jax.jit(jax.value_and_grad(
-        lambda hd, bs: clover2_loss(hd, bs, tokens, loss_mask, valid, cfg), argnums=(0, 1), has_aux=True))(head, base)
+        lambda hd, bs: recurrent_loss(hd, bs, tokens, loss_mask, valid, cfg), argnums=(0, 1), has_aux=True))(head, base)
 
     # the same number from the pieces: base forward -> head.train_outputs -> numpy reference
     pos = jnp.broadcast_to(jnp.arange(t), (b, t))
@@ -232,7 +233,7 @@ def test_draft_vocabulary_loss_is_the_reference_loss_on_those_tokens():
     loss_mask = jnp.asarray(rng.rand(b, t) < 0.8, jnp.float32)
     ids = np.sort(rng.choice(CFG.vocab_size, 20, replace=False)).astype(np.int32)
     f = base_features(base, tokens, valid)
-    loss_fn = jax.jit(lambda ids: clover2_loss_from_features(head, base, f, tokens, loss_mask, valid, vocab_ids=ids))
+    loss_fn = jax.jit(lambda ids: recurrent_loss_from_features(head, base, f, tokens, loss_mask, valid, vocab_ids=ids))
 
     loss, metrics = loss_fn(jnp.asarray(ids))
     outputs = head.train_outputs(base, f, tokens, valid)
@@ -244,7 +245,7 @@ def test_draft_vocabulary_loss_is_the_reference_loss_on_those_tokens():
     np.testing.assert_allclose(np.asarray(metrics["ploss"]), ref["ploss"], rtol=1e-5)
     np.testing.assert_array_equal(np.asarray(metrics["correct"]), ref["correct"])
     # every id listed: the full-vocabulary loss; a proper subset: a different cross-entropy, same regression
-    full_loss, full = clover2_loss(head, base, tokens, loss_mask, valid)
+    full_loss, full = recurrent_loss(head, base, tokens, loss_mask, valid)
     all_loss, _ = loss_fn(jnp.arange(CFG.vocab_size, dtype=jnp.int32))
     np.testing.assert_allclose(float(all_loss), float(full_loss), rtol=1e-6)
     assert not np.allclose(np.asarray(metrics["ploss"]), np.asarray(full["ploss"]), rtol=1e-3)

@@ -19,7 +19,7 @@ from clover_jax.heads.clover1.head import (
     to_reference,
 )
 from clover_jax.heads.clover2 import Clover2Options
-from clover_jax.heads.clover2.drafter import Clover2Drafter, Clover2DynamicDrafter
+from clover_jax.heads.recurrent.drafter import RecurrentDrafter, RecurrentDynamicDrafter
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,7 +33,7 @@ class Clover1Options(Clover2Options):
 CLOVER1 = registry.register(registry.HeadType(
     name="clover1", config_cls=Clover1Config, module_cls=Clover1Head, options_cls=Clover1Options,
     fields=("num_heads", "num_aug_layers", "embed_source", "rope_theta"),
-    init_from_base=init_from_base, drafters={TreeSpec: Clover2Drafter, DynamicTree: Clover2DynamicDrafter},
+    init_from_base=init_from_base, drafters={TreeSpec: RecurrentDrafter, DynamicTree: RecurrentDynamicDrafter},
     loss_from_features=loss_from_features, to_reference=to_reference, from_reference=from_reference,
     config_dict=config_dict, check_compatible=check_compatible,
     sharding_rules={"ad_wq": ("fsdp", "tp"), "ad_wk": ("fsdp", "tp"), "ad_wv": ("fsdp", "tp"),  # [n, D, D]

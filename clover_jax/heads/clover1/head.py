@@ -51,7 +51,8 @@ from flax import nnx
 from safetensors import safe_open
 
 from clover_jax.heads.clover2.model import EMBED_SOURCES, REFERENCE_ROPE_THETA, attention_decoder, aug_block_config
-from clover_jax.heads.losses import clover2_loss_from_features
+from clover_jax.heads.recurrent import RecurrentNodes
+from clover_jax.heads.recurrent.loss import loss_from_features as recurrent_loss_from_features
 from clover_jax.io.export import ExportError
 from clover_jax.models.cache import KVCache, attended_cache, causal_mask, check_room
 from clover_jax.models.config import LlamaConfig
@@ -80,7 +81,7 @@ class Clover1Config:
             raise InputError(f"embed_source must be one of {EMBED_SOURCES}, got {self.embed_source!r}")
 
 
-class Clover1Head(nnx.Module):
+class Clover1Head(RecurrentNodes, nnx.Module):
     """Clover-1 heads for one base model (see the module docstring); parameters only."""
 
     def __init__(self, base_config: LlamaConfig, cfg: Clover1Config = Clover1Config(), *, rngs: nnx.Rngs):
@@ -225,7 +226,7 @@ def init_from_base(base: Llama, cfg: Clover1Config = Clover1Config(), seed: int 
 
 
 def loss_from_features(head, base, f, tokens, loss_mask, valid, loss_cfg, *, index=None, vocab_ids=None):
-    return clover2_loss_from_features(head, base, f, tokens, loss_mask, valid, loss_cfg, index=index,
+    return recurrent_loss_from_features(head, base, f, tokens, loss_mask, valid, loss_cfg, index=index,
                                       vocab_ids=vocab_ids)
 
 

@@ -2,9 +2,8 @@
 Augmenting Block over the base model's hidden states.
 
   model.py    the head module (`Clover2Head`) and its config
-  drafter.py  drafting over a static tree and a dynamic (EAGLE-2-style) tree
-  loss.py     the training loss from the base's features
   export.py   the reference project's parameter names, export and import
+It drafts and trains as a member of the recurrent family (`clover_jax.heads.recurrent`: its drafters and loss).
 This module registers the type under the name "clover2".
 """
 
@@ -15,9 +14,9 @@ from typing import Literal, Optional
 
 from clover_jax.decoding.tree import DynamicTree, TreeSpec
 from clover_jax.heads import registry
-from clover_jax.heads.clover2.drafter import Clover2Drafter, Clover2DynamicDrafter
+from clover_jax.heads.recurrent.drafter import RecurrentDrafter, RecurrentDynamicDrafter
 from clover_jax.heads.clover2.export import config_dict, from_reference, to_reference
-from clover_jax.heads.clover2.loss import loss_from_features
+from clover_jax.heads.recurrent.loss import loss_from_features
 from clover_jax.heads.clover2.model import (
     REFERENCE_ROPE_THETA,
     Clover2Config,
@@ -58,10 +57,10 @@ class Clover2Options(HeadOptions):
 
 CLOVER2 = registry.register(registry.HeadType(
     name="clover2", config_cls=Clover2Config, module_cls=Clover2Head, options_cls=Clover2Options, fields=FIELDS,
-    init_from_base=init_from_base, drafters={TreeSpec: Clover2Drafter, DynamicTree: Clover2DynamicDrafter},
+    init_from_base=init_from_base, drafters={TreeSpec: RecurrentDrafter, DynamicTree: RecurrentDynamicDrafter},
     loss_from_features=loss_from_features, to_reference=to_reference, from_reference=from_reference,
     config_dict=config_dict, check_compatible=check_compatible, sharding_rules=SHARDING_RULES,
     description="Clover-2: an RNN draft head with an Augmenting Block (Xiao et al. 2024, arXiv 2408.00264)"))
 
-__all__ = ["CLOVER2", "Clover2Config", "Clover2Drafter", "Clover2DynamicDrafter", "Clover2Head", "Clover2Options",
+__all__ = ["CLOVER2", "Clover2Config", "RecurrentDrafter", "RecurrentDynamicDrafter", "Clover2Head", "Clover2Options",
            "init_from_base"]

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from clover_jax.heads.recurrent import RecurrentNodes
 from clover_jax.models.cache import KVCache, attended_cache, causal_mask, check_room
 from clover_jax.models.config import LlamaConfig, RopeScaling
 from clover_jax.models.llama import DecoderStack, Llama, rms_norm
@@ -132,7 +133,7 @@ def aug_block_config(base_config: LlamaConfig, rope_theta: float | None) -> Llam
 
 
 # ----------------------------------------------------------------------------- module
-class Clover2Head(nnx.Module):
+class Clover2Head(RecurrentNodes, nnx.Module):
     """Clover-2 draft head; parameters only (caches and decode state are explicit arguments)."""
 
     def __init__(self, base_config: LlamaConfig, cfg: Clover2Config = Clover2Config(), *, rngs: nnx.Rngs):
@@ -278,7 +279,7 @@ class Clover2Head(nnx.Module):
           cache_extent: optional `[]` int, at least every row's `cache.lengths`: the cache is then read in blocks
             up to it only (a block of a long prompt, `commit_prompt`), not over all its slots.
           layer_weights: optional `self.aug.per_layer_weights()`, taken before a decoding loop: the block's layers
-            then run unrolled, reading their weights in place (see `Clover2Drafter.unroll_layers`).
+            then run unrolled, reading their weights in place (see `RecurrentDrafter.unroll_layers`).
 
         Returns:
           `(state [B, D], cache')`: the Augmenting-Block output (after aug_norm) at the last valid new

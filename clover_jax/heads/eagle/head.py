@@ -44,9 +44,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from clover_jax.heads.clover2.drafter import Clover2Drafter, Clover2DynamicDrafter, Clover2State
+from clover_jax.heads.recurrent.drafter import RecurrentDrafter, RecurrentDynamicDrafter, RecurrentState
 from clover_jax.heads.clover2.model import REFERENCE_ROPE_THETA, aug_block_config
-from clover_jax.heads.losses import clover2_loss_from_features, uniform_feature_noise
+from clover_jax.heads.losses import uniform_feature_noise
+from clover_jax.heads.recurrent.loss import loss_from_features as recurrent_loss_from_features
 from clover_jax.io.export import ExportError, merge_checked
 from clover_jax.io.hf import _layer_table, read_weights_dir
 from clover_jax.models.cache import KVCache, attended_cache, causal_mask, check_room, prefix_mask
@@ -173,6 +174,18 @@ class EagleHead(nnx.Module):
         state = jnp.take_along_axis(out, last[:, None, None], axis=1)[:, 0]  # [B, D]
         return state, cache.append(new_k, new_v, num_valid)
 
+    # the node step of the recurrent family's drafter (`clover_jax.heads.recurrent.RecurrentHead`): a node carries
+    # its feature and the draft layer's keys and values along its path
+    def root_node(self, base: Llama, cache: KVCache, s0: jax.Array):
+        b, _ = s0.shape
+        c = self.base_config
+        empty = jnp.zeros((b, 1, NUM_LAYERS, 0, c.num_key_value_heads, c.head_dim), cache.k.dtype)  # no path yet
+        return {"f": s0[:, None, :], "k": empty, "v": empty}, s0
+
+    def node_step(self, base: Llama, cache: KVCache, parents: dict, tokens: jax.Array, depth: int):
+        f, k, v = self.draft_step(base, cache, parents["f"], parents["k"], parents["v"], tokens, depth)
+        return {"f": f, "k": k, "v": v}, f
+
     def draft_step(self, base: Llama, cache: KVCache, parent_f: jax.Array, path_k: jax.Array, path_v: jax.Array,
                    tokens: jax.Array, depth: int) -> tuple[jax.Array, jax.Array, jax.Array]:
         """One tree level: nodes at `depth` (>= 1) with tokens `[B, E]`, their parents' outputs `parent_f [B, E, D]`
@@ -252,7 +265,7 @@ class _EagleNodes:
 
     # EAGLE's one draft layer keeps its scan: unrolled (per-layer weights passed to every draft depth and commit) it
     # ran no faster on a CPU (chain-4 and dynamic-10 steps within noise)
-    def unroll_layers(self, head, state: Clover2State) -> Clover2State:
+    def unroll_layers(self, head, state: RecurrentState) -> RecurrentState:
         return state
 
     def layer_copy_bytes(self, head) -> int:
@@ -262,24 +275,15 @@ class _EagleNodes:
         check_compatible(head, base.config)
         self.check_tree(self.max_depth, base.config.vocab_size, what="the EAGLE head")  # any depth drafts
 
-    def _root_node(self, head: EagleHead, base, state: Clover2State):
-        b, d = state.s0.shape
-        c = head.base_config
-        empty = jnp.zeros((b, 1, NUM_LAYERS, 0, c.num_key_value_heads, c.head_dim), state.cache.k.dtype)
-        return {"f": state.s0[:, None, :], "k": empty, "v": empty}, state.s0
-
-    def _step(self, head: EagleHead, base, state: Clover2State, parents: dict, tokens: jax.Array, depth: int):
-        f, k, v = head.draft_step(base, state.cache, parents["f"], parents["k"], parents["v"], tokens, depth)
-        return {"f": f, "k": k, "v": v}, f
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class EagleDrafter(_EagleNodes, Clover2Drafter):
+class EagleDrafter(_EagleNodes, RecurrentDrafter):
     """EAGLE-1 drafting over a static tree (hashable by identity; build once per tree)."""
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class EagleDynamicDrafter(_EagleNodes, Clover2DynamicDrafter):
+class EagleDynamicDrafter(_EagleNodes, RecurrentDynamicDrafter):
     """EAGLE-2's dynamic tree (`tree.DynamicTree`) drafted by an EAGLE-1 head."""
 
 
@@ -368,5 +372,5 @@ def loss_from_features(head, base, f, tokens, loss_mask, valid, loss_cfg, *, ind
     noise = None
     if rng is not None and loss_cfg.feature_noise:
         noise = uniform_feature_noise(rng, valid.astype(bool), f.shape[-1], loss_cfg.feature_noise)
-    return clover2_loss_from_features(head, base, f, tokens, loss_mask, valid, loss_cfg, index=index,
+    return recurrent_loss_from_features(head, base, f, tokens, loss_mask, valid, loss_cfg, index=index,
                                       vocab_ids=vocab_ids, noise=noise)

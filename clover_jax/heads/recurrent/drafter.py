@@ -1,4 +1,6 @@
-"""Clover-2 drafting over a static tree: the `Drafter` the speculative loop uses with a Clover2Head.
+"""The recurrent family's drafting (`clover_jax.heads.recurrent.RecurrentHead`: Clover-2, Clover-1, EAGLE-1) over a
+static tree and an EAGLE-2 dynamic tree: the `Drafter`s the speculative loop uses with those heads. Told for
+Clover-2; Clover-1 and EAGLE offer the same methods (EAGLE's node step overrides `_nodes`).
 
 State: the Augmenting Block's KV cache and s^0 (the block's output at the last committed position).
 Drafting, per step (as the reference's tree drafting, `XiaoBin1992/clover`): head 0 gives the top-k children of the root; then, depth
@@ -25,14 +27,14 @@ from clover_jax.decoding.sampling import top_k_ids
 from clover_jax.decoding.trees.topology import topology_from_parents
 from clover_jax.decoding.tree import DynamicTree, TreeBuffers, TreeSpec, build_buffers
 from clover_jax.heads import registry
-from clover_jax.heads.clover2.model import Clover2Head
+from clover_jax.heads.recurrent import RecurrentHead
 from clover_jax.models.cache import KVCache
 
-parallel.add_rules({"s0": (parallel.BATCH_AXES, None)}, state=True)  # Clover2State.s0 [B, D]
+parallel.add_rules({"s0": (parallel.BATCH_AXES, None)}, state=True)  # RecurrentState.s0 [B, D]
 
 
 @struct.dataclass
-class Clover2State:
+class RecurrentState:
     cache: KVCache  # Augmenting-Block cache [A_layers, B, K, S, H]
     s0: jax.Array  # [B, D]
     vocab_rows: jax.Array | None = None  # [Q, D] W_lm^T rows of the draft vocabulary (None: all V)
@@ -44,7 +46,7 @@ class Clover2State:
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class Clover2Drafter(TreeDrafterBase):
+class RecurrentDrafter(TreeDrafterBase):
     """Static drafting plan for one tree (hashable by identity; build once per tree)."""
 
     spec: TreeSpec
@@ -54,7 +56,7 @@ class Clover2Drafter(TreeDrafterBase):
     def __post_init__(self):
         object.__setattr__(self, "buffers", build_buffers(self.spec))
 
-    def check(self, head: Clover2Head, base) -> None:
+    def check(self, head: RecurrentHead, base) -> None:
         registry.of_head(head).check_compatible(head, base.config)  # Clover-2, or Clover-1 (same drafting)
         self.check_tree(head.cfg.num_heads, base.config.vocab_size)
 
@@ -65,18 +67,18 @@ class Clover2Drafter(TreeDrafterBase):
         return cached_arrays(self, lambda: {"buffers": jax.tree.map(jnp.asarray, self.buffers),
                                             "vocab_ids": vocab_ids(self.draft_vocab)})
 
-    def init_state(self, head: Clover2Head, base, batch: int, cache_size: int, arrays: dict | None = None
-                   ) -> Clover2State:
+    def init_state(self, head: RecurrentHead, base, batch: int, cache_size: int, arrays: dict | None = None
+                   ) -> RecurrentState:
         """The drafting state of a fresh batch; `arrays` is `self.arrays()` (passed into the jitted loop)."""
         arrays = self.arrays() if arrays is None else arrays
         rows = None
         if arrays["vocab_ids"] is not None:
             rows = base.lm_head_rows(arrays["vocab_ids"]).astype(head.cfg.dtype)
-        return Clover2State(cache=head.init_cache(batch, cache_size),
+        return RecurrentState(cache=head.init_cache(batch, cache_size),
                             s0=jnp.zeros((batch, base.config.hidden_size), head.cfg.dtype), vocab_rows=rows,
                             vocab_ids=arrays["vocab_ids"], buffers=arrays["buffers"])
 
-    def unroll_layers(self, head, state: Clover2State) -> Clover2State:
+    def unroll_layers(self, head, state: RecurrentState) -> RecurrentState:
         """`state` with the Augmenting Block's per-layer weights, taken once, before the loop: every commit then runs
         the block's layers unrolled on them, where a scan over the stacked weights copies each layer's slice at every
         call (on a CPU, SmolLM2's 2-layer block commits faster unrolled than scanned). The loop calls
@@ -91,10 +93,10 @@ class Clover2Drafter(TreeDrafterBase):
         """Bytes `unroll_layers` holds besides the head's own weights (the per-layer copy)."""
         return int(sum(x.nbytes for x in jax.tree.leaves(self._layer_stack(head).layer_params())))
 
-    def _commit_kwargs(self, state: Clover2State) -> dict:
+    def _commit_kwargs(self, state: RecurrentState) -> dict:
         return {} if state.layer_weights is None else {"layer_weights": state.layer_weights}
 
-    def start(self, head, base, state: Clover2State, f_prompt, y_prompt, lengths) -> Clover2State:
+    def start(self, head, base, state: RecurrentState, f_prompt, y_prompt, lengths) -> RecurrentState:
         kw = self._commit_kwargs(state)
 
         def commit(cache, f, y, num, fresh, extent):
@@ -103,22 +105,23 @@ class Clover2Drafter(TreeDrafterBase):
         s0, cache = commit_prompt(commit, state.cache, f_prompt, y_prompt, lengths)  # init_state's empty cache
         return state.replace(cache=cache, s0=s0)
 
-    def commit(self, head, base, state: Clover2State, f_new, y_new, num_new) -> Clover2State:
+    def commit(self, head, base, state: RecurrentState, f_new, y_new, num_new) -> RecurrentState:
         s0, cache = head.commit(base, state.cache, f_new, y_new, num_new, **self._commit_kwargs(state))
         active = num_new > 0
         return state.replace(cache=cache, s0=jnp.where(active[:, None], s0, state.s0))
 
-    # The node step. A node's state is a pytree of `[B, E, ...]` arrays (Clover-2: the RNN state s `[B, E, D]`;
-    # EAGLE overrides both methods with its own); `o [B, E, D]` is the output its children are drafted from.
-    def _root_node(self, head: Clover2Head, base, state: Clover2State):
+    # The node step (`RecurrentHead.root_node`, `node_step`). A node's state is a pytree of `[B, E, ...]` arrays
+    # (Clover-2: the RNN state s `[B, E, D]`; EAGLE: its layer's features, keys and values along the path); `o
+    # [B, E, D]` is the output its children are drafted from.
+    def _root_node(self, head: RecurrentHead, base, state: RecurrentState):
         """`(root node state [B, 1, ...], o [B, D])`: the root's state and head 0's output."""
-        return state.s0[:, None, :], head.head0(state.s0)
+        return head.root_node(base, state.cache, state.s0)
 
-    def _step(self, head: Clover2Head, base, state: Clover2State, parents, tokens: jax.Array, depth: int):
+    def _step(self, head: RecurrentHead, base, state: RecurrentState, parents, tokens: jax.Array, depth: int):
         """`(node states, o [B, E, D])` of the nodes at `depth` with tokens `[B, E]`, from their parents' states."""
-        return head.step(base, parents, tokens, depth=depth)
+        return head.node_step(base, state.cache, parents, tokens, depth)
 
-    def _top_k(self, head: Clover2Head, base, state: Clover2State, o: jax.Array) -> jax.Array:
+    def _top_k(self, head: RecurrentHead, base, state: RecurrentState, o: jax.Array) -> jax.Array:
         """Top-k draft token ids `[..., k]` of the head output `o [..., D]`."""
         k = self.spec.top_k
         if state.vocab_rows is None:
@@ -128,7 +131,7 @@ class Clover2Drafter(TreeDrafterBase):
         ids = state.vocab_ids if state.vocab_ids is not None else jnp.asarray(self.draft_vocab, jnp.int32)
         return ids[top_k_ids(logits, k)]
 
-    def propose(self, head: Clover2Head, base, state: Clover2State, root: jax.Array, key) -> Proposal:
+    def propose(self, head: RecurrentHead, base, state: RecurrentState, root: jax.Array, key) -> Proposal:
         buf: TreeBuffers = self.buffers
         k = self.spec.top_k
         b = root.shape[0]
@@ -157,7 +160,7 @@ class Clover2Drafter(TreeDrafterBase):
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class Clover2DynamicDrafter(Clover2Drafter):
+class RecurrentDynamicDrafter(RecurrentDrafter):
     """Clover-2 drafting of a new tree per step and per row (`tree.DynamicTree`, EAGLE-2's expansion): the
     frontier is the `top_k` nodes of the newest depth with the highest cumulative log-probability under the
     head (over the draft vocabulary when there is one), each expanded by one RNN step into its `top_k` children;
@@ -173,7 +176,7 @@ class Clover2DynamicDrafter(Clover2Drafter):
     def arrays(self) -> dict:
         return cached_arrays(self, lambda: {"buffers": None, "vocab_ids": vocab_ids(self.draft_vocab)})
 
-    def _scored(self, head: Clover2Head, base, state: Clover2State, o: jax.Array) -> tuple[jax.Array, jax.Array]:
+    def _scored(self, head: RecurrentHead, base, state: RecurrentState, o: jax.Array) -> tuple[jax.Array, jax.Array]:
         """Top-k token ids and their log-probabilities `[..., k]` under the head output `o [..., D]`."""
         if state.vocab_rows is None:
             logits = head.logits(base, o)  # [..., V]
@@ -189,7 +192,7 @@ class Clover2DynamicDrafter(Clover2Drafter):
         ids = idx if state.vocab_ids is None else state.vocab_ids[idx]
         return ids, lp
 
-    def propose(self, head: Clover2Head, base, state: Clover2State, root: jax.Array, key) -> Proposal:
+    def propose(self, head: RecurrentHead, base, state: RecurrentState, root: jax.Array, key) -> Proposal:
         k, depth, n = self.spec.top_k, self.spec.depth, self.spec.budget
         b = root.shape[0]
         rows = jnp.arange(b)[:, None]
