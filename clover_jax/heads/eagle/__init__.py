@@ -1,6 +1,6 @@
 """EAGLE-1 (Li et al. 2024, arXiv 2401.15077; reference `SafeAILab/EAGLE`, v1), a baseline: one decoder layer
-autoregressive over the base model's features. `head.py` holds the module, its drafters (Clover-2's tree drafters
-over EAGLE's node step), loss and the reference's names; this module registers the type as "eagle"."""
+autoregressive over the base model's features. `head.py` holds the module (a member of the recurrent family,
+`clover_jax.heads.recurrent`: its node step drafts with the family's drafters), loss and the reference's names; this module registers the type as "eagle"."""
 
 from __future__ import annotations
 
