@@ -198,3 +198,33 @@ def test_every_config_in_the_repository_loads(path):
     cfg = load_config(path)
     assert cfg.head.type in path.stem
     assert cfg.optim.warmup_steps <= cfg.train.steps
+
+
+def test_a_config_extends_another_and_overrides_what_differs():
+    """The head types' configs for one model are overlays of one recipe: everything they do not name is the
+    recipe's, and a head of another type starts from its own defaults (not from the recipe head's keys)."""
+    base = load_config(CONFIGS / "smollm2-135m-clover2.yaml")
+    for name in ("eagle", "medusa", "clover1", "redrafter"):
+        cfg = load_config(CONFIGS / f"smollm2-135m-{name}.yaml")
+        assert cfg.head.type == name and cfg.train.output_dir == f"runs/smollm2-135m-{name}"
+        assert cfg.data == base.data and cfg.model == base.model and cfg.mesh == base.mesh
+    eagle = load_config(CONFIGS / "smollm2-135m-eagle.yaml")
+    assert not hasattr(eagle.head, "num_aug_layers") and eagle.loss.p_weight == 0.1
+    assert load_config(CONFIGS / "vicuna-7b-v1.5-medusa.yaml").optim.b2 == 0.999  # the overlay's own
+
+
+def test_extends_errors_name_the_file(tmp_path):
+    (tmp_path / "a.yaml").write_text("extends: b.yaml\n")
+    (tmp_path / "b.yaml").write_text("extends: a.yaml\n")
+    with pytest.raises(ConfigError, match="comes back to itself"):
+        load_config(tmp_path / "a.yaml")
+    (tmp_path / "c.yaml").write_text("extends: missing.yaml\noptim:\n  lr: 0.1\n")
+    with pytest.raises(ConfigError, match=r"c.yaml: extends: no config .*missing.yaml"):
+        load_config(tmp_path / "c.yaml")
+    (tmp_path / "d.yaml").write_text("extends: [1, 2]\n")
+    with pytest.raises(ConfigError, match="d.yaml: extends: expected a config file name"):
+        load_config(tmp_path / "d.yaml")
+    (tmp_path / "e.yaml").write_text("optim:\n  lr: 0.5\n  warmup_steps: 3\n")
+    (tmp_path / "f.yaml").write_text("extends: e.yaml\noptim:\n  lr: 0.25\n")
+    cfg = load_config(tmp_path / "f.yaml", ["optim.warmup_steps=4"])
+    assert cfg.optim.lr == 0.25 and cfg.optim.warmup_steps == 4

@@ -420,25 +420,66 @@ def _from_dict(raw: dict[str, Any], where: str = "") -> ExperimentConfig:
         raise ConfigError(f"{where}{e}") from None
 
 
+EXTENDS = "extends"  # a config's key naming the config(s) it overlays, relative to its own folder
+
+
+def _deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """`over` on top of `base`: mappings merge key by key, anything else (numbers, strings, lists) is replaced, and
+    so is a mapping that names another `type` than the one beneath it (a `head:` of another type starts from that
+    type's defaults, not from the other head's keys)."""
+    out = dict(base)
+    for key, value in over.items():
+        below = out.get(key)
+        mergeable = isinstance(value, dict) and isinstance(below, dict) and value.get("type", below.get("type")) \
+            == below.get("type")
+        out[key] = _deep_merge(below, value) if mergeable else value
+    return out
+
+
+def read_config_file(path: str | Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """A YAML config file as a mapping of sections, with the configs it `extends` merged beneath it (each relative
+    to the file's folder; a list is merged in order). Errors name the file."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"config file not found: {path}")
+    if path.resolve() in seen:
+        chain = " -> ".join(str(p) for p in seen + (path.resolve(),))
+        raise ConfigError(f"{path}: '{EXTENDS}' comes back to itself ({chain})")
+    where = f"{path}: "
+    try:
+        raw = yaml.load(path.read_text(encoding="utf-8"), Loader=_Loader)
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{where}not a YAML text file (byte {e.start} is not UTF-8 text: {e.reason}); "
+                          "give a config such as configs/smollm2-135m-clover2.yaml") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{where}not valid YAML ({e})") from None
+    raw = {} if raw is None else raw
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where}the config must be a mapping of sections, got {type(raw).__name__}")
+    parents = raw.pop(EXTENDS, None)
+    if parents is None:
+        return raw
+    if isinstance(parents, str):
+        parents = [parents]
+    if not isinstance(parents, list) or not all(isinstance(x, str) and x.strip() for x in parents):
+        raise ConfigError(f"{where}{EXTENDS}: expected a config file name or a list of them, got {parents!r}")
+    merged: dict[str, Any] = {}
+    for parent in parents:
+        try:
+            merged = _deep_merge(merged, read_config_file(path.parent / parent, seen + (path.resolve(),)))
+        except FileNotFoundError:
+            raise ConfigError(f"{where}{EXTENDS}: no config {path.parent / parent}") from None
+    return _deep_merge(merged, raw)
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> ExperimentConfig:
-    """Reads a YAML config (None: all defaults), applies `--set` overrides, validates; errors name the key."""
+    """Reads a YAML config (None: all defaults) with the configs it `extends` beneath it (`read_config_file`),
+    applies `--set` overrides, validates; errors name the key and the file."""
     raw: Any = {}
     where = ""
     if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise FileNotFoundError(f"config file not found: {path}")
-        where = f"{path}: "
-        try:
-            raw = yaml.load(path.read_text(encoding="utf-8"), Loader=_Loader)
-        except UnicodeDecodeError as e:
-            raise ConfigError(f"{where}not a YAML text file (byte {e.start} is not UTF-8 text: {e.reason}); "
-                              "give a config such as configs/smollm2-135m-clover2.yaml") from None
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{where}not valid YAML ({e})") from None
-        raw = {} if raw is None else raw
-        if not isinstance(raw, dict):
-            raise ConfigError(f"{where}the config must be a mapping of sections, got {type(raw).__name__}")
+        where = f"{Path(path)}: "
+        raw = read_config_file(path)
     merged = apply_overrides(raw, overrides)
     try:
         return _from_dict(merged, "")
