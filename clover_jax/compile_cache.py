@@ -10,6 +10,8 @@ them again:
   * every program is kept, however fast it compiled and however small (JAX keeps only programs that took a second
     or more by default; a loop of a small model on a fast machine can compile in less). A threshold the user set
     through JAX's variables (`JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS`, `..._MIN_ENTRY_SIZE_BYTES`) is kept.
+  * at most 8 GiB on disk (least recently used programs evicted; `JAX_COMPILATION_CACHE_MAX_SIZE` overrides), which
+    also makes JAX lock the folder while it reads and writes, so processes sharing it cannot tear an entry.
   * on GPUs, XLA's autotuning results are kept beside the programs (`xla_gpu_per_fusion_autotune_cache_dir/` in
     the folder: `jax_persistent_cache_enable_xla_caches`), so a new process does not autotune its fusions again.
 
@@ -31,6 +33,9 @@ OFF = ("off", "0", "false", "no", "none")
 # (jax config name, value, the JAX variable through which a user sets it): keep every program
 THRESHOLDS = (("jax_persistent_cache_min_compile_time_secs", 0.0, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"),
               ("jax_persistent_cache_min_entry_size_bytes", -1, "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"))
+# at most this many bytes on disk, the least recently used programs evicted; a bounded cache is also one JAX reads and
+# writes under a file lock, so two processes compiling the same program at once cannot leave a torn entry
+MAX_SIZE = (8 << 30, "JAX_COMPILATION_CACHE_MAX_SIZE")
 XLA_CACHES = "xla_gpu_per_fusion_autotune_cache_dir"  # XLA's GPU autotuning results, kept in the cache folder
 # JAX's monitoring events (jax._src.dispatch.BACKEND_COMPILE_EVENT; jax._src.compiler): the compile-or-load of a
 # program, and a load from the persistent cache inside it
@@ -62,6 +67,8 @@ def enable_compile_cache(path: str | None = None) -> str | None:
     for name, value, env in THRESHOLDS:
         if env not in os.environ:
             jax.config.update(name, value)
+    if MAX_SIZE[1] not in os.environ:
+        jax.config.update("jax_compilation_cache_max_size", MAX_SIZE[0])
     if "JAX_PERSISTENT_CACHE_ENABLE_XLA_CACHES" not in os.environ:
         jax.config.update("jax_persistent_cache_enable_xla_caches", XLA_CACHES)
     # JAX decides once per process whether a cache is used, at the first compile: one that ran before this call
