@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import io
 import os
 from pathlib import Path
 from typing import Iterable, Sequence
@@ -37,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from clover_jax import pretrained
+from clover_jax.io.files import atomic_write_bytes
 from clover_jax.validation import InputError
 
 NGRAM_FILE = "ngram_table.npz"  # its name in an exported head folder
@@ -170,11 +172,11 @@ def save_ngram_table(table: NgramTable, path: str | os.PathLike) -> Path:
         path = path / NGRAM_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
     tok_dtype = np.uint16 if table.vocab_size <= 1 << 16 else np.int32
-    with open(path, "wb") as f:
-        np.savez_compressed(f, keys=table.keys, tokens=table.tokens.astype(tok_dtype),
-                            max_order=np.int32(table.max_order), vocab_size=np.int64(table.vocab_size),
-                            source=np.asarray(table.source))
-    return path
+    buf = io.BytesIO()
+    np.savez_compressed(buf, keys=table.keys, tokens=table.tokens.astype(tok_dtype),
+                        max_order=np.int32(table.max_order), vocab_size=np.int64(table.vocab_size),
+                        source=np.asarray(table.source))
+    return atomic_write_bytes(path, buf.getvalue())  # a reader never sees half a table
 
 
 @functools.lru_cache(maxsize=8)

@@ -24,6 +24,7 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from clover_jax import pretrained
+from clover_jax.io.files import atomic_write_text
 from clover_jax.validation import InputError, check_draft_vocab  # noqa: F401  (re-exported)
 
 
@@ -70,12 +71,8 @@ def folder_draft_vocab(folder: Path) -> np.ndarray | None:
 
 
 def save_draft_vocab(path, ids, **meta) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps({"size": int(len(ids)), **meta, "ids": [int(i) for i in ids]}))
-    tmp.replace(path)
-    return path
+    # whole or not at all, under a name of its own (several writers at once cannot collide on a temporary file)
+    return atomic_write_text(path, json.dumps({"size": int(len(ids)), **meta, "ids": [int(i) for i in ids]}))
 
 
 def _read_draft_vocab(path: Path) -> dict:
