@@ -117,6 +117,10 @@ def _main(argv=None):
     ap.add_argument("--replay", action="store_true", help="certify every greedy speculative output on its own: a "
                     "float32 replay of the base model checks each emitted token is its argmax, up to a near-tie "
                     "(clover_jax.tuning.audit)")
+    ap.add_argument("--prompt-bucket", type=int, default=None, help="pad every prompt to this many tokens: one "
+                    "compiled program per run for the whole question set (default: each prompt's own bucket)")
+    ap.add_argument("--warmup-threads", type=int, default=1, help="compile every run's programs before the first "
+                    "timed call, this many at a time (1: each on first use)")
     ap.add_argument("--out-dir", default="artifacts/eval")
     ap.add_argument("--mesh", default=None, help="decode on a device mesh, e.g. 'tp=8' or 'data=2,tp=4'")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="compute dtype of the model")
@@ -178,7 +182,8 @@ def _main(argv=None):
     result = evaluate(loaded, head, prompts, trees=args.trees, batch_size=args.batch_size, known_trees=known,
                       max_new_tokens=args.max_new_tokens, temperature=args.temperature, categories=cats,
                       draft_vocab=draft_vocab, mesh=mesh, layers=args.layers, ngram_table=ngram_table,
-                      replay=args.replay, chosen_head=chosen_head)
+                      replay=args.replay, chosen_head=chosen_head, prompt_bucket=args.prompt_bucket,
+                      warmup_threads=args.warmup_threads)
     result["wall_seconds"] = round(time.time() - t0, 1)
     result["auto"] = auto
     result["args"] = vars(args)

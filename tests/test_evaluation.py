@@ -43,6 +43,25 @@ def test_evaluate_reports_tau_speed_and_no_mismatch():
     assert {p["category"] for p in res["per_prompt"]["chain-3"]} == {"w", "m"}
 
 
+def test_a_fixed_prompt_bucket_compiles_one_program_per_run_ahead_of_timing():
+    """`prompt_bucket` pads prompts of several buckets to one; `warmup_threads` compiles every run's programs before
+    the first timed call, side by side: each loop compiles once, and the outputs are still exact."""
+    from clover_jax.compile_cache import CompileCounter
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, eos_token_ids=(2,))
+    base = init_llama(cfg, seed=1)
+    head = init_from_base(base, Clover2Config())
+    loaded = LoadedModel(cfg, base, WordTokenizer(), "tiny")
+    prompts = ["a b c", " ".join(["w"] * 40), "x y"]  # buckets 32 and 64 on their own
+    with CompileCounter() as count:
+        res = evaluate(loaded, head, prompts, trees=["chain-3"], max_new_tokens=8, progress=False, prompt_bucket=64,
+                       warmup_threads=2)
+    assert count.compiled["autoregressive_loop"] == 1 and count.compiled["speculative_loop"] == 1
+    assert res["greedy_mismatches"] == 0 and res["greedy_compared"] == 3
+    assert res["runs"]["chain-3"]["compile_seconds"] > 0
+
+
 def test_bootstrap_ci_of_a_ratio_of_sums():
     """The interval of sum(num) / sum(den) (and of a product of such ratios) resamples rows: it collapses to the
     value where every row has the same ratio, holds the overall value, narrows with more rows, and is reproducible."""

@@ -138,3 +138,11 @@ def test_the_cache_holds_exactly_what_the_request_needs(base_and_folder, specula
         assert res.token_ids == ar.token_ids, size
     with pytest.raises(CacheOverflowError, match=f"needs {need} cache slots but cache_size={need - 1}"):
         clover_jax.prepare_generate(base, prompt, max_new_tokens=20, cache_size=need - 1, **kw)
+
+
+def test_a_fixed_prompt_bucket_pads_every_prompt_to_it(base_and_folder):
+    base, _ = base_and_folder
+    plan = clover_jax.prepare_generate(base, [[5] * 3, [6] * 40], max_new_tokens=8, prompt_bucket=128)
+    assert plan.prompt.shape == (2, 128) and plan.cache_size == 256
+    with pytest.raises(InputError, match="prompt_bucket: prompt 1 has 40 tokens, more than prompt_bucket=32"):
+        clover_jax.prepare_generate(base, [[5] * 3, [6] * 40], prompt_bucket=32)

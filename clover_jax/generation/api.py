@@ -14,7 +14,6 @@ import threading
 from typing import Any, Callable, Iterator, Sequence
 
 import jax
-import numpy as np
 
 from clover_jax import parallel
 from clover_jax.decoding.streaming import streaming_to
@@ -46,7 +45,8 @@ def generate(model, prompts: Sequence[Any], *, tokenizer=None, max_new_tokens: i
              top_k: int = 0, top_p: float = 1.0, seed: int = 0, chat: bool = True, system: str | None = None,
              cache_size: int | None = None, mode: str = "ar", head=None, tree=None, draft_vocab=None,
              decode_text: bool = True, mesh=None, layers: str = "auto", ngram_table=None,
-             stream=None, decide: Decide | None = None, run_loader: RunLoader | None = None) -> GenerationResult:
+             stream=None, prompt_bucket: int | None = None, decide: Decide | None = None,
+             run_loader: RunLoader | None = None) -> GenerationResult:
     """Generates for a batch of prompts.
 
     Args:
@@ -76,6 +76,8 @@ def generate(model, prompts: Sequence[Any], *, tokenizer=None, max_new_tokens: i
       stream: a callable `sink(row, token_ids)`, called while the loop runs with each prompt's new tokens in order
         (row = the prompt's index; the first token, then what every step accepts), or None. One device only;
         `stream_text` yields a single prompt's text this way.
+      prompt_bucket: pad every prompt to this many tokens (an error for a longer one), so a workload of prompts up to
+        that length runs one compiled program per loop; None: each batch's own bucket (`decoding.sizes`).
       decide, run_loader: what settles a tree the request leaves open and reads a training run directory (the public
         `clover_jax.generate` passes `clover_jax.tuning`'s; `clover_jax.generation.plan.prepare_generate`).
 
@@ -86,7 +88,7 @@ def generate(model, prompts: Sequence[Any], *, tokenizer=None, max_new_tokens: i
                             temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, chat=chat, system=system,
                             cache_size=cache_size, mode=mode, head=head, tree=tree, draft_vocab=draft_vocab,
                             decode_text=decode_text, mesh=mesh, layers=layers, ngram_table=ngram_table,
-                            stream=stream, decide=decide, run_loader=run_loader)
+                            stream=stream, prompt_bucket=prompt_bucket, decide=decide, run_loader=run_loader)
     return run_plan(plan, decode_text=decode_text)
 
 

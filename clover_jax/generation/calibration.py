@@ -20,7 +20,7 @@ from pathlib import Path
 
 import jax
 
-from clover_jax.heads.folder import CALIBRATION_FILE, KEPT_TREES, HeadFolder, cache_dir, open_folder
+from clover_jax.heads.folder import CALIBRATION_FILE, KEPT_TREES, HeadFolder, open_folder
 from clover_jax.io.files import atomic_write_text, read_json_object, update_json
 from clover_jax.validation import InputError
 

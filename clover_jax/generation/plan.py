@@ -23,11 +23,12 @@ from clover_jax import parallel
 from clover_jax.decoding.autoregressive import AutoregressiveLoop, decode_layers, layer_weight_bytes
 from clover_jax.decoding.memory import check_memory, check_mesh_memory, estimate_generate_memory, split_over_mesh
 from clover_jax.decoding.sampling import SamplingParams
-from clover_jax.decoding.sizes import bucket_length, check_context, pad_prompts, plan_cache
+from clover_jax.decoding.sizes import bucket_length, cache_for_bucket, check_context, pad_prompts, plan_cache
 from clover_jax.decoding.speculative import SpeculativeLoop, head_layer_copy_bytes
 from clover_jax.generation.draft import Draft, resolve_draft
 from clover_jax.generation.request import Request, check_request
 from clover_jax.heads.bundle import RunLoader
+from clover_jax.validation import PromptError
 
 
 @dataclasses.dataclass
@@ -70,10 +71,11 @@ class GenerationPlan:
         return out
 
 
-def prompt_bucket(prompt_lengths: np.ndarray, cache_size: int) -> int:
-    """The prompt's padded length: its bucket (`bucket_length`), or the cache size where the bucket would not fit
-    in an asked-for cache that holds the request (the prefill writes the whole padded prompt into the cache)."""
-    return min(bucket_length(int(np.max(prompt_lengths))), int(cache_size))
+def prompt_bucket(prompt_lengths: np.ndarray, cache_size: int, fixed: int | None = None) -> int:
+    """The prompt's padded length: its bucket (`bucket_length`; `fixed`, where the request fixes one), or the cache
+    size where the bucket would not fit in an asked-for cache that holds the request (the prefill writes the whole
+    padded prompt into the cache)."""
+    return min(fixed or bucket_length(int(np.max(prompt_lengths))), int(cache_size))
 
 
 def build_plan(request: Request, draft: Draft | None, *, notes: tuple[str, ...] = (),
@@ -92,8 +94,16 @@ def build_plan(request: Request, draft: Draft | None, *, notes: tuple[str, ...] 
     nodes = drafter.num_nodes if drafter is not None else 0
     check_context(lens, request.max_new_tokens, getattr(config, "max_position_embeddings", None),
                   drafter.max_depth if drafter is not None else 0)
-    cache_size = plan_cache(lens, request.max_new_tokens, nodes, request.cache_size, None)
-    arr, lens = pad_prompts(rows, pad_id, prompt_bucket(lens, cache_size))  # [B, T], [B]
+    cache_size = request.cache_size
+    if request.prompt_bucket is not None:  # one program for every prompt up to the bucket
+        row = int(lens.argmax())
+        if lens[row] > request.prompt_bucket:
+            raise PromptError(f"prompt_bucket: prompt {row} has {int(lens[row])} tokens, more than "
+                              f"prompt_bucket={request.prompt_bucket}")
+        if cache_size is None:
+            cache_size = cache_for_bucket(request.prompt_bucket, request.max_new_tokens, nodes)
+    cache_size = plan_cache(lens, request.max_new_tokens, nodes, cache_size, None)
+    arr, lens = pad_prompts(rows, pad_id, prompt_bucket(lens, cache_size, request.prompt_bucket))  # [B, T], [B]
     memory = estimate_generate_memory(
         config, batch=len(lens), cache_size=cache_size, prompt_len=arr.shape[1],
         dtype_bytes=np.dtype(model.dtype).itemsize, tree_nodes=nodes,

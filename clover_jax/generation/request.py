@@ -46,6 +46,7 @@ class Request:
     sampling: SamplingParams
     seed: int
     cache_size: int | None  # asked for, else None (the plan sizes it)
+    prompt_bucket: int | None  # every prompt padded to this length, asked for, else None (each batch's own bucket)
     speculative: bool  # mode == "speculative": draft (with `head` and `tree`), else plain decoding
     head: Any = None  # a head source (registered name, folder, hub id), a head module, a HeadBundle, or None
     tree: str | os.PathLike | TreePolicy | None = None  # with tree_rule NAMED
@@ -124,7 +125,7 @@ def check_request(model, prompts: Sequence[Any], *, tokenizer=None, max_new_toke
                   temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0, chat: bool = True,
                   system: str | None = None, cache_size: int | None = None, mode: str = "ar", head=None, tree=None,
                   draft_vocab=None, decode_text: bool = True, check_free_memory: bool = True, mesh=None,
-                  layers: str = "auto", ngram_table=None, stream=None) -> Request:
+                  layers: str = "auto", ngram_table=None, stream=None, prompt_bucket: int | None = None) -> Request:
     """`generate`'s arguments checked into a `Request`. Errors (`clover_jax.validation.InputError`) name the
     argument, the value and the limit: types and ranges, finite sampling parameters, token ids within the
     vocabulary, the tree's type, the head's."""
@@ -146,6 +147,7 @@ def check_request(model, prompts: Sequence[Any], *, tokenizer=None, max_new_toke
     if system is not None and not isinstance(system, str):
         raise InputError(f"system: expected a string or None, got {type(system).__name__}")
     cache_size = check_int("cache_size", cache_size, minimum=1, allow_none=True)
+    prompt_bucket = check_int("prompt_bucket", prompt_bucket, minimum=1, allow_none=True)
     check_choice("mode", mode, ("ar", "speculative"))
     prompts = _as_prompt_list(prompts)
     mesh = parallel.parse_mesh(mesh)
@@ -162,7 +164,7 @@ def check_request(model, prompts: Sequence[Any], *, tokenizer=None, max_new_toke
     return Request(model=model, tokenizer=tokenizer, model_source=model_source,
                    ids=tuple(tuple(int(t) for t in row) for row in ids), max_new_tokens=max_new_tokens,
                    sampling=SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p), seed=seed,
-                   cache_size=cache_size, speculative=mode == "speculative", head=head, tree=tree, tree_rule=tree_rule,
+                   cache_size=cache_size, prompt_bucket=prompt_bucket, speculative=mode == "speculative", head=head, tree=tree, tree_rule=tree_rule,
                    draft_vocab=draft_vocab, ngram_table=ngram_table, mesh=mesh, layers=layers, stream=stream,
                    decode_text=decode_text, check_free_memory=check_free_memory)
 

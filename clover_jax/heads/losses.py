@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from clover_jax.models.cache import causal_mask
-from clover_jax.models.llama import Llama, rms_norm
+from clover_jax.models.llama import Llama
 from clover_jax.sections import Section
 
 

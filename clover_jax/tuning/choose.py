@@ -39,8 +39,9 @@ full calibration (`tree="auto"`, `clover_jax.tuning.calibrate`) searches many mo
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
-import json
+import os
 import sys
 import time
 from typing import Any, Sequence
@@ -162,10 +163,11 @@ def measure(loaded, pairs: Sequence[tuple[str | None, str]], *, batch_size: int 
     for head, tree in pairs:
         runs[_label(head, tree)] = dict(common, mode="speculative", head=head if head is not None else NoHead(),
                                         tree=tree, ngram_table=ngram_table if head is None else None)
-    for kw in runs.values():  # compile every program first (warm-up calls, not timed)
-        for rows in units:
-            for n in (1, new_tokens):
-                generate(loaded, rows, max_new_tokens=n, decode_text=False, **kw)
+    # compile every program first (warm-up calls, not timed), side by side: XLA compiles outside Python's lock, so on a
+    # machine with cores to spare the runs' programs build at once; the timed rounds below run one call at a time
+    warm = [(rows, kw) for kw in runs.values() for rows in units]
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(len(warm), os.cpu_count() or 1))) as pool:
+        list(pool.map(lambda item: generate(loaded, item[0], max_new_tokens=1, decode_text=False, **item[1]), warm))
     # ROUNDS rounds, each timing every run in turn (a drift of the machine's speed spreads over all of them); a
     # run's decode time is its fastest round
     decode = {name: float("inf") for name in runs}

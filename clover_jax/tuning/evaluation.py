@@ -7,6 +7,7 @@ tokens generated per base forward in the decode phase, bonus token included.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import time
 from typing import Any, Sequence
@@ -96,7 +97,7 @@ def evaluate(loaded, head, prompts: Sequence[str], *, trees: Sequence[str] = ("c
              max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
              categories: Sequence[str] | None = None, progress: bool = True, draft_vocab=None, mesh=None,
              layers: str = "auto", ngram_table=None, replay: bool = False, chosen_head=None,
-             known_trees=None) -> dict[str, Any]:
+             known_trees=None, prompt_bucket: int | None = None, warmup_threads: int = 1) -> dict[str, Any]:
     """Runs AR and speculative decoding (one run per tree) on the prompts; returns stats and mismatches.
     `mesh`: decode on a device mesh; `layers`: how the decoding loops run the layers; `ngram_table`: for trees
     named `...-table` (all three as in `generate`). A tree named `chosen` runs a request that names no tree
@@ -104,6 +105,9 @@ def evaluate(loaded, head, prompts: Sequence[str], *, trees: Sequence[str] = ("c
     `chosen_head` (None: chosen among the model's shipped heads; `loaded` must then know its name).
 
     `known_trees`: trees named outside the grammar (a calibration's probe and fitted trees: name -> policy).
+    `prompt_bucket`: every prompt padded to this length (one program per run; `generate`'s). `warmup_threads` > 1:
+    every run's programs are compiled before the first timed call, that many at a time (`compile_seconds` per run:
+    the wall time of its compiles, which overlap).
 
     A tree name ending in `+dv` (e.g. "chain-3+dv") runs that tree with the draft vocabulary `draft_vocab`
     (token ids, `clover_jax.heads.draft_vocab`), so both can be compared in one run.
@@ -126,23 +130,51 @@ def evaluate(loaded, head, prompts: Sequence[str], *, trees: Sequence[str] = ("c
     replayed = {t: {"outputs": 0, "tokens": 0, "near_ties": 0, "violations": 0} for t in trees}
     reference = None  # the float32 replay model, made on first need
     batches = range(0, len(ids), batch_size)
+
+    def call(name: str, chunk) -> tuple[Any, dict]:
+        """(target, generate's keyword arguments) of a run on a batch."""
+        bucket = prompt_bucket or bucket_length(max(len(p) for p in chunk))
+        cache = cache_for_bucket(bucket, max_new_tokens, max_nodes)  # the cache every tree's run shares
+        common = dict(cache_size=cache, temperature=temperature, top_p=top_p, mesh=mesh, layers=layers,
+                      prompt_bucket=prompt_bucket)
+        if name == "ar":
+            return loaded.model, dict(common, mode="ar")
+        if name == CHOSEN:  # no tree named (and the head only if `chosen_head`): what the user gets by default
+            return loaded, dict(common, mode="speculative", head=chosen_head, cache_size=None, decide=decide_fastest,
+                                run_loader=load_head_from_run)
+        return loaded.model, dict(common, mode="speculative", head=head, tree=specs[name],
+                                  draft_vocab=draft_vocab if name.endswith(DV) else None, ngram_table=ngram_table)
+
+    def shape_key(name: str, chunk) -> tuple:
+        return name, len(chunk), prompt_bucket or bucket_length(max(len(p) for p in chunk))
+
+    if warmup_threads > 1:  # every program first, several at a time (XLA compiles outside Python's lock)
+        todo = {}
+        for start in batches:
+            chunk = ids[start:start + batch_size]
+            for name in runs:
+                todo.setdefault(shape_key(name, chunk), (name, chunk))
+
+        def warm(item):
+            name, chunk = item
+            target, kw = call(name, chunk)
+            t0 = time.perf_counter()
+            generate(target, chunk, max_new_tokens=1, decode_text=False, **kw)
+            return name, time.perf_counter() - t0
+
+        # the `chosen` run's first call may measure a choice: alone, before the others compile beside it
+        first = [item for item in todo.values() if item[0] == CHOSEN][:1]
+        with concurrent.futures.ThreadPoolExecutor(max_workers=warmup_threads) as pool:
+            for name, seconds in list(map(warm, first)) + list(pool.map(warm, [
+                    item for item in todo.values() if not any(item is f for f in first)])):
+                runs[name].compile_seconds += seconds
+        warmed.update(todo)
     for start in tqdm(batches, desc="eval", disable=not progress):
         chunk = ids[start:start + batch_size]
-        bucket = bucket_length(max(len(p) for p in chunk))
-        cache = cache_for_bucket(bucket, max_new_tokens, max_nodes)  # the cache every tree's run shares
-        common = dict(cache_size=cache, temperature=temperature, top_p=top_p, mesh=mesh, layers=layers)
         outs = {}
         for name, run in runs.items():
-            target = loaded.model
-            if name == "ar":
-                kw = dict(common, mode="ar")
-            elif name == CHOSEN:  # no tree named (and the head only if `chosen_head`): what the user gets by default
-                target, kw = loaded, dict(common, mode="speculative", head=chosen_head, cache_size=None,
-                                          decide=decide_fastest, run_loader=load_head_from_run)
-            else:
-                kw = dict(common, mode="speculative", head=head, tree=specs[name],
-                          draft_vocab=draft_vocab if name.endswith(DV) else None, ngram_table=ngram_table)
-            key = (name, len(chunk), bucket)
+            target, kw = call(name, chunk)
+            key = shape_key(name, chunk)
             if key not in warmed:
                 t0 = time.perf_counter()
                 generate(target, chunk, max_new_tokens=1, decode_text=False, **kw)
