@@ -1,7 +1,8 @@
 """Render docs/results.md (and the results table of README.md) from the result files in results/.
 
-  python scripts/render_results.py            # rewrite docs/results.md and README.md's results block
-  python scripts/render_results.py --check    # exit 1 if either is not what the result files render to
+  python scripts/render_results.py            # rewrite docs/results.md, README.md's results block and
+                                              # docs/training.md's training-memory table
+  python scripts/render_results.py --check    # exit 1 if any is not what the result files render to
 
 Each results/*.json holds one benchmark run: `title`, `date`, `machine`, `machine_short`, `settings`, `command`,
 `source` (how the numbers got into the file), `benchmark` (`bench_spec` or `bench_step`), the numbers, and optional
@@ -23,6 +24,9 @@ DOC = ROOT / "docs" / "results.md"
 README = ROOT / "README.md"
 BEGIN = "<!-- results:begin (rendered by scripts/render_results.py from results/*.json; do not edit) -->"
 END = "<!-- results:end -->"
+TRAINING = ROOT / "docs" / "training.md"  # the training-memory table (bench/bench_train_memory.py)
+TRAIN_BEGIN = "<!-- train-memory:begin (rendered by scripts/render_results.py from results/*-train-memory.json) -->"
+TRAIN_END = "<!-- train-memory:end -->"
 DV = "+dv"  # bench_spec.py's suffix for a run drafting from the head's draft vocabulary
 
 HEADER = """# Results
@@ -225,6 +229,24 @@ def rows_table(d: dict) -> list[str]:
     return lines
 
 
+def train_memory_table(d: dict) -> list[str]:
+    """bench/bench_train_memory.py: the training memory estimate against the measured peak, per point."""
+    gib = lambda x: "-" if not x else f"{x / 1024 ** 3:.2f}"  # noqa: E731
+    bases = {"smollm2": "SmolLM2-135M", "random": "random 2-layer"}
+    lines = ["| base | batch x tokens | settings | estimate (GiB) | XLA buffers (GiB) | measured peak (GiB) | "
+             "estimate vs measured |", "|---|---|---|---:|---:|---:|---:|"]
+    for r in d["rows"]:
+        xla = max(r.get("xla_step") or 0, r.get("xla_features") or 0)
+        peak = gib(r.get("measured"))
+        if r.get("note"):
+            peak = f"{peak} ({r['note']})" if r.get("measured") else r["note"]
+        settings = ", ".join(f"`{x}`" for x in r["settings"]) or "-"
+        err = "-" if r.get("error") is None else f"{r['error']:+.0%}"
+        lines.append(f"| {bases.get(r['base'], r['base'])} | {r['batch']} x {r['length']:,} | {settings} | "
+                     f"{gib(r.get('estimate'))} | {gib(xla)} | {peak} | {err} |")
+    return lines
+
+
 def section(d: dict) -> list[str]:
     lines = [f"## {d['title']}", "",
              f"- **Date:** {d['date']}",
@@ -234,7 +256,7 @@ def section(d: dict) -> list[str]:
     lines += [f"- **Source:** `results/{d['_file']}` ({d.get('source', 'recorded by the command')})", "",
               "```bash", d["command"], "```", ""]
     tables = {"bench_spec": spec_table, "bench_step": step_table, "batch_table": batch_table,
-              "choice": choice_table, "bench_rows": rows_table}
+              "choice": choice_table, "bench_rows": rows_table, "train_memory": train_memory_table}
     lines += tables[d["benchmark"]](d)
     for note in d.get("notes", []):
         lines += ["", note]
@@ -274,6 +296,19 @@ def render_readme(text: str, results: list[dict]) -> str:
     return pre + BEGIN + "\n" + "\n".join(summary(results)) + "\n" + END + post
 
 
+def render_training(text: str, results: list[dict]) -> str:
+    """docs/training.md with the newest training-memory table between its markers."""
+    runs = [d for d in results if d["benchmark"] == "train_memory"]
+    if not runs or TRAIN_BEGIN not in text or TRAIN_END not in text:
+        return text
+    d = runs[0]
+    pre, rest = text.split(TRAIN_BEGIN, 1)
+    _, post = rest.split(TRAIN_END, 1)
+    body = ["```bash", d["command"], "```", "", f"{d['machine']}, {d['date']} (`results/{d['_file']}`):", ""]
+    body += train_memory_table(d) + [""] + d.get("notes", [])
+    return pre + TRAIN_BEGIN + "\n" + "\n".join(body).rstrip() + "\n" + TRAIN_END + post
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--check", action="store_true", help="exit 1 if docs/results.md or README.md is stale")
@@ -282,6 +317,8 @@ def main(argv=None) -> int:
     targets = {DOC: render_doc(results)}
     if README.is_file():
         targets[README] = render_readme(README.read_text(), results)
+    if TRAINING.is_file():
+        targets[TRAINING] = render_training(TRAINING.read_text(), results)
     stale = [p for p, text in targets.items() if not p.is_file() or p.read_text() != text]
     if args.check:
         for p in stale:

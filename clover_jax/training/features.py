@@ -9,7 +9,9 @@ of the base forward (`steps.make_loss_fn`). The teacher distribution is still co
 step (P = softmax(W_lm RMSNorm(f))), so nothing V-sized is stored.
 
 Memory: T x D values per example (bfloat16 by default): 0.4 GB for 1,000 SmolLM2 examples of 384 tokens,
-but 16 GB for 1,000 Llama-3-8B examples of 2,048; meant for small models on one host.
+but 16 GB for 1,000 Llama-3-8B examples of 2,048; meant for small models on one host. A pass of the base holds
+`[rows, N, T, T]` float32 attention scores, so long rows go through it fewer at a time (`feature_rows`: at most
+`FEATURE_TOKENS` padded tokens per pass, at least one row): one 9,000-token row instead of eight.
 
 With a `cache_dir` (`train.feature_cache_dir`) the features also go to disk, cached **per example**: a folder
 per base model and storage dtype (`features-<digest of every base parameter and the dtype>/`) holds shards, each a
@@ -37,19 +39,36 @@ from clover_jax.heads.losses import base_features
 from tqdm import tqdm
 
 
-def compute_features(base, dataset, boundaries, batch_size: int = 8, dtype=jnp.bfloat16,
-                     progress: bool = True, indices=None) -> list[np.ndarray]:
-    """`[len_i, D]` base features of every example of `dataset` (a `TokenizedDataset`), in its order, or of the
-    examples at `indices` only, in that order.
+FEATURE_TOKENS = 4096  # padded tokens per pass of the base over the data (rows x length), at least one row
 
-    Examples go through the base in batches of `batch_size`, shortest first, each batch right-padded to
-    the smallest of `boundaries` that holds it (one compile per boundary used)."""
+
+def feature_rows(length: int, batch_size: int = 8) -> int:
+    """Rows per pass of the base over examples padded to `length`: `batch_size`, fewer where they would pass
+    `FEATURE_TOKENS` tokens (a pass's attention scores grow with rows x length^2), at least one."""
+    return max(1, min(int(batch_size), FEATURE_TOKENS // max(int(length), 1)))
+
+
+def feature_program(base, dtype=jnp.bfloat16):
+    """(the jitted pass `forward(state, tokens [R, T], valid [R, T]) -> [R, T, D]` features in `dtype`, the base's
+    state to pass it)."""
     graphdef, state = nnx.split(base)
 
     @jax.jit
     def forward(state, tokens, valid):
         return base_features(nnx.merge(graphdef, state), tokens, valid).astype(dtype)
 
+    return forward, state
+
+
+def compute_features(base, dataset, boundaries, batch_size: int = 8, dtype=jnp.bfloat16,
+                     progress: bool = True, indices=None) -> list[np.ndarray]:
+    """`[len_i, D]` base features of every example of `dataset` (a `TokenizedDataset`), in its order, or of the
+    examples at `indices` only, in that order.
+
+    Examples go through the base in batches of `batch_size`, shortest first, each batch right-padded to
+    the smallest of `boundaries` that holds it (one compile per boundary used); a batch of long rows goes in
+    passes of `feature_rows(boundary, batch_size)` rows."""
+    forward, state = feature_program(base, dtype)
     bounds = np.asarray(sorted(boundaries))
     indices = np.arange(len(dataset)) if indices is None else np.asarray(indices, np.int64)  # [M]
     lengths = np.asarray(dataset.lengths)[indices]  # [M]
@@ -60,17 +79,20 @@ def compute_features(base, dataset, boundaries, batch_size: int = 8, dtype=jnp.b
     out: list[np.ndarray | None] = [None] * len(lengths)
     with tqdm(total=len(order), desc="base features", unit="ex", disable=not progress) as bar:
         for s in range(0, len(order), batch_size):
-            rows = order[s: s + batch_size]
-            t = int(bounds[np.searchsorted(bounds, lengths[rows].max())])
-            tokens = np.full((batch_size, t), dataset.pad_id, np.int32)
-            valid = np.zeros((batch_size, t), bool)
-            for r, i in enumerate(rows):
-                n = int(lengths[i])
-                tokens[r, :n], valid[r, :n] = dataset[int(indices[i])].tokens, True
-            f = np.asarray(forward(state, tokens, valid))
-            for r, i in enumerate(rows):
-                out[int(i)] = f[r, : int(lengths[i])]
-            bar.update(len(rows))
+            group = order[s: s + batch_size]
+            t = int(bounds[np.searchsorted(bounds, lengths[group].max())])
+            per = feature_rows(t, batch_size)
+            for g in range(0, len(group), per):
+                rows = group[g: g + per]
+                tokens = np.full((per, t), dataset.pad_id, np.int32)
+                valid = np.zeros((per, t), bool)
+                for r, i in enumerate(rows):
+                    n = int(lengths[i])
+                    tokens[r, :n], valid[r, :n] = dataset[int(indices[i])].tokens, True
+                f = np.asarray(forward(state, tokens, valid))
+                for r, i in enumerate(rows):
+                    out[int(i)] = f[r, : int(lengths[i])]
+                bar.update(len(rows))
     return out
 
 
@@ -174,4 +196,5 @@ def attach_features(batcher, base, batch_size: int = 8, dtype=jnp.bfloat16, prog
     return batcher
 
 
-__all__ = ["FeatureStore", "attach_features", "compute_features"]
+__all__ = ["FEATURE_TOKENS", "FeatureStore", "attach_features", "compute_features", "feature_program",
+           "feature_rows"]

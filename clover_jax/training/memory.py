@@ -66,7 +66,8 @@ from clover_jax.heads import registry
 from clover_jax.models.config import LlamaConfig
 from clover_jax.models.llama import Llama
 from clover_jax.training import steps as steps_lib
-from clover_jax.validation import InputError, InsufficientMemoryError
+from clover_jax.training.features import feature_rows
+from clover_jax.validation import ConfigError, InputError, InsufficientMemoryError
 
 SAFETY = 0.9  # the share of the free memory an estimate may use (the estimate is not exact)
 RUNTIME_BYTES = int(1.2 * GIB)  # a CPU training process besides its arrays: Python, JAX, XLA compiling (measured)
@@ -76,6 +77,13 @@ RUNTIME_BYTES = int(1.2 * GIB)  # a CPU training process besides its arrays: Pyt
 STUDENT_COPIES = 3.5
 TEACHER_COPIES = 2
 RNN_STATE_COPIES = 12  # float32 [B, T, D] arrays a drafted depth keeps for its backward (attention decoder, FC)
+# float32 [B, N, T, T] attention arrays (what grows with T^2) live at once, counted in XLA's buffer assignment of
+# the compiled step (`Compiled.memory_analysis`, bench/bench_train_memory.py) at 1,024-4,096 tokens, 1-3 layers:
+ATTENTION_KEPT = 2  # per head decoder layer, kept for the backward (stacked by the layers' scan)
+ATTENTION_BACKWARD = 3.4  # besides those, in the backward through two or more layers
+ONE_LAYER_ATTENTION = 4.5  # one layer's, kept or recomputed (one layer, or train.remat), with its backward
+BASE_ATTENTION = 3  # one layer of the base's forward (no gradient): scores, masked scores, probabilities
+ONLINE_ATTENTION = 0.75  # of the base's forward in the step, still live at the peak of a backward through layers
 SETTINGS = "lower data.batch_size, data.max_length or loss.vocab_chunk, or raise mesh.fsdp"
 
 
@@ -178,12 +186,23 @@ def _div(n: int, by: int) -> int:
 
 
 # ---------------------------------------------------------------------------------------------- estimate
+def check_sequence_length(cfg, base_config: LlamaConfig) -> None:
+    """A `ConfigError` naming `data.max_length` and the base's context when rows would be longer than the base
+    model was trained for (`max_position_embeddings`): its positions past the context are untrained, and a row's
+    memory grows with its length squared."""
+    context = getattr(base_config, "max_position_embeddings", None)
+    if context and cfg.data.max_length > context:
+        raise ConfigError(f"data.max_length: {cfg.data.max_length} tokens is longer than the base model's context "
+                          f"(max_position_embeddings={context}); set data.max_length={context} or less")
+
+
 def estimate_training_memory(cfg, base_config: LlamaConfig, mesh: Any, *, platform: str = "cpu",
                              vocab_size: int | None = None) -> TrainingMemory:
     """Bytes per device of one training step of `cfg` on `mesh` (a `Mesh`, a {"data", "fsdp", "tp"} mapping or
     a device count the `mesh:` section is laid over), by item (see the module docstring). `platform` "cpu" adds
     the process's own runtime; `vocab_size` overrides the cross-entropy's vocabulary (the draft vocabulary's size
     with `loss.draft_vocab`, default `train.draft_vocab_size`, else the base's)."""
+    check_sequence_length(cfg, base_config)
     sizes = _sizes_of(mesh, cfg.mesh)
     c, loss = base_config, cfg.loss
     shards = sizes["data"] * sizes["fsdp"]
@@ -214,15 +233,15 @@ def estimate_training_memory(cfg, base_config: LlamaConfig, mesh: Any, *, platfo
         gathered = 2 * base_layer + d * v * base_bytes
     items["gathered weights"] = gathered
 
-    attention = 2 * b * n_heads * t * t * 4  # float32 scores and probabilities
-    layer = b * t * (4 * d + 3 * f_dim) * act + attention
-    items["base forward"] = 0 if cfg.train.cache_features else layer + b * t * d * act
+    attention = b * n_heads * t * t * 4  # one float32 [B, N, T, T] array
     aug = _layers(params)
+    through = aug > 1 and not cfg.train.remat  # a backward through several layers' kept activations
     if cfg.train.remat:  # each layer's input kept, one layer recomputed at a time
-        kept = aug * b * t * d * head_act + b * t * (6 * d + 3 * f_dim) * head_act + attention
+        kept = aug * b * t * d * head_act + b * t * (6 * d + 3 * f_dim) * head_act
     else:
-        kept = aug * (b * t * (6 * d + 3 * f_dim) * head_act + attention)
-    items["head activations"] = kept + nh * RNN_STATE_COPIES * b * t * d * 4
+        kept = aug * b * t * (6 * d + 3 * f_dim) * head_act
+    kept += nh * RNN_STATE_COPIES * b * t * d * 4 + (ATTENTION_KEPT * aug * attention if through else 0)
+    backward = (ATTENTION_BACKWARD if through else ONE_LAYER_ATTENTION) * attention if aug else 0
 
     if loss.vocab_positions_per_row:  # packed: one pass over K positions per row, no chunking
         positions, halo = min(loss.vocab_positions_per_row, t), 0
@@ -230,7 +249,21 @@ def estimate_training_memory(cfg, base_config: LlamaConfig, mesh: Any, *, platfo
         positions, halo = min(loss.vocab_chunk or t, t), nh
     student = nh * b * positions * v * 4
     teacher = b * (positions + halo) * v * 4
-    items["logits"] = STUDENT_COPIES * student + TEACHER_COPIES * teacher
+    logits = STUDENT_COPIES * student + TEACHER_COPIES * teacher
+    head = kept + max(0.0, backward - logits)  # the layers' backward runs after the cross-entropy's, in its memory
+
+    def base_pass(rows: int) -> float:  # one base layer's forward working set (freed before the next layer)
+        return rows * t * (4 * d + 3 * f_dim) * act + BASE_ATTENTION * rows * n_heads * t * t * 4
+
+    if cfg.train.cache_features:
+        # the base's pass over the data runs before training, `feature_rows` rows at a time: it adds only where
+        # it needs more than the step's activations
+        items["base forward"] = max(0.0, base_pass(feature_rows(t)) - head - logits)
+    else:  # in the step: its features, and its working set where the head's does not cover it
+        overlap = ONLINE_ATTENTION * attention if through else 0
+        items["base forward"] = b * t * d * act + max(overlap, base_pass(b) - head - logits)
+    items["head activations"] = head
+    items["logits"] = logits
     items["batch"] = b * t * (4 * 3 + (2 * d if cfg.train.cache_features else 0))
     items["runtime"] = RUNTIME_BYTES if platform == "cpu" else 0
     return TrainingMemory({k: int(x) for k, x in items.items()}, sizes, b, t)
@@ -313,7 +346,9 @@ def check_training_memory(cfg, base_config: LlamaConfig, mesh, *, base_loaded: b
     An accelerator is checked against its own free memory (`clover_jax.decoding.memory.available_memory`), less
     the frozen base when `base_loaded` (it is in use already). CPU devices share the host: their needs add up
     (the runtime once), and what this process holds already (its resident memory: the loaded base, the
-    libraries) is not asked for again. Returns the estimate (None when skipped)."""
+    libraries) is not asked for again. Returns the estimate (None when skipped). A `data.max_length` past the base's
+    context is a `ConfigError` either way (`check_sequence_length`)."""
+    check_sequence_length(cfg, base_config)
     if not cfg.train.check_memory:
         return None
     devices = list(mesh.local_devices) if hasattr(mesh, "local_devices") else jax.local_devices()
@@ -343,5 +378,5 @@ def check_training_memory(cfg, base_config: LlamaConfig, mesh, *, base_loaded: b
         + ", or set train.check_memory=false to skip this check")
 
 
-__all__ = ["TrainingMemory", "abstract_head_state", "base_state_shapes", "bytes_per_device", "check_training_memory",
-           "estimate_training_memory", "resident_bytes", "suggestions"]
+__all__ = ["TrainingMemory", "abstract_head_state", "base_state_shapes", "bytes_per_device", "check_sequence_length",
+           "check_training_memory", "estimate_training_memory", "resident_bytes", "suggestions"]

@@ -1,17 +1,27 @@
 """Training memory is known before the first step: the estimate by item, a run that cannot fit stops with an error
 naming the settings, one that fits trains, and the plan command prints its table without downloading a model."""
 
+import dataclasses
+import importlib.util
+import json
+from pathlib import Path
+
 import jax
+import numpy as np
 import pytest
 
 from clover_jax import parallel
 from clover_jax.cli import user_error_types
 from clover_jax.cli import memory_plan
 from clover_jax.training import memory
+from clover_jax.training.features import feature_program, feature_rows
 from clover_jax.training.run import run_experiment
-from clover_jax.validation import InsufficientMemoryError
+from clover_jax.training.trainer import Trainer
+from clover_jax.validation import ConfigError, InsufficientMemoryError
 from training_helpers import TINY, SyntheticBatcher, make_cfg, tiny_base
 from clover_jax.models.config import LlamaConfig
+
+ROOT = Path(__file__).resolve().parents[2]
 
 GIB = 1024 ** 3
 # a tiny base with SmolLM2's vocabulary: the logits are what grows with the batch
@@ -100,3 +110,56 @@ def test_plan_table(capsys):
     assert code == 0 and "| GiB per device | v5e-8 |" in out
     if "**no**" in out:  # the way to fit is named with its estimate
         assert "brings it to" in out
+
+
+def test_max_length_past_the_context_is_an_error(tmp_path):
+    """Rows longer than the base's context: an error naming data.max_length and the context, whether or not the
+    memory check runs, before anything is set up."""
+    base_config = dataclasses.replace(WIDE_VOCAB, max_position_embeddings=64)
+    for check in ("true", "false"):
+        cfg = make_cfg("data.max_length=65", f"train.check_memory={check}", output_dir=str(tmp_path / "run"))
+        with pytest.raises(ConfigError, match=r"data\.max_length: 65 tokens .*max_position_embeddings=64"):
+            memory.check_training_memory(cfg, base_config, _mesh())
+        steps = []
+        with pytest.raises(ConfigError, match="data.max_length=64 or less"):
+            run_experiment(cfg, progress=False, mesh=_mesh(), loaded=tiny_base(base_config),
+                           batcher=SyntheticBatcher(vocab=49152, length=65), on_step=lambda s, t: steps.append(s))
+        assert not steps and not (tmp_path / "run").exists()
+    with pytest.raises(ConfigError, match="max_position_embeddings=64"):  # the plan command too
+        memory.estimate_training_memory(make_cfg("data.max_length=65"), base_config, 1)
+    assert memory.estimate_training_memory(make_cfg("data.max_length=64"), base_config, 1).seq_len == 64
+
+
+# a 2-layer base whose attention is what grows: long rows of a small model, a small vocabulary
+LONG = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=16, max_position_embeddings=16384)
+
+
+@pytest.mark.parametrize("settings", [("head.num_aug_layers=2",), ("head.num_aug_layers=2", "train.remat=true"),
+                                      ("head.num_aug_layers=1", "train.cache_features=true")])
+def test_long_rows_estimate_holds_the_compiled_step(settings):
+    """At 2,048 tokens a row's attention arrays are most of a step: the estimate (less the CPU runtime) against
+    XLA's buffer assignment of the compiled training step (arguments, outputs, temporaries; with cached features the
+    larger of it and the base's pass over the data), within 15%: the [B, N, T, T] float32 arrays kept for and made by
+    the head's backward, the base forward's. Compiled, not run."""
+    t = 2048
+    cfg = make_cfg("head.num_heads=5", "data.batch_size=1", f"data.max_length={t}", *settings)
+    base = tiny_base(LONG)
+    trainer = Trainer(cfg, base, mesh=_mesh())
+    batch = {"tokens": np.zeros((1, t), np.int32), "loss_mask": np.ones((1, t), np.int32),
+             "valid": np.ones((1, t), bool)}
+    if cfg.train.cache_features:
+        batch["features"] = np.zeros((1, t, LONG.hidden_size), jax.numpy.bfloat16)
+    s = trainer.state
+    m = trainer._train_step.lower(s.params, s.opt_state, trainer.base_state, trainer.device_batch(batch),
+                                  np.int32(0)).compile().memory_analysis()
+    compiled = m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
+    if cfg.train.cache_features:  # the base's pass over the data before training, a program of its own
+        forward, state = feature_program(base)
+        rows = jax.ShapeDtypeStruct((feature_rows(t), t), np.int32)
+        f = forward.lower(state, rows, rows.update(dtype=np.bool_)).compile().memory_analysis()
+        compiled = max(compiled, f.argument_size_in_bytes + f.output_size_in_bytes + f.temp_size_in_bytes)
+    est = memory.estimate_training_memory(cfg, LONG, 1)
+    attention = 4 * t * t * 4  # one [1, N, T, T] float32 array
+    assert compiled > 4 * attention  # what this checks: the sequence-squared terms
+    assert (est.total - est.items["runtime"]) == pytest.approx(compiled, rel=0.15), (est.items, compiled)

@@ -1,0 +1,323 @@
+"""Training memory: the estimate (`clover_jax.training.memory`) against the peak resident memory of real runs.
+
+Each point is a real run of `run_experiment` in a child process: `configs/smollm2-135m-clover2.yaml` with the point's
+`--set` overrides, `--steps` optimizer steps on synthetic rows of exactly `data.max_length` tokens (every row full,
+the longest bucket), through the data path of `train.py` from the tokenized data set on (a `TokenizedDataset`, the
+`BucketedBatcher`, the base features with `train.cache_features`), and its peak resident memory: `ru_maxrss` of the
+child (`os.wait4`). A second child compiles the same training step without running it and reads XLA's buffer
+assignment (`Compiled.memory_analysis()`: arguments + outputs + temporaries). A point whose estimate passes
+`--limit-gib` is not run (its compiled buffers only); a run that passes the limit anyway is stopped there (its peak
+then reads ">= limit"). One child at a time.
+
+  python bench/bench_train_memory.py --out results/2026-11-29-cpu-train-memory.json    # every point (about an hour)
+  python bench/bench_train_memory.py --points smollm2 --lengths 256 1024 --out /tmp/m.json
+  python scripts/render_results.py                                                     # the table in docs/training.md
+
+Bases: `smollm2` is SmolLM2-135M-Instruct (30 layers, D=576, 9 heads, context 8,192); `random` a random 2-layer
+Llama with SmolLM2's vocabulary (D=64, 4 heads) and a 16,384-token context, so 9,000-token rows train for real.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIG = ROOT / "configs" / "smollm2-135m-clover2.yaml"
+GIB = 1024 ** 3
+WHOLE_VOCAB = ["loss.vocab_positions_per_row=0", "loss.draft_vocab=false", "train.cache_features=false"]
+
+# name: (base, [(batch, length, extra overrides), ...], what the overrides mean)
+POINTS = {
+    "smollm2": ("smollm2", [(1, t, ["loss.vocab_chunk=64"]) for t in (256, 1024, 2048, 4096, 6144, 8192)],
+                "the shipped config (cached base features, 64 packed positions, 8,192-token draft vocabulary)"),
+    "smollm2-online": ("smollm2", [(1, t, ["loss.vocab_chunk=64", "train.cache_features=false"])
+                                   for t in (256, 2048, 4096, 8192)],
+                       "the shipped config with the base run in every step (train.cache_features=false)"),
+    "random": ("random", [(1, t, ["loss.vocab_chunk=64", "train.cache_features=false"])
+                          for t in (256, 1024, 2048, 4096, 6144, 9000)],
+               "the shipped config on the random base, run in every step"),
+    "short": ("random", [(4, 128, WHOLE_VOCAB), (16, 128, WHOLE_VOCAB),
+                         (32, 128, WHOLE_VOCAB + ["loss.vocab_chunk=32"])],
+              "the whole vocabulary in the cross-entropy, base run in every step"),
+    "smollm2-short": ("smollm2", [(8, 128, WHOLE_VOCAB), (16, 256, WHOLE_VOCAB + ["loss.vocab_chunk=64"])],
+                      "the whole vocabulary in the cross-entropy, base run in every step"),
+}
+
+
+def random_base_config():
+    from clover_jax.models.config import LlamaConfig
+
+    return LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=16384)
+
+
+def point_config(base: str, batch: int, length: int, extra: list[str], steps: int, out_dir: str):
+    from clover_jax.training.config import load_config
+
+    return load_config(str(CONFIG), [
+        f"data.batch_size={batch}", f"data.max_length={length}", "mesh.data=1", f"train.steps={steps}",
+        "train.log_every=1", "train.eval_every=0", "optim.warmup_steps=0", "checkpoint.save_every=1000", f"train.output_dir={out_dir}",
+        "train.check_memory=false", *(["model.name_or_path=random"] if base == "random" else []), *extra])
+
+
+# ------------------------------------------------------------------------------------------------- child
+def _pipeline(cfg, base, vocab_file: Path):
+    """(batcher, draft vocabulary ids or None): synthetic full-length rows through the training data path."""
+    import numpy as np
+
+    from clover_jax.heads.draft_vocab import save_draft_vocab
+    from clover_jax.training.batching import BucketedBatcher
+    from clover_jax.training.dataset import Example, TokenizedDataset
+    from clover_jax.training.features import attach_features
+
+    t, rows = cfg.data.max_length, cfg.data.batch_size * cfg.train.steps
+    rng = np.random.default_rng(0)
+    examples = []
+    for i in range(rows):
+        tokens = rng.integers(0, base.config.vocab_size, t).astype(np.int32)
+        mask = (np.arange(t) >= min(16, t // 4)).astype(np.int32)  # a short prompt, then the trained reply
+        examples.append(Example(f"row{i}", tokens, mask))
+    dataset = TokenizedDataset(examples, pad_id=0, max_length=t)
+    batcher = BucketedBatcher(dataset, cfg.data.batch_size, cfg.data.bucket_boundaries, seed=0, shuffle=False)
+    if cfg.train.cache_features:
+        attach_features(batcher, base, progress=False)
+    ids = None
+    if cfg.loss.draft_vocab:  # the draft vocabulary's size as the config says (synthetic rows may hold fewer ids)
+        ids = np.arange(cfg.train.draft_vocab_size, dtype=np.int32)
+        save_draft_vocab(vocab_file, ids, source="bench_train_memory")
+    return batcher, ids
+
+
+def _load(base_name: str, cfg, mesh):
+    if base_name == "random":
+        from clover_jax.models.llama import init_llama
+
+        return init_llama(random_base_config(), seed=0)
+    from clover_jax.training.run import load_base
+
+    return load_base(cfg, mesh)
+
+
+def child(spec: dict) -> dict:
+    """One point in this process: `spec["mode"]` "run" (train, report the estimate) or "compile" (XLA's buffers)."""
+    import jax
+    import numpy as np
+
+    from clover_jax import parallel
+    from clover_jax.training import memory
+
+    tmp = Path(spec["tmp"])
+    cfg = point_config(spec["base"], spec["batch"], spec["length"], spec["extra"], spec["steps"], str(tmp / "run"))
+    mesh = parallel.make_mesh(1, 1, 1, devices=jax.devices("cpu")[:1])
+    loaded = _load(spec["base"], cfg, mesh)
+    base = loaded.model if hasattr(loaded, "model") else loaded
+    vocab_file = tmp / "draft_vocab.json"
+    est = memory.estimate_training_memory(cfg, base.config, mesh)
+    out = {"estimate": est.total, "items": est.items}
+    if spec["mode"] == "run":
+        from clover_jax.training.run import run_experiment
+
+        batcher, ids = _pipeline(cfg, base, vocab_file)
+        if ids is not None:
+            cfg = cfg.replace(f"train.draft_vocab_from={vocab_file}")
+        t0 = time.perf_counter()
+        summary = run_experiment(cfg, progress=False, mesh=mesh, loaded=loaded, batcher=batcher, eval_batches=[])
+        out.update(steps=summary["final_step"], seconds=round(time.perf_counter() - t0, 1))
+        return out
+    from clover_jax.training.features import feature_program, feature_rows
+    from clover_jax.training.trainer import Trainer
+
+    batcher, ids = _pipeline(cfg.replace("train.cache_features=false"), base, vocab_file)
+    trainer = Trainer(cfg, base, mesh=mesh, vocab_ids=ids)
+    batch = next(batcher)
+    if cfg.train.cache_features:
+        batch["features"] = np.zeros((*batch["tokens"].shape, base.config.hidden_size), jax.numpy.bfloat16)
+    batch = trainer.with_loss_index(batch, 0)
+    s = trainer.state
+    m = trainer._train_step.lower(s.params, s.opt_state, trainer.base_state, trainer.device_batch(batch),
+                                  np.int32(0)).compile().memory_analysis()
+    out["xla"] = {"arguments": m.argument_size_in_bytes, "outputs": m.output_size_in_bytes,
+                  "aliased": m.alias_size_in_bytes, "temporaries": m.temp_size_in_bytes}
+    out["xla_step"] = m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
+    if cfg.train.cache_features:  # the base's pass over the data before training: its own program
+        rows, t = feature_rows(cfg.data.max_length), cfg.data.max_length
+        forward, state = feature_program(base)
+        shape = lambda dtype: jax.ShapeDtypeStruct((rows, t), dtype)  # noqa: E731
+        m = forward.lower(state, shape(np.int32), shape(np.bool_)).compile().memory_analysis()
+        out["xla_features"] = m.temp_size_in_bytes + m.argument_size_in_bytes + m.output_size_in_bytes
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ parent
+def _rss(pid: int) -> int:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def _available() -> int:
+    """MemAvailable of /proc/meminfo, bytes (0 where unknown)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def wait_for_memory(need: float, patience: float) -> bool:
+    """Waits up to `patience` seconds until the host has `need` bytes available (others share it)."""
+    t0 = time.monotonic()
+    while _available() < need:
+        if time.monotonic() - t0 > patience:
+            return False
+        time.sleep(10)
+    return True
+
+
+def run_child(spec: dict, limit: int, timeout: float) -> tuple[dict | None, int, str]:
+    """(the child's report or None, its peak resident bytes, "" or why it stopped)."""
+    with tempfile.TemporaryDirectory(prefix="bench_train_memory_") as tmp:
+        spec = {**spec, "tmp": tmp}
+        report = Path(tmp) / "report.json"
+        env = {**os.environ, "CLOVER_JAX_COMPILE_CACHE": "off"}
+        log = Path(tmp) / "log.txt"
+        with log.open("w") as sink:
+            proc = subprocess.Popen([sys.executable, __file__, "--child", json.dumps(spec), "--report", str(report)],
+                                    env=env, stdout=sink, stderr=subprocess.STDOUT)
+        stopped, t0 = "", time.monotonic()
+        while True:
+            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)  # reaps it (its rusage) once it has ended
+            if pid:
+                break
+            if _rss(proc.pid) > limit:
+                stopped = f"stopped at the {limit / GIB:.0f} GiB limit"
+            elif time.monotonic() - t0 > timeout:
+                stopped = f"stopped after {timeout:.0f} s"
+            if stopped:
+                os.kill(proc.pid, signal.SIGKILL)
+                _, status, usage = os.wait4(proc.pid, 0)
+                break
+            time.sleep(0.1)
+        proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here: Popen must not wait for it again
+        peak = int(usage.ru_maxrss) * 1024  # kilobytes on Linux
+        if not stopped and proc.returncode != 0:
+            print(log.read_text()[-3000:], file=sys.stderr)
+            stopped = f"failed (status {proc.returncode})"
+        return (json.loads(report.read_text()) if report.is_file() else None), peak, stopped
+
+
+def base_config(base: str):
+    """The base's `LlamaConfig` (shapes only: nothing loaded)."""
+    if base == "random":
+        return random_base_config()
+    from clover_jax.io.loader import base_config_of
+
+    return base_config_of("smollm2-135m-instruct")
+
+
+def reestimate(path: Path) -> None:
+    """Rewrites the estimate of every row of a results file with the estimate as the code computes it now."""
+    from clover_jax.training import memory
+
+    result = json.loads(path.read_text())
+    for row in result["rows"]:
+        cfg = point_config(row["base"], row["batch"], row["length"], row["settings"], result["steps"], "unused")
+        est = memory.estimate_training_memory(cfg, base_config(row["base"]), 1)
+        row["estimate"], row["items"] = est.total, est.items
+        m = row.get("measured")
+        row["error"] = (est.total - m) / m if m and not row.get("note") else None
+    path.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"rewrote the estimates of {path}")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--points", nargs="+", default=list(POINTS), choices=list(POINTS))
+    ap.add_argument("--lengths", nargs="+", type=int, help="only these data.max_length values")
+    ap.add_argument("--steps", type=int, default=2, help="optimizer steps per run")
+    ap.add_argument("--limit-gib", type=float, default=16.0,
+                    help="no run whose estimate passes this; a run that does is stopped there")
+    ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per child")
+    ap.add_argument("--no-compile", action="store_true", help="skip XLA's buffer assignment of each step")
+    ap.add_argument("--out", help="write the results here (JSON, as results/*.json: scripts/render_results.py)")
+    ap.add_argument("--reestimate", metavar="RESULTS_JSON",
+                    help="only recompute the estimates of a results file with the code as it is (measurements kept)")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--report", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.child:
+        Path(args.report).write_text(json.dumps(child(json.loads(args.child))))
+        return 0
+
+    if args.reestimate:
+        reestimate(Path(args.reestimate))
+        return 0
+    limit = int(args.limit_gib * GIB)
+    rows = []
+    for name in args.points:
+        base, cases, what = POINTS[name]
+        for batch, length, extra in cases:
+            if args.lengths and length not in args.lengths:
+                continue
+            spec = {"base": base, "batch": batch, "length": length, "extra": extra, "steps": args.steps}
+            row = {"points": name, "base": base, "batch": batch, "length": length, "settings": extra, "what": what}
+            if not args.no_compile:
+                compiled, _, why = run_child({**spec, "mode": "compile"}, limit, args.timeout)
+                if compiled is None:
+                    raise SystemExit(f"{name} {batch}x{length}: compiling the step {why}")
+                row.update(estimate=compiled["estimate"], items=compiled["items"], xla_step=compiled["xla_step"],
+                           xla=compiled["xla"], xla_features=compiled.get("xla_features"))
+            if row.get("estimate", 0) > limit:
+                row["measured"], row["note"] = None, f"not run: the estimate passes the {args.limit_gib:.0f} GiB limit"
+            elif not wait_for_memory(1.15 * row.get("estimate", 0), args.timeout):
+                row["measured"], row["note"] = None, "not run: the host did not have the memory free"
+            else:
+                report, peak, why = run_child({**spec, "mode": "run"}, limit, args.timeout)
+                row["measured"] = peak
+                if report:
+                    row.update(estimate=report["estimate"], items=report["items"], seconds=report["seconds"])
+                if why:
+                    row["note"] = why
+            m, e = row.get("measured"), row.get("estimate")
+            row["error"] = (e - m) / m if m and e and not row.get("note") else None
+            rows.append(row)
+            print(f"{name:15s} batch {batch:2d} x {length:5d}: estimate {e / GIB:6.2f} GiB"
+                  + (f", XLA step {row['xla_step'] / GIB:6.2f} GiB" if row.get("xla_step") else "")
+                  + (f", measured {m / GIB:6.2f} GiB" if m else "")
+                  + (f" ({row['error']:+.0%})" if row["error"] is not None else "")
+                  + (f"  [{row['note']}]" if row.get("note") else ""), flush=True)
+    if args.out:
+        import jax
+
+        result = {
+            "title": "Training memory: the estimate against the peak resident memory",
+            "date": datetime.date.today().isoformat(),
+            "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+                       f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / GIB:.0f} GiB, jax {jax.__version__}",
+            "machine_short": "CPU", "benchmark": "train_memory", "steps": args.steps, "limit_gib": args.limit_gib,
+            "command": "python bench/bench_train_memory.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+            "source": "recorded by the command", "rows": rows,
+        }
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
