@@ -171,14 +171,13 @@ def drafter_for(head_type: type, tree_key, draft_vocab=None, ngram_table=None) -
     named `...-table`, an n-gram table (`clover_jax.decoding.ngram.NgramTable`; ignored by other trees): equal
     arguments give the same drafter object, so the jitted loop is reused."""
     vocab = None if draft_vocab is None else tuple(int(i) for i in draft_vocab)
-    spec = get_tree(tree_key)
+    spec = get_tree(tree_key)  # a name and the policy it names give one drafter: cached by the policy
     table = ngram_table if isinstance(spec, LookupTree) and spec.table else None
-    return _drafter_for(head_type, tree_key, vocab, table)
+    return _drafter_for(head_type, spec, vocab, table)
 
 
 @functools.lru_cache(maxsize=32)
-def _drafter_for(head_type: type, tree_key, draft_vocab, ngram_table) -> object:
-    spec = get_tree(tree_key)
+def _drafter_for(head_type: type, spec, draft_vocab, ngram_table) -> object:
     if isinstance(spec, LookupTree):  # a prompt-lookup chain beside the head's tree (or alone)
         if spec.inner is not None and issubclass(head_type, NoHead):
             raise InputError(f"tree {spec.name!r} drafts {spec.inner.name!r} with a head: give head=..., or "
