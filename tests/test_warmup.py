@@ -1,25 +1,20 @@
 """`clover_jax.warmup` compiles every decoding program a workload needs ahead of its first request: afterwards the
 requests compile nothing and return what they would have."""
 
-import numpy as np
 import pytest
 
 import clover_jax
 from clover_jax.compile_cache import CompileCounter
-from clover_jax.heads.clover2.model import Clover2Config, init_from_base
-from clover_jax.models.llama import init_llama
 from clover_jax.validation import InputError
-from tiny_llama import TINY_LLAMA
+from tiny_llama import random_prompt, tiny_base_and_clover2
 
 
 @pytest.fixture(scope="module")
 def tiny():
-    base = init_llama(TINY_LLAMA, seed=0)
-    return base, init_from_base(base, Clover2Config())
+    return tiny_base_and_clover2()
 
 
-def _prompt(n, seed):
-    return np.random.RandomState(seed).randint(3, 64, n).tolist()
+_prompt = random_prompt
 
 
 @pytest.mark.parametrize("mode", ["ar", "speculative"])

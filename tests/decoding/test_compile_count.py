@@ -1,16 +1,13 @@
 """Prompts of different lengths inside one bucket run one compiled loop (autoregressive and speculative), counted
 with `compile_cache.CompileCounter`; a new bucket compiles once more."""
 
-import numpy as np
 import pytest
 
 from clover_jax.compile_cache import CompileCounter
 from clover_jax.decoding.sizes import bucket_length, loop_shapes
 from clover_jax.decoding.tree import get_tree
 from clover_jax.generation.api import generate
-from clover_jax.heads.clover2.model import Clover2Config, init_from_base
-from clover_jax.models.llama import init_llama
-from tiny_llama import TINY_LLAMA
+from tiny_llama import random_prompt, tiny_base_and_clover2
 
 LOOP = {"ar": "autoregressive_loop", "speculative": "speculative_loop"}
 NEW = 230  # with these, 5 and 30 prompt tokens (bucket 32) got caches of 256 and 512 slots from their own lengths
@@ -18,12 +15,10 @@ NEW = 230  # with these, 5 and 30 prompt tokens (bucket 32) got caches of 256 an
 
 @pytest.fixture(scope="module")
 def tiny():
-    base = init_llama(TINY_LLAMA, seed=0)
-    return base, init_from_base(base, Clover2Config())
+    return tiny_base_and_clover2()
 
 
-def _prompt(n, seed):
-    return np.random.RandomState(seed).randint(3, 64, n).tolist()
+_prompt = random_prompt
 
 
 @pytest.mark.parametrize("mode,tree", [("ar", None), ("speculative", "chain-4")])
