@@ -158,3 +158,17 @@ def test_reference_tau_is_read_from_the_head_folder():
     assert choose_mod.reference_tau(CLOVER, tree) == ref["tau"][tree]
     assert choose_mod.reference_tau(None, "lookup-4-table", "smollm2-135m-instruct") == ref["tau"]["lookup-4-table"]
     assert choose_mod.reference_tau(CLOVER, "chain-9") is None
+
+
+def test_on_a_mesh_a_saved_choice_is_used_and_none_is_measured(smollm, fake_measure):
+    """Measuring on a mesh compiles every candidate's sharded loop (minutes): the default tree, said in the notes,
+    with the command that measures one; a saved choice for the mesh is used."""
+    calls, predicted = fake_measure
+    plan = prepare_generate(smollm, ["hi", "there"], mode="speculative", mesh="data=2", check_free_memory=False)
+    assert calls == [] and plan.drafter.spec.name == pretrained.default_tree(CLOVER)
+    assert any("no choice is saved for mesh data=2" in n and "calibrate --quick --mesh data=2" in n
+               for n in plan.notes)
+    predicted["lookup-4-table"] = 1.4
+    choose_mod.choose(smollm, batch_size=2, mesh=plan.mesh, model_source="smollm2-135m-instruct", quiet=True)
+    again = prepare_generate(smollm, ["hi", "there"], mode="speculative", mesh="data=2", check_free_memory=False)
+    assert len(calls) == 1 and again.choice["tree"] == "lookup-4-table"

@@ -17,10 +17,12 @@ from clover_jax import pretrained
 from clover_jax.cli import add_debug_argument, run_cli
 from clover_jax.decoding.tree import get_tree
 from clover_jax.generation.calibration import AR
+from clover_jax.heads.bundle import open_head
 from clover_jax.heads.draft_vocab import head_draft_vocab
 from clover_jax.io.loader import load_model
 from clover_jax.io.prompts import read_prompts
 from clover_jax.parallel import parse_mesh
+from clover_jax.training.checkpoint import load_head_from_run
 from clover_jax.training.loading import load_head
 from clover_jax.tuning.calibrate import DYNAMIC_CANDIDATES, STATIC_CANDIDATES, resolve_auto
 from clover_jax.tuning.choose import choose
@@ -85,7 +87,7 @@ def _main(argv=None) -> int:
               f"{r['tokens_per_second']:.1f} | {final} | {fitted} |")
     if entry.get("rank_acceptance"):
         print("\nacceptance per depth (rows) and child rank (columns), pooled over the static trees (the fit uses "
-              "them smoothed: tree_fit.smooth_acceptance):")
+              "them smoothed: trees.fit.smooth_acceptance):")
         for d, row in enumerate(entry["rank_acceptance"]):
             print(f"  depth {d + 1}: " + " ".join(f"{x:.3f}" for x in row))
         for name, t in entry.get("trees", {}).items():
@@ -95,7 +97,8 @@ def _main(argv=None) -> int:
 
 
 def _quick(loaded, args, mesh) -> int:
-    choice = choose(loaded, args.head, batch_size=args.batch_size, mesh=mesh, refresh=True, model_source=args.model)
+    head = open_head(args.head, loaded.model, run_loader=load_head_from_run) if args.head else None
+    choice = choose(loaded, head, batch_size=args.batch_size, mesh=mesh, refresh=True, model_source=args.model)
     entry = choice.entry
     print(f"\n{entry['new_tokens']} new tokens, batch {entry['batch_size']}, measured in {entry['seconds']} s\n")
     print("| head | tree | measured speed-up | tau measured | iteration cost (decode iterations) | tokens per "

@@ -246,18 +246,20 @@ def _draftable(loaded, pair, ngram_table) -> bool:
 
 
 def choose(loaded, head: HeadBundle | None = None, *, batch_size: int = 1, mesh=None, refresh: bool = False,
-           model_source=None, quiet: bool = False) -> Choice | None:
+           model_source=None, quiet: bool = False, measure_new: bool = True) -> Choice | None:
     """The head and tree to draft with here (or plain decoding): the saved choice for this machine, dtype and batch
     size, else a new measurement (announced on stderr, saved in the user's cache). `head_source`: the head the
     request named (its default tree `head_tree`, or plain decoding); None: any of the model's shipped heads or a head-less
     chain. `head`: a head read from a folder (`clover_jax.heads.bundle.open_head`). None when no candidate passes the
-    request's checks (nothing to choose)."""
+    request's checks (nothing to choose), or when nothing is saved and `measure_new` is False."""
     model = loaded.model
     model_source = model_source or getattr(loaded, "name", None)
     where = entry_key(hardware_key(mesh), jnp.dtype(model.dtype).name, batch_size)
     key = f"{_subject(model_source, head)} | {where}"
     entry = None if refresh else (_MEMO.get(key) or load_choice(key))
     made = entry is None
+    if made and not measure_new:
+        return None
     if made:  # the candidates are checked, and the n-gram table read, only when measuring
         if head is not None:
             ngram_table = head.ngram_table
@@ -316,8 +318,15 @@ def decide_fastest(request: Request, *, run_loader: RunLoader | None = None
         return default, (), None  # no shipped head to choose among: the draft's resolution says what to pass
     bundle = open_head(head, request.model, run_loader=run_loader) if head is not None else None
     loaded = LoadedModel(request.model.config, request.model, request.tokenizer, request.model_source or "")
+    # on a mesh a measurement compiles every candidate's sharded loop (minutes; on a pod, on every host): a saved
+    # choice is used, else the default tree, and the note says how to measure one
     choice = choose(loaded, bundle, batch_size=request.batch_size, mesh=request.mesh,
-                    model_source=request.model_source)
+                    model_source=request.model_source, measure_new=request.mesh is None)
+    if choice is None and request.mesh is not None:
+        mesh = ",".join(f"{k}={v}" for k, v in dict(request.mesh.shape).items() if v > 1)
+        return default.replace(head=bundle if bundle is not None else head), (
+            f"the head's default tree: no choice is saved for mesh {mesh} (measure one: python -m "
+            f"clover_jax.cli.calibrate --quick --mesh {mesh} --batch-size {request.batch_size})",), None
     if choice is None:  # no candidate passes the request's checks: the default tree's resolution reports why
         return default.replace(head=bundle if bundle is not None else head), (), None
     about = {"head": choice.head, "tree": choice.tree, "predicted_speedup": choice.predicted}
