@@ -63,21 +63,40 @@ def check_layers(layers: str | None, mesh=None) -> str:
 
 
 def layer_weight_bytes(model: Llama) -> int:
-    """Bytes of the decoder layers' weights: what `layers="unrolled"` holds a second copy of during a call."""
+    """Bytes of the decoder layers' weights."""
     return int(sum(x.nbytes for x in jax.tree.leaves(model.layers.layer_params())))
+
+
+def layer_views(model: Llama, layers: str, mesh=None):
+    """The per-layer weights a loop whose layers run as `layers` takes as an argument: with unrolled layers, slices
+    of the stacked weights that share their memory (`Llama.layers.layer_views`, made once per model), else None.
+    None with unrolled layers (a backend that cannot alias them) makes the loop slice inside its program, which
+    holds a copy of the layers' weights for the call."""
+    if layers != "unrolled" or mesh is not None:
+        return None
+    return model.layers.layer_views()
+
+
+def layer_copy_bytes(model: Llama, layers: str, mesh=None) -> int:
+    """Bytes of the layers' weights a decoding call holds beyond the model's own: none with scanned layers or with
+    `layer_views`, all of them when an unrolled loop slices inside its program."""
+    if layers != "unrolled" or layer_views(model, layers, mesh) is not None:
+        return 0
+    return layer_weight_bytes(model)
 
 
 def decode_layers(layers: str | None = None, mesh=None, *, tokens_per_step: int = 1, model: Llama | None = None,
                   ) -> str:
     """How a decoding loop runs the base model's layers: `"unrolled"` or `"scan"` (`None` means `"auto"`).
 
-    `"unrolled"`: the stacked weights are split into one buffer per layer once per call, before the loop, the KV
-    cache holds one buffer per layer, and each step runs the layers unrolled, so nothing is copied per step; the
-    call holds a second copy of the layers' weights. `"scan"`: a `lax.scan` over the stacked `[L, ...]` weights
-    and cache, which copies each layer's weight and cache slices at every step.
+    `"unrolled"`: each layer reads its own weight buffers, slices of the stacked weights that share their memory
+    (`layer_views`, no copy; where a backend cannot alias them, the program slices once per call, before the loop,
+    and the call holds a second copy of the layers' weights), the KV cache holds one buffer per layer, and each
+    step runs the layers unrolled, so nothing is copied per step. `"scan"`: a `lax.scan` over the stacked
+    `[L, ...]` weights and cache, which copies each layer's weight and cache slices at every step.
 
-    `"auto"` picks, without a mesh and when the second copy of `model`'s layer weights fits twice in the free
-    memory: on a GPU, `"unrolled"` for every loop, autoregressive and speculative, in any dtype; on a CPU,
+    `"auto"` picks, without a mesh and when the copy of `model`'s layer weights an unrolled call would hold, if
+    any (`layer_copy_bytes`), fits twice in the free memory: on a GPU, `"unrolled"` for every loop, autoregressive and speculative, in any dtype; on a CPU,
     `"unrolled"` for a loop of one token per step (autoregressive decoding) of a float32 model; `"scan"` otherwise
     (a mesh, a TPU: not measured, a CPU's multi-token or bfloat16 loops). On a GPU (Llama-3-8B's shapes in
     bfloat16, random weights; measured: `bench/bench_step.py`) one-token and speculative steps cost less than
@@ -101,8 +120,9 @@ def decode_layers(layers: str | None = None, mesh=None, *, tokens_per_step: int 
     if backend == "cpu" and (tokens_per_step != 1 or (model is not None and jnp.dtype(model.dtype) != jnp.float32)):
         return "scan"
     if model is not None:
-        free, _ = memory.available_memory()
-        if free is not None and 2 * layer_weight_bytes(model) > free:
+        copy = layer_copy_bytes(model, "unrolled")
+        free, _ = memory.available_memory() if copy else (None, "")
+        if free is not None and 2 * copy > free:
             return "scan"
     return "unrolled"
 
@@ -120,8 +140,7 @@ def prefill(model: Llama, prompt: jax.Array, prompt_lengths: jax.Array, cache: K
     faster in blocks than as one block (measured: `bench/bench_context.py`). The blocks' attention sums the same
     terms in another order, so hidden states can differ from the one-block pass in the last bits.
 
-    `layer_weights`: the model's `layers.per_layer_weights()` when the layers run unrolled (`decode_layers`); only
-    the blocks of a long prompt use them (they read a per-layer cache), a one-block prompt runs the scan.
+    `layer_weights`: the per-layer weights when the layers run unrolled (`decode_layers`); only the blocks of a long prompt use them (they read a per-layer cache), a one-block prompt runs the scan.
 
     Returns (last-position logits [B, V], pre-norm hidden [B, T, D], cache with lengths = prompt_lengths).
     """
@@ -179,13 +198,14 @@ def run_blocks(body, carry, lengths: jax.Array, chunk: int, first: int = 0):
     return jax.lax.while_loop(lambda c: c[0] < num_blocks, step, (jnp.asarray(first, jnp.int32), carry))[1]
 
 
-def decode_cache(model: Llama, batch: int, cache_size: int, cache_dtype, layers: str):
+def decode_cache(model: Llama, batch: int, cache_size: int, cache_dtype, layers: str, layer_weights=None):
     """`(empty KV cache, per-layer weights or None)` for a decoding loop whose layers run as `layers` (`"unrolled"`
-    or `"scan"`, see `decode_layers`): unrolled, the weights are split into one buffer per layer here, once per
-    call, and the cache holds one buffer per layer."""
+    or `"scan"`, see `decode_layers`): unrolled, the cache holds one buffer per layer and the per-layer weights are
+    `layer_weights` (the loop's argument, `layer_views`: no copy), or when there are none, the stacked weights
+    split here, once per call (a copy of the layers' weights for the call)."""
     c = model.config
     unrolled = layers == "unrolled"
-    lw = model.layers.per_layer_weights() if unrolled else None
+    lw = (layer_weights if layer_weights is not None else model.layers.per_layer_weights()) if unrolled else None
     cache = KVCache.init(c.num_hidden_layers, batch, cache_size, c.num_key_value_heads, c.head_dim, cache_dtype,
                          per_layer=unrolled)
     return cache, lw
@@ -209,46 +229,64 @@ def is_eos(tokens: jax.Array, eos_ids: jax.Array) -> jax.Array:
     return jnp.any(tokens[..., None] == eos_ids, axis=-1)
 
 
-def _ar_generate(graphdef, state, prompt, prompt_lengths, max_new_tokens, eos_ids, sampling, key, *,
-                 cache_size: int, greedy: bool, cache_dtype, mesh=None, layers: str = "scan", stream: bool = False):
-    model = nnx.merge(graphdef, state)
+def _ar_start(model: Llama, prompt, prompt_lengths, max_new_tokens, eos_ids, sampling, key, *, cache_size: int,
+              greedy: bool, cache_dtype, mesh=None, layers: str = "scan", stream: bool = False, layer_weights=None):
+    """The autoregressive loop up to its first decode step: `(state, per-layer weights or None, limit [B])` after
+    the prefill and each row's first token."""
     b, t = prompt.shape
     shard = functools.partial(parallel.constrain_state, mesh=mesh)  # identity without a mesh
-    cache, lw = decode_cache(model, b, cache_size, cache_dtype, layers)
+    cache, lw = decode_cache(model, b, cache_size, cache_dtype, layers, layer_weights)
     logits, _, cache = prefill(model, prompt, prompt_lengths, shard(cache), layer_weights=lw)
     key, sub = jax.random.split(key)
     first = next_token(sub, logits, sampling, greedy)  # [B]
     tokens = jnp.zeros((b, cache_size), jnp.int32)
     tokens = tokens.at[:, :t].set(prompt, mode="drop")
-    rows = jnp.arange(b)
-    tokens = tokens.at[rows, prompt_lengths].set(first, mode="drop")
+    tokens = tokens.at[jnp.arange(b), prompt_lengths].set(first, mode="drop")
     limit = prompt_lengths + max_new_tokens  # [B] final length bound per row (max_new_tokens [] or [B])
     done = is_eos(first, eos_ids) | (prompt_lengths + 1 >= limit)
     if stream:  # each row's first token (`clover_jax.decoding.streaming`)
         streaming.emit(first[:, None], jnp.ones_like(prompt_lengths))
     st = shard(_ARState(step=jnp.zeros((), jnp.int32), tokens=tokens, lengths=prompt_lengths + 1, cache=cache,
                         done=done, row_steps=jnp.zeros((b,), jnp.int32), key=key))
+    return st, lw, limit
+
+
+def _ar_step(model: Llama, lw, s: _ARState, limit, eos_ids, sampling, *, greedy: bool, mesh=None,
+             stream: bool = False) -> _ARState:
+    """One decode step of the autoregressive loop (its `lax.while_loop` body): the last token through the stack,
+    its K/V appended, the next token drawn. `lw`: the per-layer weights with unrolled layers, else None."""
+    b, cache_size = s.tokens.shape
+    rows = jnp.arange(b)
+    last = jnp.take_along_axis(s.tokens, (s.lengths - 1)[:, None], axis=1)  # [B, 1]
+    pos = s.cache.lengths[:, None]  # [B, 1]
+    hidden, nk, nv, cache = decode_forward(model, last, pos, jnp.ones((b, 1, 1), bool), s.cache, lw)
+    active = ~s.done
+    cache = cache.append(nk, nv, num_valid=active.astype(jnp.int32))
+    key, sub = jax.random.split(s.key)
+    tok = next_token(sub, model.logits(hidden[:, 0]), sampling, greedy)
+    write_at = jnp.where(active, s.lengths, cache_size)  # inactive rows: dropped write
+    tokens = s.tokens.at[rows, write_at].set(tok, mode="drop")
+    lengths = s.lengths + active
+    done = s.done | (active & (is_eos(tok, eos_ids) | (lengths >= limit)))
+    if stream:
+        streaming.emit(tok[:, None], active)
+    return parallel.constrain_state(_ARState(step=s.step + 1, tokens=tokens, lengths=lengths, cache=cache, done=done,
+                                             row_steps=s.row_steps + active, key=key), mesh=mesh)
+
+
+def _ar_generate(graphdef, state, prompt, prompt_lengths, max_new_tokens, eos_ids, sampling, key, layer_weights=None,
+                 *, cache_size: int, greedy: bool, cache_dtype, mesh=None, layers: str = "scan", stream: bool = False):
+    model = nnx.merge(graphdef, state)
+    st, lw, limit = _ar_start(model, prompt, prompt_lengths, max_new_tokens, eos_ids, sampling, key,
+                              cache_size=cache_size, greedy=greedy, cache_dtype=cache_dtype, mesh=mesh, layers=layers,
+                              stream=stream, layer_weights=layer_weights)
 
     def cond(s: _ARState):
         # `lengths < cache_size` keeps the next write in range (also checked on the host before the call)
         return ~jnp.all(s.done) & jnp.all(s.done | (s.lengths < cache_size))
 
     def body(s: _ARState):
-        last = jnp.take_along_axis(s.tokens, (s.lengths - 1)[:, None], axis=1)  # [B, 1]
-        pos = s.cache.lengths[:, None]  # [B, 1]
-        hidden, nk, nv, cache = decode_forward(model, last, pos, jnp.ones((b, 1, 1), bool), s.cache, lw)
-        active = ~s.done
-        cache = cache.append(nk, nv, num_valid=active.astype(jnp.int32))
-        key, sub = jax.random.split(s.key)
-        tok = next_token(sub, model.logits(hidden[:, 0]), sampling, greedy)
-        write_at = jnp.where(active, s.lengths, cache_size)  # inactive rows: dropped write
-        tokens = s.tokens.at[rows, write_at].set(tok, mode="drop")
-        lengths = s.lengths + active
-        done = s.done | (active & (is_eos(tok, eos_ids) | (lengths >= limit)))
-        if stream:
-            streaming.emit(tok[:, None], active)
-        return shard(_ARState(step=s.step + 1, tokens=tokens, lengths=lengths, cache=cache, done=done,
-                              row_steps=s.row_steps + active, key=key))
+        return _ar_step(model, lw, s, limit, eos_ids, sampling, greedy=greedy, mesh=mesh, stream=stream)
 
     st = jax.lax.while_loop(cond, body, st)
     return DecodeOutput(tokens=st.tokens, prompt_lengths=prompt_lengths, lengths=st.lengths,
@@ -289,8 +327,8 @@ def traced_with(precision: str | None, fn):
 @functools.lru_cache(maxsize=None)
 def _jitted(graphdef, cache_size: int, greedy: bool, cache_dtype, mesh=None, layers: str = "scan",
             precision: str | None = None, stream: bool = False):
-    def autoregressive_loop(*args):  # the name compile logs and `compile_cache.CompileCounter` report
-        return _ar_generate(graphdef, *args, cache_size=cache_size, greedy=greedy, cache_dtype=cache_dtype, mesh=mesh,
+    def autoregressive_loop(*args, layer_weights=None):  # the name compile logs and CompileCounter report
+        return _ar_generate(graphdef, *args, layer_weights=layer_weights, cache_size=cache_size, greedy=greedy, cache_dtype=cache_dtype, mesh=mesh,
                             layers=layers, stream=stream)
 
     return jax.jit(traced_with(precision, autoregressive_loop))
@@ -329,7 +367,9 @@ def ar_generate(model: Llama, prompt, prompt_lengths, *, max_new_tokens, cache_s
     eos = jnp.asarray(list(eos_ids if eos_ids is not None else model.config.eos_token_ids) or [-1], jnp.int32)
     key = jax.random.key(0) if key is None else key
     fn = jitted_loop(model, cache_size, sampling.greedy, cache_dtype, mesh, layers, graphdef=graphdef, stream=stream)
-    return fn(state, *row_inputs(prompt, prompt_lengths, max_new_tokens, mesh), eos, sampling.arrays(), key)
+    lw = layer_views(model, decode_layers(layers, mesh, model=model), mesh)
+    return fn(state, *row_inputs(prompt, prompt_lengths, max_new_tokens, mesh), eos, sampling.arrays(), key,
+              layer_weights=lw)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -361,6 +401,7 @@ class AutoregressiveLoop:
         fn = _jitted(graphdef, self.cache_size, self.greedy, self.cache_dtype, self.mesh, self.layers,
                      self.precision, self.stream)
         inputs = row_inputs(prompt, prompt_lengths, max_new_tokens, self.mesh)
+        lw = layer_views(model, self.layers, self.mesh)  # unrolled: the layers' weights in place (made once)
         t0 = time.perf_counter()
-        out = jax.block_until_ready(fn(state, *inputs, eos, sampling.arrays(), key))
+        out = jax.block_until_ready(fn(state, *inputs, eos, sampling.arrays(), key, layer_weights=lw))
         return out, {}, time.perf_counter() - t0

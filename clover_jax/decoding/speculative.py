@@ -32,6 +32,7 @@ from clover_jax.decoding.autoregressive import (
     decode_forward,
     decode_layers,
     is_eos,
+    layer_views,
     prefill,
     products_precision,
     row_inputs,
@@ -99,18 +100,18 @@ def _accept(proposal, logits, key, sampling, greedy: bool, sampled_drafts: bool)
     return verify.sample_accept_topk(proposal.tokens, p, proposal.buffers, u_accept, u_sample)
 
 
-def _spec_generate(loop: SpeculativeLoop, base_graph, base_state, head_graph, head_state_params, drafter_arrays,
-                   prompt, prompt_lengths, max_new_tokens, eos_ids, sampling, key):
+def _spec_start(loop: SpeculativeLoop, base, head, drafter_arrays, prompt, prompt_lengths, max_new_tokens, eos_ids,
+                sampling, key, layer_weights=None):
+    """The speculative loop up to its first step: `(state, the base model's per-layer weights or None, limit [B])`
+    after the prefill, the root token and the drafter's start."""
     drafter, cache_size, greedy, mesh, layers, stream = (loop.drafter, loop.cache_size, loop.greedy, loop.mesh,
                                                           loop.layers, loop.stream)
-    base = nnx.merge(base_graph, base_state)
-    head = nnx.merge(head_graph, head_state_params)
     b, t = prompt.shape
     u, dmax = drafter.num_nodes, drafter.max_depth
     rows = jnp.arange(b)
     shard = functools.partial(parallel.constrain_state, mesh=mesh)  # identity without a mesh
 
-    cache, lw = decode_cache(base, b, cache_size, loop.cache_dtype, layers)  # see decode_layers
+    cache, lw = decode_cache(base, b, cache_size, loop.cache_dtype, layers, layer_weights)  # see decode_layers
     logits, hidden, cache = prefill(base, prompt, prompt_lengths, shard(cache), layer_weights=lw)
     key, sub = jax.random.split(key)
     root = next_token(sub, logits, sampling, greedy)  # [B]
@@ -131,57 +132,77 @@ def _spec_generate(loop: SpeculativeLoop, base_graph, base_state, head_graph, he
     st = shard(_SpecState(step=jnp.zeros((), jnp.int32), tokens=tokens, lengths=prompt_lengths + 1, cache=cache,
                           head_state=hs, done=done, accept_hist=jnp.zeros((b, dmax + 1), jnp.int32),
                           node_hist=jnp.zeros((b, u), jnp.int32), row_steps=jnp.zeros((b,), jnp.int32), key=key))
+    return st, lw, limit
+
+
+def _spec_step(loop: SpeculativeLoop, base, head, lw, s: _SpecState, limit, eos_ids, sampling) -> _SpecState:
+    """One step of the speculative loop (its `lax.while_loop` body): draft, verify, accept, compact, commit."""
+    drafter, cache_size, greedy, mesh, stream = loop.drafter, loop.cache_size, loop.greedy, loop.mesh, loop.stream
+    b = s.tokens.shape[0]
+    u, dmax = drafter.num_nodes, drafter.max_depth
+    rows = jnp.arange(b)
+    shard = functools.partial(parallel.constrain_state, mesh=mesh)  # identity without a mesh
+    key, k_draft, k_acc = jax.random.split(s.key, 3)
+    root = jnp.take_along_axis(s.tokens, (s.lengths - 1)[:, None], axis=1)[:, 0]  # [B]
+    prop = drafter.propose(head, base, s.head_state, root, k_draft)
+    # trace time: a clear error for a drafter that breaks the contract
+    check_proposal(drafter, prop, b, base.config.vocab_size)
+    buf = prop.buffers
+    depth = buf.depth if buf.depth.ndim == 2 else jnp.broadcast_to(buf.depth, (b, u))
+    tree_mask = buf.mask if buf.mask.ndim == 3 else jnp.broadcast_to(buf.mask, (b, u, u))
+    length = s.cache.lengths
+    positions = length[:, None] + depth  # [B, U]
+    hidden, nk, nv, cache = decode_forward(base, prop.tokens, positions, tree_mask, s.cache, lw)
+    cache = cache.write(nk, nv, length[:, None] + jnp.arange(u)[None, :])
+    logits = base.logits(hidden)  # [B, U, V]
+    acc = _accept(prop, logits, k_acc, sampling, greedy, drafter.sampled_drafts)
+    active = ~s.done
+    n = jnp.where(active, acc.num_accepted, 0)  # accepted drafts per row
+    nodes = acc.accepted_nodes  # [B, Dmax+1], root first
+    # base cache: compact root + accepted drafts to contiguous slots
+    cache = cache.gather_to_prefix(length[:, None] + nodes, jnp.where(active, n + 1, 0))
+    # new tokens after the root: accepted drafts then the bonus token
+    drafts = jnp.take_along_axis(prop.tokens, nodes, axis=1)  # [B, Dmax+1] (entry 0 = root)
+    i = jnp.arange(dmax + 1)[None, :]
+    new = jnp.where(i < n[:, None], jnp.roll(drafts, -1, axis=1), acc.next_token[:, None])
+    new = jnp.where(i <= n[:, None], new, 0)  # [B, Dmax+1]: n drafts, bonus, then padding
+    # stop at the first EOS among them and at the length limit
+    eos_at = jnp.where(is_eos(new, eos_ids) & (i <= n[:, None]), i, dmax + 1).min(axis=1)
+    num_new = jnp.minimum(jnp.minimum(n + 1, eos_at + 1), limit - s.lengths)
+    num_new = jnp.where(active, num_new, 0)
+    write_at = jnp.where(i < num_new[:, None], s.lengths[:, None] + i, cache_size)
+    tokens = s.tokens.at[rows[:, None], write_at].set(new, mode="drop")
+    lengths = s.lengths + num_new
+    done = s.done | (active & ((eos_at <= n) | (lengths >= limit)))
+    if stream:
+        streaming.emit(new, num_new)
+    # the head consumes (f, next token) for the root and the accepted drafts
+    f_new = jnp.take_along_axis(hidden, nodes[..., None], axis=1)  # [B, Dmax+1, D]
+    hs = drafter.commit(head, base, s.head_state, f_new, new, jnp.where(active, n + 1, 0))
+    check_state(drafter, "commit", s.head_state, hs)
+    hist = s.accept_hist + (jax.nn.one_hot(n, dmax + 1, dtype=jnp.int32) * active[:, None])
+    # which nodes were on the accepted path (for a static tree: which child ranks were accepted per depth)
+    on_path = (i <= n[:, None]) & active[:, None]  # [B, Dmax+1]
+    node_hist = s.node_hist + (jax.nn.one_hot(nodes, u, dtype=jnp.int32) * on_path[..., None]).sum(1)
+    return shard(_SpecState(step=s.step + 1, tokens=tokens, lengths=lengths, cache=cache, head_state=hs,
+                            done=done, accept_hist=hist, node_hist=node_hist, row_steps=s.row_steps + active,
+                            key=key))
+
+
+def _spec_generate(loop: SpeculativeLoop, base_graph, base_state, head_graph, head_state_params, drafter_arrays,
+                   prompt, prompt_lengths, max_new_tokens, eos_ids, sampling, key, layer_weights=None):
+    base = nnx.merge(base_graph, base_state)
+    head = nnx.merge(head_graph, head_state_params)
+    u, cache_size = loop.drafter.num_nodes, loop.cache_size
+    st, lw, limit = _spec_start(loop, base, head, drafter_arrays, prompt, prompt_lengths, max_new_tokens, eos_ids,
+                                sampling, key, layer_weights)
 
     def cond(s: _SpecState):
         room = s.cache.lengths + u <= cache_size  # the tree's K/V must fit after each row's prefix
         return ~jnp.all(s.done) & jnp.all(s.done | room)
 
     def body(s: _SpecState):
-        key, k_draft, k_acc = jax.random.split(s.key, 3)
-        root = jnp.take_along_axis(s.tokens, (s.lengths - 1)[:, None], axis=1)[:, 0]  # [B]
-        prop = drafter.propose(head, base, s.head_state, root, k_draft)
-        # trace time: a clear error for a drafter that breaks the contract
-        check_proposal(drafter, prop, b, base.config.vocab_size)
-        buf = prop.buffers
-        depth = buf.depth if buf.depth.ndim == 2 else jnp.broadcast_to(buf.depth, (b, u))
-        tree_mask = buf.mask if buf.mask.ndim == 3 else jnp.broadcast_to(buf.mask, (b, u, u))
-        length = s.cache.lengths
-        positions = length[:, None] + depth  # [B, U]
-        hidden, nk, nv, cache = decode_forward(base, prop.tokens, positions, tree_mask, s.cache, lw)
-        cache = cache.write(nk, nv, length[:, None] + jnp.arange(u)[None, :])
-        logits = base.logits(hidden)  # [B, U, V]
-        acc = _accept(prop, logits, k_acc, sampling, greedy, drafter.sampled_drafts)
-        active = ~s.done
-        n = jnp.where(active, acc.num_accepted, 0)  # accepted drafts per row
-        nodes = acc.accepted_nodes  # [B, Dmax+1], root first
-        # base cache: compact root + accepted drafts to contiguous slots
-        cache = cache.gather_to_prefix(length[:, None] + nodes, jnp.where(active, n + 1, 0))
-        # new tokens after the root: accepted drafts then the bonus token
-        drafts = jnp.take_along_axis(prop.tokens, nodes, axis=1)  # [B, Dmax+1] (entry 0 = root)
-        i = jnp.arange(dmax + 1)[None, :]
-        new = jnp.where(i < n[:, None], jnp.roll(drafts, -1, axis=1), acc.next_token[:, None])
-        new = jnp.where(i <= n[:, None], new, 0)  # [B, Dmax+1]: n drafts, bonus, then padding
-        # stop at the first EOS among them and at the length limit
-        eos_at = jnp.where(is_eos(new, eos_ids) & (i <= n[:, None]), i, dmax + 1).min(axis=1)
-        num_new = jnp.minimum(jnp.minimum(n + 1, eos_at + 1), limit - s.lengths)
-        num_new = jnp.where(active, num_new, 0)
-        write_at = jnp.where(i < num_new[:, None], s.lengths[:, None] + i, cache_size)
-        tokens = s.tokens.at[rows[:, None], write_at].set(new, mode="drop")
-        lengths = s.lengths + num_new
-        done = s.done | (active & ((eos_at <= n) | (lengths >= limit)))
-        if stream:
-            streaming.emit(new, num_new)
-        # the head consumes (f, next token) for the root and the accepted drafts
-        f_new = jnp.take_along_axis(hidden, nodes[..., None], axis=1)  # [B, Dmax+1, D]
-        hs = drafter.commit(head, base, s.head_state, f_new, new, jnp.where(active, n + 1, 0))
-        check_state(drafter, "commit", s.head_state, hs)
-        hist = s.accept_hist + (jax.nn.one_hot(n, dmax + 1, dtype=jnp.int32) * active[:, None])
-        # which nodes were on the accepted path (for a static tree: which child ranks were accepted per depth)
-        on_path = (i <= n[:, None]) & active[:, None]  # [B, Dmax+1]
-        node_hist = s.node_hist + (jax.nn.one_hot(nodes, u, dtype=jnp.int32) * on_path[..., None]).sum(1)
-        return shard(_SpecState(step=s.step + 1, tokens=tokens, lengths=lengths, cache=cache, head_state=hs,
-                                done=done, accept_hist=hist, node_hist=node_hist, row_steps=s.row_steps + active,
-                                key=key))
+        return _spec_step(loop, base, head, lw, s, limit, eos_ids, sampling)
 
     st = jax.lax.while_loop(cond, body, st)
     out = DecodeOutput(tokens=st.tokens, prompt_lengths=prompt_lengths, lengths=st.lengths,
@@ -234,8 +255,10 @@ class SpeculativeLoop:
         eos = jnp.asarray(list(eos_ids if eos_ids is not None else base.config.eos_token_ids) or [-1], jnp.int32)
         fn = self.compiled(base_graph, head_graph)
         inputs = row_inputs(prompt, lens, max_new_tokens, self.mesh)
+        lw = layer_views(base, self.layers, self.mesh)  # unrolled: the layers' weights in place (made once)
         t0 = time.perf_counter()
-        out, st = fn(base_state, head_params, self.drafter.arrays(), *inputs, eos, sampling.arrays(), key)
+        out, st = fn(base_state, head_params, self.drafter.arrays(), *inputs, eos, sampling.arrays(), key,
+                     layer_weights=lw)
         out = jax.block_until_ready(out)
         seconds = time.perf_counter() - t0
         hist = parallel.to_host(st.accept_hist)[:stat_rows]  # [B, Dmax+1] (the rows padding the batch cut)
@@ -248,8 +271,8 @@ class SpeculativeLoop:
 
 @functools.lru_cache(maxsize=None)
 def _jitted(loop: SpeculativeLoop, base_graph, head_graph):
-    def speculative_loop(base_state, head_params, *args):  # the name compile logs and CompileCounter report
-        return _spec_generate(loop, base_graph, base_state, head_graph, head_params, *args)
+    def speculative_loop(base_state, head_params, *args, layer_weights=None):  # the name CompileCounter reports
+        return _spec_generate(loop, base_graph, base_state, head_graph, head_params, *args, layer_weights)
 
     return jax.jit(traced_with(loop.precision, speculative_loop))
 

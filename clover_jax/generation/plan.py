@@ -20,7 +20,7 @@ import numpy as np
 from flax import nnx
 
 from clover_jax import parallel
-from clover_jax.decoding.autoregressive import AutoregressiveLoop, decode_layers, layer_weight_bytes
+from clover_jax.decoding.autoregressive import AutoregressiveLoop, decode_layers, layer_copy_bytes
 from clover_jax.decoding.memory import check_memory, check_mesh_memory, estimate_generate_memory, split_over_mesh
 from clover_jax.decoding.sampling import SamplingParams
 from clover_jax.decoding.sizes import bucket_length, cache_for_bucket, check_context, pad_prompts, plan_cache
@@ -111,8 +111,9 @@ def build_plan(request: Request, draft: Draft | None, *, notes: tuple[str, ...] 
         draft_rows=len(draft.draft_vocab) if draft is not None and draft.draft_vocab is not None
         else config.vocab_size)
     layers = decode_layers(request.layers, mesh, tokens_per_step=max(nodes, 1), model=model)
-    if layers == "unrolled":
-        memory["per-layer copy of the layer weights"] = layer_weight_bytes(model)
+    layer_copy = layer_copy_bytes(model, layers, mesh)  # 0 where the loop reads slices of the stacked weights
+    if layer_copy:
+        memory["per-layer copy of the layer weights"] = layer_copy
     head_copy = head_layer_copy_bytes(drafter, head, mesh)
     if head_copy:
         memory["per-layer copy of the draft head's layers"] = head_copy

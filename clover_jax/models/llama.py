@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from clover_jax.models import views
 from clover_jax.models.config import LlamaConfig, rope_inv_freq
 
 NEG_INF = -1e30  # finite, so a fully masked row gives a uniform (never NaN) softmax
@@ -100,14 +101,29 @@ class DecoderStack(nnx.Module):
     def per_layer_weights(self) -> tuple[dict[str, jax.Array], ...]:
         """`layer_params()` as one dict per layer (`[...]` without the `L` axis).
 
-        Inside a jitted function each slice is materialised once, where it is taken: taken before a decoding
-        loop and passed in as `layer_weights`, every step then reads each layer's weights in place. A `lax.scan`
-        over the stacked `[L, ...]` weights instead copies each layer's slice at every step (on a CPU, a sizable
-        part of a one-token step: `bench/bench_step.py --layers`), at the price of a second copy of the weights in
-        memory.
+        Inside a jitted function each slice is materialised once, where it is taken (XLA hoists a slice out of the
+        loop that reads it): taken before a decoding loop and passed in as `layer_weights`, every step then reads
+        each layer's weights in place, at the price of a second copy of the layers' weights in memory
+        (`layer_views` makes the same slices without one). A `lax.scan` over the stacked `[L, ...]` weights instead
+        copies each layer's slice at every step (on a CPU, a sizable part of a one-token step:
+        `bench/bench_step.py --layers`).
         """
         lp = self.layer_params()
         return tuple({k: v[i] for k, v in lp.items()} for i in range(self.num_layers))
+
+    def layer_views(self) -> tuple[dict[str, jax.Array], ...] | None:
+        """`per_layer_weights()` made outside a jitted program, as arrays that share the stacked weights' device
+        memory (`clover_jax.models.views`: no copy), or None where the backend cannot alias them (an array over
+        several devices, no DLPack import, alignment) or under a trace. Passed into a decoding loop as its
+        `layer_weights`, the loop reads each layer in place and the call holds one copy of the weights."""
+        sliced = {}
+        for name, value in self.layer_params().items():
+            if isinstance(value, jax.core.Tracer):
+                return None
+            sliced[name] = views.leading_slices(value)
+            if sliced[name] is None:
+                return None
+        return tuple({k: v[i] for k, v in sliced.items()} for i in range(self.num_layers))
 
     def __call__(self, x: jax.Array, positions: jax.Array, self_mask: jax.Array,
                  cache_k: jax.Array | None = None, cache_v: jax.Array | None = None,

@@ -123,8 +123,9 @@ def test_unrolled_layers_equal_the_scan(tiny):
 
 def test_decode_layers_policy(tiny, monkeypatch):
     """`auto` unrolls one-token float32 loops on a CPU and every loop on a GPU, without a mesh; it scans
-    meshes, TPUs, a CPU's multi-token and bf16 loops, and when a second copy of the layer weights would not fit
-    twice in free memory; `generate(layers=...)` overrides it; bad values are refused."""
+    meshes, TPUs, a CPU's multi-token and bf16 loops, and, where the loop cannot read slices of the stacked weights
+    in place, when its copy of the layer weights would not fit twice in free memory; `generate(layers=...)`
+    overrides it; bad values are refused."""
     from clover_jax import validation
 
     assert autoregressive.decode_layers(None, model=tiny) == "unrolled"
@@ -154,7 +155,18 @@ def test_decode_layers_policy(tiny, monkeypatch):
     small = autoregressive.layer_weight_bytes(tiny)
     assert small == sum(x.nbytes for x in jax.tree.leaves(tiny.layers.layer_params())) > 0
 
+    # on a CPU the unrolled loop reads slices of the stacked weights in place: no copy to plan or to fit
+    assert autoregressive.layer_copy_bytes(tiny, "unrolled") == 0
     plan = prepare_generate(tiny, _prompts(2), max_new_tokens=4, cache_size=64)
+    assert plan.layers == "unrolled" and "per-layer copy of the layer weights" not in plan.memory
+    monkeypatch.setattr(memory, "available_memory", lambda device=None: (0, "test"))
+    assert autoregressive.decode_layers(None, model=tiny) == "unrolled"
+    # a backend that cannot alias them: the program slices, the copy is planned and must fit twice
+    monkeypatch.setattr(type(tiny.layers), "layer_views", lambda self: None)
+    assert autoregressive.layer_copy_bytes(tiny, "unrolled") == small
+    assert autoregressive.layer_copy_bytes(tiny, "scan") == 0
+    monkeypatch.setattr(memory, "available_memory", lambda device=None: (2 * small + 10 ** 7, "test"))
+    plan = prepare_generate(tiny, _prompts(2), max_new_tokens=4, cache_size=64, check_free_memory=False)
     assert plan.memory["per-layer copy of the layer weights"] == small  # counted where it is made
     monkeypatch.setattr(memory, "available_memory", lambda device=None: (2 * small - 1, "test"))
     assert autoregressive.decode_layers(None, model=tiny) == "scan"
@@ -162,6 +174,34 @@ def test_decode_layers_policy(tiny, monkeypatch):
         tiny, _prompts(2), max_new_tokens=4, cache_size=64, check_free_memory=False).memory
     monkeypatch.setattr(memory, "available_memory", lambda device=None: (2 * small, "test"))
     assert autoregressive.decode_layers(None, model=tiny) == "unrolled"
+
+
+def test_unrolled_loop_holds_one_copy_of_the_weights(tiny):
+    """With unrolled layers the loop reads each layer's weights from slices that share the stacked weights' memory
+    (`layer_views`: the same addresses, made once per model), its program holds no copy of them (XLA's temporary
+    bytes drop by the layers' bytes against the program that slices them itself), and it decodes the same tokens."""
+    from clover_jax.decoding.sampling import SamplingParams
+
+    views = tiny.layers.layer_views()
+    assert views is not None and len(views) == CFG.num_hidden_layers
+    assert tiny.layers.layer_views()[0]["wq"] is views[0]["wq"]  # made once
+    for name, stacked in tiny.layers.layer_params().items():
+        step = stacked.nbytes // stacked.shape[0]
+        for i, layer in enumerate(views):
+            assert layer[name].unsafe_buffer_pointer() == stacked.unsafe_buffer_pointer() + i * step
+            np.testing.assert_array_equal(np.asarray(layer[name]), np.asarray(stacked[i]))
+
+    prompt = jnp.asarray(np.random.RandomState(3).randint(3, CFG.vocab_size, (2, 32)), jnp.int32)  # [B, T]
+    lens = jnp.asarray([20, 13], jnp.int32)
+    args = (nnx.state(tiny), prompt, lens, jnp.asarray([9, 9], jnp.int32), jnp.asarray([-1], jnp.int32),
+            SamplingParams().arrays(), jax.random.key(0))
+    fn = autoregressive._jitted(nnx.graphdef(tiny), 64, True, jnp.dtype(jnp.float32), None, "unrolled", "highest")
+    slicing, reading = fn.lower(*args).compile(), fn.lower(*args, layer_weights=views).compile()
+    saved = slicing.memory_analysis().temp_size_in_bytes - reading.memory_analysis().temp_size_in_bytes
+    assert saved >= autoregressive.layer_weight_bytes(tiny)
+    a, b = slicing(*args), reading(*args, layer_weights=views)
+    np.testing.assert_array_equal(np.asarray(a.tokens), np.asarray(b.tokens))
+    assert int(b.steps) == 8
 
 
 def test_long_prompt_greedy_matches_naive_argmax_loop(tiny):
