@@ -289,7 +289,7 @@ def main(argv=None) -> int:
                 print(f"| {r['loop']} | {layers} | {'yes' if r['layer_views'] else 'no'} | {batch} | {fmt(r['step']['bytes_accessed'], MIB)} | "
                       f"{r['floor_bytes'] / MIB:.1f} | {fmt(r['bytes_over_floor'], 1, '{:.2f}')} | "
                       f"{fmt(r['step']['flops'], 1e9, '{:.3f}')} | "
-                      f"{r['step'].get('temp', 0) / MIB:.1f} | {r['call'].get('argument', 0) / MIB:.1f} | "
+                      f"{fmt(r['step'].get('temp'), MIB)} | {r['call'].get('argument', 0) / MIB:.1f} | "
                       f"{r['call'].get('temp', 0) / MIB:.1f} | {ms} |", flush=True)
     print(f"# {counter.programs} programs compiled in {time.perf_counter() - t0:.0f} s")
     report = {"model": what, "dtype": args.dtype, "context": args.context, "cache_size": args.cache_size,
