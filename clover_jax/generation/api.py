@@ -70,8 +70,9 @@ def generate(model, prompts: Sequence[Any], *, tokenizer=None, max_new_tokens: i
         heads, MLP, vocabulary), rows split over `data`; the head's weights and both KV caches are sharded to
         match. The batch is padded to a multiple of the batch shards. Load the model onto the mesh
         (`load_model(..., mesh=mesh)`) to avoid a copy of the weights per call.
-      layers: how the loop runs the base model's layers: "unrolled" (fastest for one-token steps; holds a
-        second copy of the layer weights during the call), "scan" (no copy), or "auto" (measured choice per
+      layers: how the loop runs the base model's layers: "unrolled" (fastest for one-token steps; each layer
+        reads a view of the stacked weights where the backend can make one, else a copy made per call:
+        `clover_jax.models.views`), "scan", or "auto" (measured choice per
         backend, dtype and free memory: `clover_jax.decoding.autoregressive.decode_layers`).
       stream: a callable `sink(row, token_ids)`, called while the loop runs with each prompt's new tokens in order
         (row = the prompt's index; the first token, then what every step accepts), or None. One device only;
