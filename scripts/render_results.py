@@ -238,8 +238,8 @@ def train_memory_table(d: dict) -> list[str]:
     for r in d["rows"]:
         xla = max(r.get("xla_step") or 0, r.get("xla_features") or 0)
         peak = gib(r.get("measured"))
-        if r.get("note"):
-            peak = f"{peak} ({r['note']})" if r.get("measured") else r["note"]
+        if r.get("note"):  # a run stopped at the limit peaked above it; a point not run has no peak
+            peak = f">= {peak} ({r['note']})" if r.get("measured") else r["note"]
         settings = ", ".join(f"`{x}`" for x in r["settings"]) or "-"
         err = "-" if r.get("error") is None else f"{r['error']:+.0%}"
         lines.append(f"| {bases.get(r['base'], r['base'])} | {r['batch']} x {r['length']:,} | {settings} | "

@@ -13,37 +13,30 @@ T = `data.max_length`, the longest bucket):
   gradients        the gradients and the update computed from them (2 x the parameters);
   gathered weights with fsdp or tp > 1: a layer's weights and the `[D, V]` output projection gathered whole
                    while they are used;
-  base forward     the online base forward (none with `train.cache_features`): no gradient, so one layer's
-                   working set at a time: `[B, T, D]` residuals, the `[B, T, F]` MLP, `[B, N, T, T]` float32
-                   attention scores;
-  head activations what the head's backward keeps: per Augmenting-Block layer its residuals, MLP and attention
-                   probabilities (one layer's input only with `train.remat`), per drafted depth its float32
-                   states and outputs `[B, T, D]`;
+  head activations what the head's backward keeps: per Augmenting-Block layer its residuals, MLP and two float32
+                   `[B, N, T, T]` attention arrays (one layer's input only with `train.remat`), per drafted depth
+                   its float32 states and outputs `[B, T, D]`; and what the backward through those layers makes
+                   beyond the logits' memory, which it reuses (3.4 attention arrays; 4.5 for one layer or with
+                   remat);
+  base forward     the online base forward: its `[B, T, D]` features, and its working set (one layer at a time,
+                   no gradient: residuals, MLP, three `[B, N, T, T]` float32 attention arrays) where the head's
+                   does not cover it; with `train.cache_features` the base's pass over the data before training
+                   (`feature_rows` rows at a time), where it needs more than the step;
   logits           the vocabulary-sized float32 terms: teacher `[B, C + n, V]` and student `[n, B, C, V]`
                    logits, probabilities and their gradient, C = `loss.vocab_chunk` positions (T without
                    chunking, `loss.vocab_positions_per_row` with packing) and V the draft vocabulary with
                    `loss.draft_vocab`;
+  attention scratch (CPU) what the CPU runtime holds outside XLA's buffers for the attention's backward;
   runtime          (CPU) the process itself: Python, JAX, XLA's compiler (measured, not derived).
 
-Calibrated on a 2-core CPU host against the peak resident memory (ru_maxrss) of real runs of `run_experiment`
-(2-3 steps, one device, 5 Clover-2 heads, 2 Augmenting-Block layers, float32, synthetic batches of T tokens,
-SmolLM2's 49,152-token vocabulary, the whole vocabulary in the cross-entropy):
-
-    base                        batch  T    loss                          measured   estimated
-    random, L=2, D=64           4      128  -                             3.16 GiB   3.08 GiB  (-3 %)
-    random, L=2, D=64           8      128  -                             4.79 GiB   4.93 GiB  (+3 %)
-    random, L=2, D=64           16     128  -                             8.58 GiB   8.64 GiB  (+1 %)
-    random, L=2, D=64           32     64   -                             8.56 GiB   8.66 GiB  (+1 %)
-    random, L=2, D=64           32     128  vocab_chunk=32                5.11 GiB   5.08 GiB  (-1 %)
-    random, L=2, D=64           32     128  vocab_positions_per_row=16    3.45 GiB   3.19 GiB  (-7 %)
-    SmolLM2-135M (L=30, D=576)  8      128  -                             5.65 GiB   5.81 GiB  (+3 %)
-    SmolLM2-135M (L=30, D=576)  16     256  vocab_chunk=64                7.00 GiB   6.67 GiB  (-5 %)
-
-The logits dominate all of these; the coefficients below (how many `[.., V]` float32 arrays are live at once, the
-runtime) are fitted to them. XLA's own buffer assignment of the compiled CPU step (`Compiled.memory_analysis`,
-temporaries) was lower than the resident peak: 1.9 GiB at batch 4 and 5.7 GiB at batch 16 of the first rows, so on
-an accelerator, whose allocator holds just those buffers, the estimate may be high by up to a third. Host-side
-data (the tokenized data set, cached features with `train.cache_features`) is not counted.
+What grows with T (the `[B, N, T, T]` arrays) is counted as XLA's buffer assignment of the compiled step holds it
+(`Compiled.memory_analysis`, 1-3 head layers, 1,024-4,096 tokens); the rest, the logits' copies and the CPU terms are
+fitted to the peak resident memory (ru_maxrss) of real runs of `run_experiment` on a 2-core CPU host:
+`bench/bench_train_memory.py`, whose table (SmolLM2-135M and a random 2-layer base, rows of 128 to 9,000 tokens,
+batch 1 to 32: within 10% where measured) is in docs/training.md. The logits dominate short rows with the whole
+vocabulary, the attention arrays long rows (at 9,000 tokens, 9 heads: 2.7 GiB each). On an accelerator, whose
+allocator holds just XLA's buffers, the CPU terms are not counted. Host-side data (the tokenized data set, cached
+features with `train.cache_features`) is not counted.
 """
 
 from __future__ import annotations
@@ -70,7 +63,7 @@ from clover_jax.training.features import feature_rows
 from clover_jax.validation import ConfigError, InputError, InsufficientMemoryError
 
 SAFETY = 0.9  # the share of the free memory an estimate may use (the estimate is not exact)
-RUNTIME_BYTES = int(1.2 * GIB)  # a CPU training process besides its arrays: Python, JAX, XLA compiling (measured)
+RUNTIME_BYTES = int(1.1 * GIB)  # a CPU training process besides its arrays: Python, JAX, XLA compiling (measured)
 # live float32 arrays of a logits chunk at the step's peak (fitted to the measured runs, see the module docstring):
 # the student's [n, B, C, V] logits, log-probabilities, the teacher's probabilities at the n depths and the
 # gradient; the teacher's [B, C + n, V] logits and probabilities
@@ -84,6 +77,9 @@ ATTENTION_BACKWARD = 3.4  # besides those, in the backward through two or more l
 ONE_LAYER_ATTENTION = 4.5  # one layer's, kept or recomputed (one layer, or train.remat), with its backward
 BASE_ATTENTION = 3  # one layer of the base's forward (no gradient): scores, masked scores, probabilities
 ONLINE_ATTENTION = 0.75  # of the base's forward in the step, still live at the peak of a backward through layers
+# on a CPU, the runtime's own buffer for an attention product in the backward, outside XLA's buffer assignment
+# (measured on the resident memory: one to two such arrays)
+CPU_ATTENTION_SCRATCH = 1.5
 SETTINGS = "lower data.batch_size, data.max_length or loss.vocab_chunk, or raise mesh.fsdp"
 
 
@@ -265,6 +261,7 @@ def estimate_training_memory(cfg, base_config: LlamaConfig, mesh: Any, *, platfo
     items["head activations"] = head
     items["logits"] = logits
     items["batch"] = b * t * (4 * 3 + (2 * d if cfg.train.cache_features else 0))
+    items["attention scratch"] = CPU_ATTENTION_SCRATCH * attention if platform == "cpu" and aug else 0
     items["runtime"] = RUNTIME_BYTES if platform == "cpu" else 0
     return TrainingMemory({k: int(x) for k, x in items.items()}, sizes, b, t)
 
