@@ -9,9 +9,13 @@ assignment (`Compiled.memory_analysis()`: arguments + outputs + temporaries). A 
 `--limit-gib` is not run (its compiled buffers only); a run that passes the limit anyway is stopped there (its peak
 then reads ">= limit"). One child at a time.
 
-  python bench/bench_train_memory.py --out results/2026-11-29-cpu-train-memory.json    # every point (about an hour)
+  python bench/bench_train_memory.py --limit-gib 14 --out results/2026-11-29-cpu-train-memory.json   # every point
   python bench/bench_train_memory.py --points smollm2 --lengths 256 1024 --out /tmp/m.json
-  python scripts/render_results.py                                                     # the table in docs/training.md
+  python bench/bench_train_memory.py --reestimate results/2026-11-29-cpu-train-memory.json   # after a formula change
+  python scripts/render_results.py                                  # the table in docs/training.md
+
+Every point takes about an hour and a half on 2 cores (the longest rows most of it); the limit keeps a run below what
+the host has, and a run waits until the host has its estimate free (others may share it).
 
 Bases: `smollm2` is SmolLM2-135M-Instruct (30 layers, D=576, 9 heads, context 8,192); `random` a random 2-layer
 Llama with SmolLM2's vocabulary (D=64, 4 heads) and a 16,384-token context, so 9,000-token rows train for real.
@@ -66,8 +70,9 @@ def point_config(base: str, batch: int, length: int, extra: list[str], steps: in
 
     return load_config(str(CONFIG), [
         f"data.batch_size={batch}", f"data.max_length={length}", "mesh.data=1", f"train.steps={steps}",
-        "train.log_every=1", "train.eval_every=0", "optim.warmup_steps=0", "checkpoint.save_every=1000", f"train.output_dir={out_dir}",
-        "train.check_memory=false", *(["model.name_or_path=random"] if base == "random" else []), *extra])
+        "train.log_every=1", "train.eval_every=0", "optim.warmup_steps=0", "checkpoint.save_every=1000",
+        f"train.output_dir={out_dir}", "train.check_memory=false",
+        *(["model.name_or_path=random"] if base == "random" else []), *extra])
 
 
 # ------------------------------------------------------------------------------------------------- child
@@ -152,8 +157,8 @@ def child(spec: dict) -> dict:
     if cfg.train.cache_features:  # the base's pass over the data before training: its own program
         rows, t = feature_rows(cfg.data.max_length), cfg.data.max_length
         forward, state = feature_program(base)
-        shape = lambda dtype: jax.ShapeDtypeStruct((rows, t), dtype)  # noqa: E731
-        m = forward.lower(state, shape(np.int32), shape(np.bool_)).compile().memory_analysis()
+        tokens = jax.ShapeDtypeStruct((rows, t), np.int32)
+        m = forward.lower(state, tokens, tokens.update(dtype=np.bool_)).compile().memory_analysis()
         out["xla_features"] = m.temp_size_in_bytes + m.argument_size_in_bytes + m.output_size_in_bytes
     return out
 
@@ -309,7 +314,8 @@ def main(argv=None) -> int:
             "title": "Training memory: the estimate against the peak resident memory",
             "date": datetime.date.today().isoformat(),
             "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-                       f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / GIB:.0f} GiB, jax {jax.__version__}",
+                       f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / GIB:.0f} GiB, "
+                       f"jax {jax.__version__}",
             "machine_short": "CPU", "benchmark": "train_memory", "steps": args.steps, "limit_gib": args.limit_gib,
             "command": "python bench/bench_train_memory.py " + " ".join(argv if argv is not None else sys.argv[1:]),
             "source": "recorded by the command", "rows": rows,

@@ -123,7 +123,8 @@ def test_max_length_past_the_context_is_an_error(tmp_path):
         steps = []
         with pytest.raises(ConfigError, match="data.max_length=64 or less"):
             run_experiment(cfg, progress=False, mesh=_mesh(), loaded=tiny_base(base_config),
-                           batcher=SyntheticBatcher(vocab=49152, length=65), on_step=lambda s, t: steps.append(s))
+                           batcher=SyntheticBatcher(vocab=49152, length=65),
+                           on_step=lambda step, trainer, seen=steps: seen.append(step))
         assert not steps and not (tmp_path / "run").exists()
     with pytest.raises(ConfigError, match="max_position_embeddings=64"):  # the plan command too
         memory.estimate_training_memory(make_cfg("data.max_length=65"), base_config, 1)
