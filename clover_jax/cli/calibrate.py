@@ -42,7 +42,7 @@ def _main(argv=None) -> int:
     ap.add_argument("--head", default=None, help="registered name or folder (default: the model's first shipped "
                     "head; with --quick, all of them)")
     ap.add_argument("--quick", action="store_true", help="measure again what a request with no tree gets (head and "
-                    "tree, or plain decoding; under a minute at batch 1) and print it")
+                    "tree, or plain decoding; a minute or more on a CPU) and print it")
     ap.add_argument("--prompts-file", help="questions to calibrate on (default: 8 Spec-Bench questions outside "
                     "MT-Bench: translation, QA, math)")
     ap.add_argument("--limit", type=int, default=8, help="the first N questions of --prompts-file")

@@ -32,7 +32,7 @@ batch 1 barely more than one), and not on the text (shapes are static). The choi
    (`~/.cache/clover_jax/calibration/choices.json`, `CLOVER_JAX_CACHE` overrides), keyed by the heads' weights,
    the hardware, the dtype and the batch size, and announced on stderr in one line when made.
 
-About 45 s on a 2-core CPU for SmolLM2-135M at batch 1 (five programs compiled; 2 minutes at batch 8, 3 at
+69-70 s measured on a 2-core CPU for SmolLM2-135M at batch 1 before the programs compiled side by side (five programs; 2 minutes at batch 8, 3 at
 batch 16); a measured choice is reused afterwards. The
 full calibration (`tree="auto"`, `clover_jax.tuning.calibrate`) searches many more trees and fits new ones.
 """
@@ -274,7 +274,7 @@ def choose(loaded, head: HeadBundle | None = None, *, batch_size: int = 1, mesh=
             return None
         if not quiet:
             print(f"clover_jax: choosing the draft tree for {where} (first use: {len(pairs) + 1} runs compiled "
-                  "and timed, under a minute at batch 1 on a small model; the answer is kept)", file=sys.stderr)
+                  "and timed, a minute or more on a CPU; the answer is kept)", file=sys.stderr)
         entry = measure(loaded, pairs, batch_size=batch_size, mesh=mesh, model_source=model_source,
                         ngram_table=ngram_table)
         save_choice(key, entry)
