@@ -204,7 +204,7 @@ def test_a_config_extends_another_and_overrides_what_differs():
     """The head types' configs for one model are overlays of one recipe: everything they do not name is the
     recipe's, and a head of another type starts from its own defaults (not from the recipe head's keys)."""
     base = load_config(CONFIGS / "smollm2-135m-clover2.yaml")
-    for name in ("eagle", "medusa", "clover1", "redrafter"):
+    for name in ("eagle", "medusa", "clover1", "redrafter", "block"):
         cfg = load_config(CONFIGS / f"smollm2-135m-{name}.yaml")
         assert cfg.head.type == name and cfg.train.output_dir == f"runs/smollm2-135m-{name}"
         assert cfg.data == base.data and cfg.model == base.model and cfg.mesh == base.mesh

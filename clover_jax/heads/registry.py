@@ -30,6 +30,7 @@ from clover_jax.validation import InputError
 
 # name -> the package whose import registers it (imported on first lookup)
 BUILTIN = {
+    "block": "clover_jax.heads.block",
     "clover1": "clover_jax.heads.clover1",
     "clover2": "clover_jax.heads.clover2",
     "eagle": "clover_jax.heads.eagle",

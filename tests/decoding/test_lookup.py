@@ -104,7 +104,8 @@ def test_greedy_equals_autoregressive_tiny(tree):
 
 
 @pytest.mark.parametrize("head_type,tree", [("medusa", "chain-3+lookup-3"), ("eagle", "dynamic-10+lookup-3"),
-                                            ("redrafter", "beam-2x3+lookup-3"), ("clover1", "dynamic-8-p0.8+lookup-2")])
+                                            ("redrafter", "beam-2x3+lookup-3"), ("clover1", "dynamic-8-p0.8+lookup-2"),
+                                            ("block", "chain-3+lookup-3")])
 def test_every_head_type_drafts_beside_a_chain(head_type, tree):
     """The chain joins any drafter's tree: static buffers (Medusa), per-row trees (EAGLE-2's dynamic trees,
     ReDrafter's beams, Clover-1's top-p cut)."""

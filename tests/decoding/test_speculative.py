@@ -190,7 +190,7 @@ def test_sampling_is_lossless(top_p, tree, temperature):
 
 
 @pytest.mark.parametrize("head_type,tree", [("clover2", "chain-3"), ("clover2", "dynamic-10"), ("medusa", "chain-3"),
-                                            ("redrafter", "beam-2x3")])
+                                            ("redrafter", "beam-2x3"), ("block", "chain-3")])
 def test_drafter_arrays_first_built_inside_a_trace_are_concrete(head_type, tree):
     """A drafter caches its arrays on itself, and `drafter_for` shares drafters between calls: built first inside
     a jit trace (a caller jitting `init_state` without passing `arrays()`), they must still be concrete arrays; a

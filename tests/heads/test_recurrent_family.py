@@ -17,7 +17,7 @@ def test_the_family_shares_its_protocol_and_drafters(name):
     assert issubclass(ht.drafters[DynamicTree], RecurrentDynamicDrafter)
 
 
-@pytest.mark.parametrize("name", ["medusa", "redrafter"])
+@pytest.mark.parametrize("name", ["medusa", "redrafter", "block"])
 def test_other_head_types_are_not_of_the_family(name):
     ht = registry.get(name)
     assert not issubclass(ht.module_cls, RecurrentHead)

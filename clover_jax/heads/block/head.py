@@ -1,0 +1,227 @@
+"""A block drafter: one forward proposes the next `block_size` tokens at once.
+
+Parallel drafters (DFlash, arXiv 2602.06036: a small block-diffusion drafter conditioned on the target model's
+hidden features; PARD, arXiv 2504.18583: several masked positions predicted in one pass) replace the depth-by-depth
+draft loop with one pass over a block of positions. This head is our own version of that idea, built from the
+pieces this library already has (the base's frozen embedding, final norm and lm_head; Llama decoder layers).
+
+Notation: f_j the base's pre-norm last-layer feature at position j (it predicts x_{j+1}); E the base's input
+embedding; W_lm its output projection; C = `block_size`; S = `window`.
+
+  context   c_j = [RMSNorm_base(f_j) ; E x_{j+1}] W_ctx         (W_ctx [2D, D]) for the S newest pairs j
+  block     z_0 = m_0 + E(root) W_root,  z_k = m_k (k >= 1)      (m [C, D] learned; root = x_{s+1})
+  layers    `num_layers` pre-norm Llama decoder layers over z: block position k attends to every block position
+            (bidirectional) and to the valid window entries, whose keys/values each layer projects from c
+            (its own input norm, W_k, W_v): the context is read by every layer and never updated
+  output    logits_k = RMSNorm_base(z^L_k) W_lm                 (base final norm and lm_head, frozen, shared)
+
+Block position k scores x_{s+2+k}: the token k + 1 positions after the root, the node at depth k + 1 of a tree
+under the root. So a tree node at depth d with child rank r takes block position d - 1's r-th most likely token
+(Medusa's node -> candidate mapping), and any static tree of depth <= C drafts from one forward.
+
+RoPE (plain, base `ROPE_THETA`) uses positions relative to the block: window slot i (oldest first) at i, block
+position k at S + k, so the same relative distances hold at every point of a sequence.
+
+Design choices the code's contracts asked for:
+- The window pairs each feature with the token *after* it, (f_j, x_{j+1}), because that is what `commit`
+  receives (`f_new`, `y_new`) and EAGLE's pairing of a feature with the sampled next token; the newest pair's
+  token is the root itself, which the block's first position also reads.
+- Training scores block position k of the anchor s (newest window entry s, root x_{s+1}) against the base's
+  distribution at s + 1 + k, masked by `lm[s + k]`: exactly `kd_loss`'s head-k-at-start-s convention, so the
+  shared losses (`kd_loss`, `kd_loss_packed`), their metrics and the trainer's term counts apply unchanged. With
+  `loss.vocab_positions_per_row`, `kd_loss_packed` scores depth k of a listed position u at anchor u - k; up to
+  M * C anchors then need a block, which on the SmolLM2 recipe's rows (T = 448, M = 64, C = 8) is no fewer than
+  all T, so the block runs at every anchor and only the vocabulary-sized terms are sampled.
+- Distillation only (no regression term: the block's outputs are not features of given positions);
+  `vloss` is reported as 0, as Medusa's.
+
+Shapes and einsum strings use the axis letters of `clover_jax.axes`; C counts block positions, S window slots.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from clover_jax.heads.losses import (
+    kd_loss,
+    kd_loss_packed,
+    next_token_labels,
+    output_projection,
+)
+from clover_jax.models.config import LlamaConfig, RopeScaling, rope_inv_freq
+from clover_jax.models.llama import DecoderStack, Llama, apply_rope, rms_norm
+from clover_jax.validation import InputError
+
+ROPE_THETA = 10000.0  # plain RoPE over block-relative positions (< window + block_size): no long-context scaling
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockConfig:
+    block_size: int = 8  # C: tokens drafted by one forward (the deepest tree it drafts)
+    num_layers: int = 2  # decoder layers of the block
+    window: int = 16  # S: accepted positions whose base features the block attends to
+    dtype: Any = jnp.float32  # compute dtype (norms, attention softmax and logits stay float32)
+    param_dtype: Any = jnp.float32
+    remat: bool = False  # rematerialise the block's layers in the backward pass
+
+    def __post_init__(self):
+        for name in ("block_size", "num_layers", "window"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InputError(f"block head: {name} must be an integer >= 1, got {value!r}")
+
+
+def layer_config(base_config: LlamaConfig) -> LlamaConfig:
+    """The block's decoder-layer config: the base's widths and heads, plain RoPE of base `ROPE_THETA`."""
+    return dataclasses.replace(base_config, rope_theta=ROPE_THETA, rope_scaling=RopeScaling())
+
+
+class BlockHead(nnx.Module):
+    """Block drafter parameters (see the module docstring); the window of accepted positions is explicit state."""
+
+    def __init__(self, base_config: LlamaConfig, cfg: BlockConfig = BlockConfig(), *, rngs: nnx.Rngs):
+        d = base_config.hidden_size
+        self.base_config = base_config
+        self.cfg = cfg
+        pd = cfg.param_dtype
+
+        def uniform(shape, fan_in):  # torch nn.Linear's default init
+            bound = 1.0 / math.sqrt(fan_in)
+            return nnx.Param(jax.random.uniform(rngs.params(), shape, jnp.float32, -bound, bound).astype(pd))
+
+        self.ctx_w = uniform((2 * d, d), 2 * d)  # [I = 2D, D]: [normed feature ; next-token embedding] -> context
+        self.root_w = uniform((d, d), d)  # [D, D]: the root's embedding into the block
+        self.mask_emb = nnx.Param((0.02 * jax.random.normal(rngs.params(), (cfg.block_size, d))).astype(pd))  # [C, D]
+        self.layers = DecoderStack(layer_config(base_config), num_layers=cfg.num_layers, rngs=rngs, param_dtype=pd,
+                                   dtype=cfg.dtype, remat=cfg.remat)
+
+    # ------------------------------------------------------------------ pieces
+    def _dot(self, spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
+        dt = self.cfg.dtype
+        return jnp.einsum(spec, x.astype(dt), w.astype(dt), preferred_element_type=jnp.float32).astype(dt)
+
+    def context(self, base: Llama, f: jax.Array, y: jax.Array) -> jax.Array:
+        """`c [..., D]` of pairs (pre-norm feature `f [..., D]`, the token after it `y [...]`)."""
+        h = rms_norm(f, jax.lax.stop_gradient(base.final_norm[...]), base.config.rms_norm_eps)
+        e = jnp.take(jax.lax.stop_gradient(base.embed[...]), y, axis=0, mode="clip")  # [..., D]
+        x = jnp.concatenate([h.astype(self.cfg.dtype), e.astype(self.cfg.dtype)], axis=-1)  # [..., 2D]
+        return self._dot("...I,ID->...D", x, self.ctx_w[...])
+
+    def context_kv(self, c: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Each layer's keys and values of context vectors `c [B, T, D]`, before RoPE: `[L, B, T, K, H]` each."""
+        lp = self.layers.layer_params()
+        eps = self.base_config.rms_norm_eps
+        ks, vs = [], []
+        for i in range(self.cfg.num_layers):
+            a = rms_norm(c, lp["attn_norm"][i], eps)
+            k = self._dot("BTD,DKH->BTKH", a, lp["wk"][i])
+            v = self._dot("BTD,DKH->BTKH", a, lp["wv"][i])
+            if self.base_config.attention_bias:
+                k, v = k + lp["bk"][i].astype(k.dtype), v + lp["bv"][i].astype(v.dtype)
+            ks.append(k)
+            vs.append(v)
+        return jnp.stack(ks), jnp.stack(vs)
+
+    def window_cache(self, k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Window keys `k` and values `v` `[L, B, S, K, H]` (slot i oldest first) as the layers read a cache,
+        `[L, B, K, S, H]`, the keys rotated to their block-relative positions 0..S-1."""
+        l, b, s, nk, hd = k.shape
+        c = self.cfg.block_size
+        inv_freq = jnp.asarray(rope_inv_freq(self.layers.config, s + c), jnp.float32)  # the layers' own (S + C)
+        pos = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (l * b, s))
+        k = apply_rope(k.reshape(l * b, s, nk, hd), pos, inv_freq).reshape(l, b, s, nk, hd)
+        return jnp.swapaxes(k, 2, 3), jnp.swapaxes(v, 2, 3)
+
+    def block(self, base: Llama, ck: jax.Array, cv: jax.Array, window_mask: jax.Array, root: jax.Array) -> jax.Array:
+        """Normed block outputs `[B, C, D]` (the input of the base's lm_head) from the window's per-layer cache
+        `ck, cv [L, B, K, S, H]`, its valid slots `window_mask [B, S]` and the root tokens `root [B]`."""
+        b, s = window_mask.shape
+        c = self.cfg.block_size
+        e = jnp.take(jax.lax.stop_gradient(base.embed[...]), root, axis=0, mode="clip")  # [B, D]
+        x = jnp.broadcast_to(self.mask_emb[...].astype(self.cfg.dtype)[None], (b, c, e.shape[-1]))  # [B, C, D]
+        x = x.at[:, 0].add(self._dot("BD,DF->BF", e, self.root_w[...]))
+        positions = jnp.broadcast_to(s + jnp.arange(c, dtype=jnp.int32), (b, c))
+        self_mask = jnp.ones((b, c, c), bool)  # bidirectional inside the block
+        cache_mask = jnp.broadcast_to(window_mask[:, None, :], (b, c, s))  # [B, C, S]
+        y, _, _ = self.layers(x, positions, self_mask, ck, cv, cache_mask)
+        return rms_norm(y, jax.lax.stop_gradient(base.final_norm[...]), base.config.rms_norm_eps)
+
+    # ------------------------------------------------------------------ drafting and training
+    def draft(self, base: Llama, f_win: jax.Array, y_win: jax.Array, count: jax.Array, root: jax.Array) -> jax.Array:
+        """Normed outputs `[B, C, D]` of one block from a window `f_win [B, S, D]`, `y_win [B, S]` whose last
+        `count [B]` slots are valid, under `root [B]`."""
+        check_compatible(self, base.config)
+        s = f_win.shape[1]
+        mask = jnp.arange(s)[None, :] >= (s - count)[:, None]  # [B, S]
+        c = jnp.where(mask[..., None], self.context(base, f_win, jnp.where(mask, y_win, 0)), 0)
+        ck, cv = self.window_cache(*self.context_kv(c))
+        return self.block(base, ck, cv, mask, root)
+
+    def train_outputs(self, base: Llama, f: jax.Array, tokens: jax.Array, valid: jax.Array) -> jax.Array:
+        """Teacher-forced block outputs at every anchor `[C, B, T, D]` (normed): `out[k, :, s]` is block position
+        k of the block whose window ends at s (pairs (f_j, x_{j+1}), j = s-S+1..s) under the root x_{s+1}."""
+        check_compatible(self, base.config)
+        b, t = tokens.shape
+        s = self.cfg.window
+        valid = valid.astype(bool)
+        y = jnp.concatenate([tokens[:, 1:], jnp.zeros((b, 1), tokens.dtype)], axis=1)  # y_j = x_{j+1}
+        c = jnp.where(valid[..., None], self.context(base, f, jnp.where(valid, y, 0)), 0)  # [B, T, D]
+        k, v = self.context_kv(c)  # [L, B, T, K, H]
+        idx = jnp.arange(t)[:, None] - s + 1 + jnp.arange(s)[None, :]  # [T, S] positions of each anchor's window
+        at = jnp.clip(idx, 0, t - 1)
+        mask = (idx >= 0)[None] & valid[:, at]  # [B, T, S]
+        gather = lambda x: x[:, :, at].reshape(x.shape[0], b * t, s, *x.shape[3:])
+        ck, cv = self.window_cache(gather(k), gather(v))
+        out = self.block(base, ck, cv, mask.reshape(b * t, s), y.reshape(b * t))  # [B*T, C, D]
+        return jnp.moveaxis(out.reshape(b, t, *out.shape[1:]), 2, 0)
+
+
+def check_compatible(head: BlockHead, base_config: LlamaConfig) -> None:
+    """An `InputError` naming the dimension in which `head` does not fit `base_config`."""
+    hb = head.base_config
+    for name in ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+                 "head_dim", "attention_bias", "attention_out_bias", "mlp_bias"):
+        if getattr(hb, name) != getattr(base_config, name):
+            raise InputError(f"block head does not fit the base model: {name} is {getattr(hb, name)} in the head "
+                             f"but {getattr(base_config, name)} in the base model")
+    d = base_config.hidden_size
+    for what, got, want in (("ctx_w", head.ctx_w.shape, (2 * d, d)), ("root_w", head.root_w.shape, (d, d)),
+                            ("mask_emb", head.mask_emb.shape, (head.cfg.block_size, d))):
+        if tuple(got) != tuple(want):
+            raise InputError(f"block head does not fit the base model: {what} has shape {tuple(got)}, the base "
+                             f"model needs {want}")
+
+
+def init_from_base(base: Llama, cfg: BlockConfig = BlockConfig(), seed: int = 0) -> BlockHead:
+    """A fresh block head for `base` (random: torch's Linear defaults for the projections, the decoder layers'
+    N(0, 0.02), norms 1); it shares the base's embedding, final norm and lm_head rather than copying them."""
+    head = BlockHead(base.config, cfg, rngs=nnx.Rngs(params=seed))
+    check_compatible(head, base.config)
+    return head
+
+
+# ------------------------------------------------------------------------------------------------ training
+def loss_from_features(head: BlockHead, base: Llama, f, tokens, loss_mask, valid, loss_cfg, *, index=None,
+                       vocab_ids=None):
+    """Distillation from the base's pre-norm features `f [B, T, D]`: block position k at anchor s against the
+    base's distribution softmax(W_lm h_{s+1+k}) (`kd_loss`'s head k at start s; `kd_loss_packed` with `index`),
+    through the shared frozen lm_head (or its draft-vocabulary columns), weights `loss_cfg.decay ** k`, no
+    regression term (its metrics are reported as 0)."""
+    f = jax.lax.stop_gradient(f)
+    h = rms_norm(f, jax.lax.stop_gradient(base.final_norm[...]), base.config.rms_norm_eps)  # [B, T, D]
+    out = head.train_outputs(base, f, tokens, valid)  # [C, B, T, D]
+    proj = output_projection(base, vocab_ids)  # [D, V or Q]
+    cfg = dataclasses.replace(loss_cfg, v_weight=0.0)
+    labels = next_token_labels(tokens, valid, vocab_ids) if cfg.hard_labels else None
+    if index is not None:
+        loss, m = kd_loss_packed(out, h, loss_mask, valid, proj, index, cfg, labels=labels)
+    else:
+        loss, m = kd_loss(out, h, tokens, loss_mask, valid, proj, cfg, labels=labels)
+    m["vloss"] = jnp.zeros_like(m["vloss"])
+    return loss, m
