@@ -108,36 +108,65 @@ def test_named_trees_default_and_in_memory_heads_measure_nothing(smollm, fake_me
 
 
 def test_measure_predicts_tokens_per_iteration_over_an_iteration_cost(smollm, monkeypatch):
-    """predicted = tau_B / cost: cost, the tree's decode time per loop iteration over plain decoding's (each run's
-    fastest round); tau_B from the reference's per-prompt counts (`batch_tau`), else from the measured iterations.
-    Outputs differing from plain decoding are counted."""
-    seconds = {"ar": [1.2, 1.0], "lookup-4-table": [0.5, 0.6]}
-    iterations = {"ar": 100, "lookup-4-table": 40}
-    differ = {"value": False}
-    monkeypatch.setattr(choose_mod, "generate", lambda *a, **kw: None)  # the warm-up calls
+    """predicted = tau_B / cost: cost, the tree's decode time per loop iteration over plain decoding's (each program's
+    fastest round); plain decoding's loop (unrolled layers here) timed on the model's first 2 and 8 layers and
+    extrapolated to its 30; tau_B from the reference's per-prompt counts (`batch_tau`), else from the measured
+    iterations."""
+    layers = smollm.model.config.num_hidden_layers
+    assert choose_mod.PROBE_DEPTHS == (2, 8) and layers == 30
+    # per call: (seconds, iterations) of each (run, depth); three rounds each, the fastest kept
+    seconds = {}
+    iterations = {("ar", 2): 100, ("ar", 8): 100, ("lookup-4-table", 30): 40}
+    depths_seen = []
 
     def decode(loaded, units, new_tokens, *, mode="ar", tree=None, **kw):
-        name = tree or "ar"
-        toks = [[1, 2, 4]] if (differ["value"] and mode != "ar") else [[1, 2, 3]]
-        return seconds[name].pop(0), iterations[name], [toks] * len(units), [[0, 1, 1]] * len(units)  # tau 2.5
+        key = (tree or "ar", loaded.model.config.num_hidden_layers)
+        depths_seen.append(key)
+        toks = [[1, 2, 3]]
+        return seconds[key].pop(0), iterations[key], [toks] * len(units), [[0, 1, 1]] * len(units), 100  # tau 2.5
 
+    monkeypatch.setattr(choose_mod, "generate", lambda *a, **kw: None)  # the warm-up calls
     monkeypatch.setattr(choose_mod, "_decode", decode)
     monkeypatch.setattr(choose_mod, "reference", lambda head, tree, model_source=None: None)
-    entry = choose_mod.measure(smollm, [(None, "lookup-4-table")], prompts=["x", "y"])
+    # AR: 2 ms an iteration on 2 layers, 5 ms on 8 -> 0.5 ms a layer, 16 ms on 30 (each round: the fastest of 3);
+    # the tree: 0.8 s / 40 = 20 ms in round 2; rounds 1 and 3 run 1.5x slower and 0.8x as long, AR alike: cost 1.25 in every round
+    seconds.update({("ar", 2): [0.3, 0.35, 0.4] + [0.2, 0.25, 0.3] + [0.16, 0.2, 0.3],
+                    ("ar", 8): [0.75, 0.8, 0.9] + [0.5, 0.6, 0.5] + [0.4, 0.45, 0.5],
+                    ("lookup-4-table", 30): [1.2, 0.8, 0.64]})
+    entry = choose_mod.measure(smollm, [(None, "lookup-4-table")], prompts=["x"])
+    assert sorted(set(depths_seen)) == [("ar", 2), ("ar", 8), ("lookup-4-table", 30)]
+    assert depths_seen.count(("ar", 2)) == 9 and depths_seen.count(("lookup-4-table", 30)) == 3
+    assert entry["ar_iteration_ms"] == pytest.approx(16.0) and entry["iteration_ms"]["lookup-4-table"] == 20.0
     row = entry["candidates"]["lookup-4-table"]
-    # AR: 1.0 s / 100 iterations; the tree: 0.5 s / 40 iterations -> cost 1.25, tau_B = 100 / 40 = 2.5
-    assert row["measured_speedup"] == 2.0 and row["tau_measured"] == 2.5 and row["step_cost"] == 1.25
+    # cost 20 / 16 = 1.25; no reference: tau_B = the longest reply's 100 tokens over the tree's 40 iterations
+    assert row["step_cost"] == 1.25 and row["tau_measured"] == 2.5
     assert row["tau_batch"] == 2.5 and row["tau_source"] == "measured" and row["predicted_speedup"] == 2.0
-    seconds.update({"ar": [1.0, 1.0], "lookup-4-table": [0.5, 0.5]})
+    assert "measured_speedup" not in row  # plain decoding ran on a part of the model only: no speed-up seen
+    seconds.update({("ar", 2): [0.2] * 9, ("ar", 8): [0.5] * 9, ("lookup-4-table", 30): [0.8] * 3})
     monkeypatch.setattr(choose_mod, "reference", lambda head, tree, model_source=None: {
         "tau": 3.0, "per_prompt": [[30, 10], [30, 10]]})
     entry = choose_mod.measure(smollm, [(None, "lookup-4-table")], prompts=["x"])
     assert entry["candidates"]["lookup-4-table"]["predicted_speedup"] == pytest.approx(3.0 / 1.25)
-    assert entry["candidates"]["lookup-4-table"]["differing_outputs"] == 0
-    seconds.update({"ar": [1.0, 1.0], "lookup-4-table": [0.5, 0.5]})
-    differ["value"] = True  # counted, not fatal: a lower precision can round a near-tie apart
-    entry = choose_mod.measure(smollm, [(None, "lookup-4-table")], prompts=["x"])
-    assert entry["candidates"]["lookup-4-table"]["differing_outputs"] == 1
+    assert entry["best"] == "lookup-4-table"
+
+
+def test_full_depth_is_affine_in_the_depth():
+    assert choose_mod._full_depth({2: 2.0, 8: 5.0}, 30) == pytest.approx(16.0)
+    assert choose_mod._full_depth({30: 7.0}, 30) == 7.0  # timed on the full model
+
+
+def test_first_layers_shares_the_weights_and_keeps_the_shapes(smollm):
+    from clover_jax.models.llama import first_layers
+
+    model = smollm.model
+    part = first_layers(model, 2, eos_token_ids=())
+    assert part.config.num_hidden_layers == 2 and part.config.eos_token_ids == ()
+    assert part.config.hidden_size == model.config.hidden_size and part.dtype == model.dtype
+    assert part.layers.wq[...].shape == (2, *model.layers.wq[...].shape[1:])
+    assert (part.layers.w_down[...] == model.layers.w_down[...][:2]).all()
+    assert part.embed[...] is model.embed[...] or (part.embed[...] == model.embed[...]).all()
+    with pytest.raises(ValueError, match="31.*30 layers"):
+        first_layers(model, 31)
 
 
 def test_batch_tau_is_set_by_the_slowest_row():

@@ -105,7 +105,8 @@ def _quick(loaded, args, mesh) -> int:
           "iteration at this batch (source) | predicted |")
     print("|---|---|---|---|---|---|---|")
     for r in sorted(entry["candidates"].values(), key=lambda r: -r["predicted_speedup"]):
-        print(f"| {r['head'] or '-'} | {r['tree']} | {r['measured_speedup']} | {r['tau_measured']} | {r['step_cost']} "
+        print(f"| {r['head'] or '-'} | {r['tree']} | {r.get('measured_speedup', '-')} | {r.get('tau_measured', '-')} "
+              f"| {r['step_cost']} "
               f"| {r['tau_batch']} ({r['tau_source']}) | {r['predicted_speedup']} |")
     print(f"\n{choice.note}")
     return 0

@@ -12,6 +12,8 @@ The forward returns the new tokens' keys/values so the caller decides where they
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -363,6 +365,30 @@ class Llama(nnx.Module):
 
 def init_llama(config: LlamaConfig, seed: int = 0, **kw) -> Llama:
     return Llama(config, rngs=nnx.Rngs(params=seed), **kw)
+
+
+def first_layers(model: Llama, num_layers: int, **config_changes) -> Llama:
+    """A model made of `model`'s first `num_layers` decoder layers and its embedding, final norm and output
+    projection (the layers' weights sliced, the rest shared), its config changed by `config_changes` besides
+    `num_hidden_layers`. What it computes is not `model`'s function; what a step of it costs is, per layer, what a
+    step of `model` costs: `clover_jax.tuning.choose` times loops on two such models and extrapolates to the full
+    depth instead of compiling the full unrolled stack."""
+    c = model.config
+    if not 1 <= num_layers <= c.num_hidden_layers:
+        raise ValueError(f"num_layers {num_layers}: the model has {c.num_hidden_layers} layers")
+    config = dataclasses.replace(c, num_hidden_layers=int(num_layers), **config_changes)
+    graph, state = nnx.split(nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0), dtype=model.dtype,
+                                                             remat=model.layers.remat)))
+    full = dict(nnx.to_flat_state(nnx.state(model)))
+    leaves = []
+    for path, var in nnx.to_flat_state(state):
+        value = full[path].get_value()
+        if path[0] == "layers" and value.shape != var.get_value().shape:  # a stacked [L, ...] layer weight
+            value = value[:num_layers]
+        leaves.append((path, var.replace(value)))
+    out = nnx.merge(graph, nnx.from_flat_state(leaves))
+    out.layers.scan_unroll = model.layers.scan_unroll
+    return out
 
 
 def count_params(module: nnx.Module) -> int:

@@ -17,23 +17,30 @@ batch 1 barely more than one), and not on the text (shapes are static). The choi
 1. Candidates: each head's registered default tree (`clover_jax.pretrained`; a head folder's type default
    otherwise), and the head-less chains `lookup-4-table` and `lookup-2-table` (prompt lookup, else the model's
    n-gram table; `lookup-4` / `lookup-2` where there is no table) when no head was named.
-2. For each candidate and our autoregressive loop, on `PROMPTS` (two short held-out Spec-Bench questions, each
-   repeated to the batch size): the jitted call for 1 new token and for `NEW_TOKENS` new tokens (one cache size,
-   so one compiled program per run), after a warm-up that compiles. The difference is the decode phase (prefill, dispatch and compile cancel); each run's is the
-   fastest of `ROUNDS` rounds that time every run in turn. As both loops emit the same tokens, the ratio of the
-   decode phases is the speed-up measured on these prompts.
-3. `cost` is the tree's decode time per loop iteration over plain decoding's. `tau_B` comes from the head's
+2. For each candidate and our autoregressive loop, on `PROMPTS` (a short held-out Spec-Bench question, repeated to
+   the batch size): the jitted call for 1 new token and for `NEW_TOKENS` new tokens (one cache size, so one
+   compiled program per run), after a warm-up that compiles every program side by side. The difference is the
+   decode phase (prefill, dispatch and compile cancel), over its loop iterations: the run's iteration time. A loop
+   whose base layers run unrolled (plain decoding on a CPU; every loop on a GPU) compiles in time growing with the
+   depth, so it is timed on the model's first `PROBE_DEPTHS` layers (`clover_jax.models.llama.first_layers`) and
+   its iteration time extrapolated to the full depth (affine in the depth); scanned loops, which compile once
+   whatever the depth, run on the full model. `ROUNDS` rounds time every program in turn.
+3. `cost` is the tree's iteration time over plain decoding's in the same round (the machine's speed drifts between
+   rounds more than within one), the median over the rounds. `tau_B` comes from the head's
    `calibration.json` `reference` (per held-out ShareGPT prompt: decode tokens and steps of the tree at batch 1,
    the command beside them): the mean over random batches of `batch_size` of those prompts of the longest reply
-   over the most steps (`batch_tau`). A head without a reference keeps what the measurement saw (plain decoding's
-   iterations over the tree's): a few short prompts tell the cost well and the acceptance badly.
+   over the most steps (`batch_tau`). A head without a reference keeps what the measurement saw (the longest reply's new
+   tokens over the tree's iterations, drafted on the full model): a few short prompts tell the cost well and the
+   acceptance badly.
 4. The candidate with the highest predicted speed-up is chosen when it is at least `MARGIN`; else plain
    decoding. The choice, its reason and every candidate's numbers are kept in the user's cache
    (`~/.cache/clover_jax/calibration/choices.json`, `CLOVER_JAX_CACHE` overrides), keyed by the heads' weights,
    the hardware, the dtype and the batch size, and announced on stderr in one line when made.
 
-69-70 s measured on a 2-core CPU for SmolLM2-135M at batch 1 before the programs compiled side by side (five programs; 2 minutes at batch 8, 3 at
-batch 16); a measured choice is reused afterwards. The
+About 50 s measured on a 2-core CPU for SmolLM2-135M at batch 1 (six programs compiled, three rounds); a measured
+choice is reused afterwards. On that machine a loop's iteration time varies by up to 15% between one-second windows,
+and the EAGLE head's predicted speed-up ranged from 1.12x to 1.34x over seven measurements (each chose it): a
+candidate predicted within about 10% of another may swap with it from one measurement to the next. The
 full calibration (`tree="auto"`, `clover_jax.tuning.calibrate`) searches many more trees and fits new ones.
 """
 
@@ -63,16 +70,21 @@ from clover_jax.io.loader import LoadedModel
 from clover_jax.heads.folder import cache_dir, open_folder, read_json
 from clover_jax.io.files import update_json
 from clover_jax.io.prompts import read_prompts
+from clover_jax.models.llama import first_layers
 from clover_jax.validation import InputError
 
-VERSION = 4  # a saved choice of another version is measured again
+VERSION = 5  # a saved choice of another version is measured again
 # two short questions outside MT-Bench's categories: a step's cost grows with the context (attention over the cache),
 # so the prompts are of a chat request's length (40 and 44 tokens: one prompt bucket, one program per run), not a
 # long document's
-PROMPTS = (("spec_bench", "qa", 2),)
-NEW_TOKENS = 48
+PROMPTS = (("spec_bench", "qa", 1),)
+NEW_TOKENS = 32
 CACHE_SIZE = 512  # every call of the measurement: one compiled program per run, a chat request's cache
-ROUNDS = 2
+ROUNDS = 3
+# plain decoding's loop (and, on a GPU, every loop) runs the layers unrolled, whose compile grows with the depth: it is
+# timed on the model's first 2 and 8 layers and its iteration time extrapolated to the full depth
+PROBE_DEPTHS = (2, 8)
+PROBE_REPEATS = 3  # times per round a loop on a part of the model is timed
 MARGIN = 1.05  # a tree must be predicted this much faster than plain decoding to be chosen
 HEADLESS = ("lookup-4-table", "lookup-2-table")
 CHOICES_FILE = "choices.json"
@@ -134,11 +146,11 @@ def batch_tau(per_prompt, batch_size: int, draws: int = 512, seed: int = 0) -> f
     return float(a[idx, 0].max(axis=1).sum() / max(a[idx, 1].max(axis=1).sum(), 1.0))
 
 
-def _decode(loaded, units, new_tokens: int, **kw) -> tuple[float, int, list, list]:
+def _decode(loaded, units, new_tokens: int, **kw) -> tuple[float, int, list, list, int]:
     """(decode-phase seconds and loop iterations summed over the prompt batches `units`, their token ids, their accept
-    histograms): per batch, the call for `new_tokens` new tokens minus the call for one (prefill and dispatch
-    cancel)."""
-    seconds, iterations, ids, hists = 0.0, 0, [], []
+    histograms, the longest reply's new tokens summed over the batches): per batch, the call for `new_tokens` new
+    tokens minus the call for one (prefill and dispatch cancel)."""
+    seconds, iterations, ids, hists, longest = 0.0, 0, [], [], 0
     for rows in units:
         short = generate(loaded, rows, max_new_tokens=1, decode_text=False, **kw)
         long = generate(loaded, rows, max_new_tokens=new_tokens, decode_text=False, **kw)
@@ -146,7 +158,57 @@ def _decode(loaded, units, new_tokens: int, **kw) -> tuple[float, int, list, lis
         iterations += long.steps - short.steps
         ids.append(long.token_ids)
         hists.append(long.stats.get("accept_hist"))
-    return seconds, iterations, ids, hists
+        longest += max(len(t) for t in long.token_ids) - 1
+    return seconds, iterations, ids, hists, longest
+
+
+@dataclasses.dataclass(frozen=True)
+class _Variant:
+    """One program the measurement times: a run (plain decoding or a candidate) on the full model or on its first
+    `depth` layers (`clover_jax.models.llama.first_layers`)."""
+    run: str
+    depth: int
+    loaded: Any
+    kw: dict
+
+    @property
+    def name(self) -> str:
+        return f"{self.run} @{self.depth}"
+
+
+def _layers_form(loaded, kw: dict) -> str:
+    """How the run's loop runs the base model's layers here (`"unrolled"` or `"scan"`), as its request would."""
+    plan = prepare_generate(loaded, ["x"], max_new_tokens=NEW_TOKENS, check_free_memory=False, **kw)
+    return plan.loop.layers
+
+
+def _variants(loaded, runs: dict[str, dict], full_depth: set[str]) -> list[_Variant]:
+    """The programs to time: a run whose layers run unrolled on the first `PROBE_DEPTHS` layers of the model (its
+    compile grows with the depth; its step time is affine in it), a scanned one (compiled once whatever the depth)
+    and the runs in `full_depth` on the full model."""
+    num_layers = loaded.model.config.num_hidden_layers
+    truncated: dict[int, LoadedModel] = {}
+    out = []
+    for run, kw in runs.items():
+        form = _layers_form(loaded, kw)
+        if form != "unrolled" or run in full_depth or num_layers <= PROBE_DEPTHS[-1]:
+            out.append(_Variant(run, num_layers, loaded, kw))
+            continue
+        for depth in PROBE_DEPTHS:
+            if depth not in truncated:  # no end-of-sequence token: every call runs its new tokens
+                model = first_layers(loaded.model, depth, eos_token_ids=())
+                truncated[depth] = LoadedModel(model.config, model, loaded.tokenizer, loaded.source, loaded.name)
+            out.append(_Variant(run, depth, truncated[depth], dict(kw, layers=form)))
+    return out
+
+
+def _full_depth(per_depth: dict[int, float], num_layers: int) -> float:
+    """A loop iteration's seconds at the model's full depth from its seconds at the depths timed (affine in the
+    depth: the layers' share grows with it, the rest does not)."""
+    if num_layers in per_depth:
+        return per_depth[num_layers]
+    (d0, t0), (d1, t1) = sorted(per_depth.items())[:2]
+    return t0 + (t1 - t0) * (num_layers - d0) / (d1 - d0)
 
 
 def measure(loaded, pairs: Sequence[tuple[str | None, str]], *, batch_size: int = 1, mesh=None,
@@ -156,52 +218,73 @@ def measure(loaded, pairs: Sequence[tuple[str | None, str]], *, batch_size: int 
     if prompts is None:
         prompts = [p for source, cat, n in PROMPTS for p in read_prompts(source, category=cat, limit=n)]
     t0 = time.perf_counter()
+    num_layers = loaded.model.config.num_hidden_layers
     # one batch per prompt, each `batch_size` rows starting at that prompt (the prompts repeated)
     units = [[prompts[(i + j) % len(prompts)] for j in range(batch_size)] for i in range(len(prompts))]
     common = dict(mesh=mesh, temperature=0.0, cache_size=CACHE_SIZE)
     runs = {AR: dict(common, mode="ar")}
+    refs = {}
     for head, tree in pairs:
-        runs[_label(head, tree)] = dict(common, mode="speculative", head=head if head is not None else NoHead(),
-                                        tree=tree, ngram_table=ngram_table if head is None else None)
+        name = _label(head, tree)
+        runs[name] = dict(common, mode="speculative", head=head if head is not None else NoHead(), tree=tree,
+                          ngram_table=ngram_table if head is None else None)
+        refs[name] = reference(head, tree, model_source)
+    # a candidate without a reference takes its tokens per step from these prompts: drafted by the full model
+    variants = _variants(loaded, runs, {name for name, ref in refs.items() if ref is None})
     # compile every program first (warm-up calls, not timed), side by side: XLA compiles outside Python's lock, so on a
-    # machine with cores to spare the runs' programs build at once; the timed rounds below run one call at a time
-    warm = [(rows, kw) for kw in runs.values() for rows in units]
+    # machine with cores to spare the programs build at once; the timed rounds below run one call at a time
+    warm = [(v, rows) for v in variants for rows in units]
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(len(warm), os.cpu_count() or 1))) as pool:
-        list(pool.map(lambda item: generate(loaded, item[0], max_new_tokens=1, decode_text=False, **item[1]), warm))
-    # ROUNDS rounds, each timing every run in turn (a drift of the machine's speed spreads over all of them); a
-    # run's decode time is its fastest round
-    decode = {name: float("inf") for name in runs}
-    iterations, outputs, hists = {}, {}, {}
+        list(pool.map(lambda item: generate(item[0].loaded, item[1], max_new_tokens=1, decode_text=False,
+                                            **item[0].kw), warm))
+    # ROUNDS rounds, each timing every program in turn: a run's cost is its iteration time over plain decoding's of the
+    # same round (the machine's speed drifts between rounds more than within one), the median over the rounds
+    per_round: list[dict[str, float]] = []  # [s] per round: each run's iteration on the full model
+    iterations, outputs, hists, longest = {}, {}, {}, {}
     for _ in range(ROUNDS):
-        for name, kw in runs.items():
-            seconds, iterations[name], outputs[name], hists[name] = _decode(loaded, units, new_tokens, **kw)
-            decode[name] = min(decode[name], seconds)
-    ar_iteration = decode[AR] / max(iterations[AR], 1)  # [s] one plain decoding iteration
+        timed = {v.name: float("inf") for v in variants}
+        for v in variants:
+            # a part of the model is timed more often: its error is multiplied in the extrapolation (and it is quick)
+            for _ in range(PROBE_REPEATS if v.depth < num_layers else 1):
+                seconds, its, ids, hist, most = _decode(v.loaded, units, new_tokens, **v.kw)
+                timed[v.name] = min(timed[v.name], seconds / max(its, 1))
+            if v.depth == num_layers:
+                iterations[v.run], outputs[v.run], hists[v.run], longest[v.run] = its, ids, hist, most
+        per_round.append({run: _full_depth({v.depth: timed[v.name] for v in variants if v.run == run}, num_layers)
+                          for run in runs})
+    iteration = {run: float(np.median([r[run] for r in per_round])) for run in runs}
     table: dict[str, dict] = {}
     for head, tree in pairs:
         name = _label(head, tree)
-        # greedy speculative decoding returns plain decoding's tokens; rounding can break a near-tie apart in a lower
-        # precision (bfloat16, TF32 products), which the exactness audit classifies (`clover_jax.tuning.audit`)
-        differing = sum(a != b for unit_a, unit_b in zip(outputs[name], outputs[AR]) for a, b in zip(unit_a, unit_b))
-        tokens, steps = (int(x.sum()) for x in acceptance_stats.tokens_and_steps(np.stack(hists[name])))
-        cost = decode[name] / max(iterations[name], 1) / ar_iteration  # an iteration, in decode iterations
-        ref = reference(head, tree, model_source)
-        if ref is None:  # what these prompts showed: plain decoding's iterations over the tree's
-            tau_b, source = iterations[AR] / max(iterations[name], 1), "measured"
+        cost = float(np.median([r[name] / r[AR] for r in per_round]))  # an iteration, in decode iterations
+        ref = refs[name]
+        row = {"head": head, "tree": tree}
+        if name in iterations:  # drafted by the full model: what these prompts showed
+            tokens, steps = (int(x.sum()) for x in acceptance_stats.tokens_and_steps(np.stack(hists[name])))
+            row["tau_measured"] = round(tokens / max(steps, 1), 3)
+        if ref is None:  # plain decoding's iterations (the longest reply's tokens) over the tree's
+            tau_b, source = longest[name] / max(iterations[name], 1), "measured"
         elif ref["per_prompt"]:
             tau_b, source = batch_tau(ref["per_prompt"], batch_size), "reference"
         else:
             tau_b, source = ref["tau"], "reference tau"
-        table[name] = {
-            "head": head, "tree": tree, "measured_speedup": round(decode[AR] / max(decode[name], 1e-9), 3),
-            "tau_measured": round(tokens / max(steps, 1), 3), "step_cost": round(cost, 3),
-            "tau_batch": round(tau_b, 3), "tau_source": source, "predicted_speedup": round(tau_b / cost, 3),
-            "differing_outputs": differing}
+        if AR in outputs and name in outputs:  # both on the full model: the speed-up seen, and the outputs compared
+            # greedy speculative decoding returns plain decoding's tokens; rounding can break a near-tie apart in a
+            # lower precision (bfloat16, TF32 products), which the exactness audit classifies
+            # (`clover_jax.tuning.audit`)
+            row["measured_speedup"] = round(iteration[AR] * iterations[AR] / max(iteration[name] * iterations[name],
+                                                                                 1e-9), 3)
+            row["differing_outputs"] = sum(a != b for unit_a, unit_b in zip(outputs[name], outputs[AR])
+                                           for a, b in zip(unit_a, unit_b))
+        table[name] = {**row, "step_cost": round(cost, 3), "tau_batch": round(tau_b, 3), "tau_source": source,
+                       "predicted_speedup": round(tau_b / cost, 3)}
     best = max(table, key=lambda k: table[k]["predicted_speedup"], default=None)
     if best is None or table[best]["predicted_speedup"] < MARGIN:
         best = AR
-    return {"best": best, "candidates": table, "ar_decode_seconds": round(decode[AR], 4), "new_tokens": new_tokens,
-            "prompts": len(prompts), "batch_size": batch_size, "rounds": ROUNDS,
+    return {"best": best, "candidates": table, "ar_iteration_ms": round(1e3 * iteration[AR], 3),
+            "iteration_ms": {run: round(1e3 * t, 3) for run, t in iteration.items()},
+            "round_costs": {name: [round(r[name] / r[AR], 3) for r in per_round] for name in table},
+            "new_tokens": new_tokens, "prompts": len(prompts), "batch_size": batch_size, "rounds": ROUNDS,
             "seconds": round(time.perf_counter() - t0, 1), "version": VERSION, "date": time.strftime("%Y-%m-%d")}
 
 
@@ -274,7 +357,7 @@ def choose(loaded, head: HeadBundle | None = None, *, batch_size: int = 1, mesh=
             return None
         if not quiet:
             print(f"clover_jax: choosing the draft tree for {where} (first use: {len(pairs) + 1} runs compiled "
-                  "and timed, a minute or more on a CPU; the answer is kept)", file=sys.stderr)
+                  "and timed, about a minute on a CPU; the answer is kept)", file=sys.stderr)
         entry = measure(loaded, pairs, batch_size=batch_size, mesh=mesh, model_source=model_source,
                         ngram_table=ngram_table)
         save_choice(key, entry)
