@@ -363,6 +363,64 @@ def kd_loss_packed(outputs: jax.Array, teacher_hidden: jax.Array, loss_mask: jax
     return loss, metrics
 
 
+def anchored_kd_loss(outputs: jax.Array, teacher_hidden: jax.Array, loss_mask: jax.Array, valid: jax.Array,
+                     lm_head: jax.Array, anchors: jax.Array, cfg: LossConfig = LossConfig(), labels=None):
+    """The distillation loss of a head that drafts a whole block from one anchor, computed at sampled anchors only:
+    `outputs [C, B, M, D]` are the head's outputs at the anchors `anchors [B, M]` (trained positions s, -1 = empty
+    slot: `pack_positions`), and output k at anchor s is scored, as head k at start s in `kd_loss`, against the
+    teacher softmax(W_lm h_{s+1+k}) where position s + k is trained. So the terms are `kd_loss`'s at the anchors'
+    starts; a block is computed per anchor, not per position (`kd_loss_packed` samples the scored positions u and
+    needs every start u - k). Starts that are not themselves trained positions (the last prompt positions, whose
+    blocks reach into the reply) are not anchors. With gradient accumulation the big-batch normaliser is
+    `kd_loss_packed`'s count, which differs from this loss's by those starts.
+
+    Returns `(loss, metrics)` with `kd_loss_packed`'s keys; the regression term is 0 (`vloss`)."""
+    if cfg.label_mask:
+        raise ValueError("the label mask needs the teacher at every position; use the dense loss "
+                         "(loss.vocab_positions_per_row = 0) with it")
+    if cfg.hard_labels and labels is None:
+        raise ValueError("hard_labels: pass labels=next_token_labels(tokens, valid, vocab_ids)")
+    c, b, m, _ = outputs.shape
+    t = teacher_hidden.shape[1]
+    h = jax.lax.stop_gradient(teacher_hidden)
+    lm = trained_positions(loss_mask, valid)  # [B, T]
+    lm_head = jax.lax.stop_gradient(lm_head)
+    anchors = anchors.astype(jnp.int32)
+    a = jnp.clip(anchors, 0, t - 1)
+    listed = (anchors >= 0) & jnp.take_along_axis(lm, a, axis=1)  # [B, M]
+    pos = a[None] + jnp.arange(c, dtype=jnp.int32)[:, None, None]  # [C, B, M]: s + k, the position scored
+    at = jnp.clip(pos, 0, t - 1)
+    row_take = jax.vmap(lambda x, p: jnp.take_along_axis(x, p, axis=1), in_axes=(None, 0))  # over C
+    pm = listed[None] & (pos + 1 < t) & row_take(lm, at)  # [C, B, M]
+    teacher = jax.vmap(lambda p: jnp.take_along_axis(h, jnp.minimum(p + 1, t - 1)[..., None], axis=1))(at)
+    t_logits = jax.lax.stop_gradient(_logits(teacher, lm_head))  # [C, B, M, V]
+    t_arg = jnp.argmax(t_logits, axis=-1)  # [C, B, M]
+    s_logp = jax.nn.log_softmax(_logits(outputs, lm_head), axis=-1)  # [C, B, M, V]
+    if cfg.hard_labels:  # the data's token after the teacher position s + k + 1
+        t_arg = jnp.where(pos + 1 < t, row_take(labels.astype(jnp.int32), jnp.minimum(at + 1, t - 1)), -1)
+        ce = _hard_ce(s_logp, t_arg)
+        pm = pm & (t_arg >= 0)
+    else:
+        ce = -jnp.sum(jax.nn.softmax(t_logits, axis=-1) * s_logp, axis=-1)  # [C, B, M]
+    right = pm & (jnp.argmax(s_logp, axis=-1) == t_arg)
+    p_count = jnp.sum(pm, axis=(1, 2)).astype(jnp.float32)  # [C]
+    ploss = jnp.sum(jnp.where(pm, ce, 0.0), axis=(1, 2)) / (p_count + 1)
+    weights = cfg.head_weight * cfg.decay ** jnp.arange(c, dtype=jnp.float32)
+    loss = jnp.sum(weights * cfg.p_weight * ploss)
+    # chained accuracy: outputs 0..k all right at the same anchor
+    chain_scored = jnp.cumprod(pm.astype(jnp.int32), axis=0)
+    chain_right = jnp.cumprod(right.astype(jnp.int32), axis=0)
+    correct = jnp.sum(right, axis=(1, 2)).astype(jnp.float32)
+    chain_correct = jnp.sum(chain_right, axis=(1, 2)).astype(jnp.float32)
+    chain_count = jnp.sum(chain_scored, axis=(1, 2)).astype(jnp.float32)
+    zero = jnp.zeros((c,), jnp.float32)
+    metrics = {"loss": loss, "vloss": zero, "ploss": ploss, "acc": correct / jnp.maximum(p_count, 1),
+               "chain_acc": chain_correct / jnp.maximum(chain_count, 1), "correct": correct,
+               "chain_correct": chain_correct, "mask_count": p_count, "p_count": p_count, "chain_count": chain_count,
+               "loss_mask_count": p_count}
+    return loss, metrics
+
+
 def pack_positions(loss_mask, valid, per_row: int, rng=None):
     """Host side: `index [B, per_row]` int32 of trained positions per row (`trained_positions`), for
     `kd_loss_packed`. Rows with more than `per_row` of them keep a uniformly random subset (sorted) drawn

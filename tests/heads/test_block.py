@@ -191,9 +191,34 @@ def test_loss_is_the_soft_cross_entropy_of_each_block_position():
         total += 0.8 ** k * num / (cnt + 1)
     np.testing.assert_allclose(float(loss), total, rtol=2e-5)
 
-    index = jnp.asarray(pack_positions(loss_mask, valid, 12))  # every trained position listed: the same loss
-    loss_p, _ = ht.loss_from_features(head, base, f, tokens, loss_mask, valid, cfg, index=index)
-    np.testing.assert_allclose(float(loss_p), float(loss), rtol=1e-5)
+    # sampled anchors: every trained position listed, the blocks run there only; the same terms but for starts s
+    # that are not trained positions themselves (the last prompt positions)
+    index = jnp.asarray(pack_positions(loss_mask, valid, 12))
+    loss_p, m_p = ht.loss_from_features(head, base, f, tokens, loss_mask, valid, cfg, index=index)
+    total, counts = 0.0, []
+    for k in range(3):
+        num, cnt = 0.0, 0
+        for r in range(2):
+            for s in range(12 - 1 - k):
+                if not (lm[r, s] and lm[r, s + k]):
+                    continue
+                z = out[k, r, s] @ w
+                logp = z - z.max() - np.log(np.sum(np.exp(z - z.max())))
+                t = h[r, s + 1 + k] @ w
+                p = np.exp(t - t.max())
+                num += -np.sum(p / p.sum() * logp)
+                cnt += 1
+        total += 0.8 ** k * num / (cnt + 1)
+        counts.append(cnt)
+    np.testing.assert_allclose(float(loss_p), total, rtol=2e-5)
+    assert np.asarray(m_p["p_count"]).tolist() == counts and np.all(np.asarray(m_p["vloss"]) == 0)
+    assert np.all(np.asarray(m_p["chain_acc"]) <= np.asarray(m_p["acc"]) + 1e-6)
+    # the anchors' outputs are the dense outputs at those positions
+    sub = np.asarray(head.anchor_outputs(base, f, tokens, valid, index))  # [C, B, M, D]
+    for r in range(2):
+        for j, s in enumerate(np.asarray(index)[r]):
+            if s >= 0:
+                np.testing.assert_allclose(sub[:, r, j], out[:, r, s], rtol=1e-5, atol=1e-5)
     grads = nnx.grad(lambda hd: ht.loss_from_features(hd, base, f, tokens, loss_mask, valid, cfg, index=index)[0])(head)
     for name in ("ctx_w", "root_w", "mask_emb"):
         assert float(jnp.abs(grads[name][...]).sum()) > 0, name

@@ -27,11 +27,11 @@ Design choices the code's contracts asked for:
   receives (`f_new`, `y_new`) and EAGLE's pairing of a feature with the sampled next token; the newest pair's
   token is the root itself, which the block's first position also reads.
 - Training scores block position k of the anchor s (newest window entry s, root x_{s+1}) against the base's
-  distribution at s + 1 + k, masked by `lm[s + k]`: exactly `kd_loss`'s head-k-at-start-s convention, so the
-  shared losses (`kd_loss`, `kd_loss_packed`), their metrics and the trainer's term counts apply unchanged. With
-  `loss.vocab_positions_per_row`, `kd_loss_packed` scores depth k of a listed position u at anchor u - k; up to
-  M * C anchors then need a block, which on the SmolLM2 recipe's rows (T = 448, M = 64, C = 8) is no fewer than
-  all T, so the block runs at every anchor and only the vocabulary-sized terms are sampled.
+  distribution at s + 1 + k, masked by `lm[s + k]`: `kd_loss`'s head-k-at-start-s convention, so the dense path
+  is `kd_loss` itself. With `loss.vocab_positions_per_row` (M sampled trained positions per row) the blocks run at
+  those M positions as anchors only (`anchored_kd_loss`): a block per anchor costs C positions through the
+  layers, so sampling anchors rather than scored positions (`kd_loss_packed`, whose scored position u needs the
+  block at every u - k) makes a step T / M times cheaper (T = 448, M = 64 on the SmolLM2 recipe).
 - Distillation only (no regression term: the block's outputs are not features of given positions);
   `vloss` is reported as 0, as Medusa's.
 
@@ -49,8 +49,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from clover_jax.heads.losses import (
+    anchored_kd_loss,
     kd_loss,
-    kd_loss_packed,
     next_token_labels,
     output_projection,
 )
@@ -181,6 +181,29 @@ class BlockHead(nnx.Module):
         out = self.block(base, ck, cv, mask.reshape(b * t, s), y.reshape(b * t))  # [B*T, C, D]
         return jnp.moveaxis(out.reshape(b, t, *out.shape[1:]), 2, 0)
 
+    def anchor_outputs(self, base: Llama, f: jax.Array, tokens: jax.Array, valid: jax.Array,
+                       anchors: jax.Array) -> jax.Array:
+        """Teacher-forced block outputs `[C, B, M, D]` (normed) at the anchors `anchors [B, M]` only (positions s,
+        -1 = empty slot, clipped): `train_outputs(...)[:, b, anchors[b, m]]`, computing M blocks per row, not T."""
+        check_compatible(self, base.config)
+        b, t = tokens.shape
+        m = anchors.shape[1]
+        s = self.cfg.window
+        valid = valid.astype(bool)
+        y = jnp.concatenate([tokens[:, 1:], jnp.zeros((b, 1), tokens.dtype)], axis=1)  # y_j = x_{j+1}
+        c = jnp.where(valid[..., None], self.context(base, f, jnp.where(valid, y, 0)), 0)  # [B, T, D]
+        k, v = self.context_kv(c)  # [L, B, T, K, H]
+        a = jnp.clip(anchors.astype(jnp.int32), 0, t - 1)  # [B, M]
+        idx = a[..., None] - s + 1 + jnp.arange(s)  # [B, M, S] positions of each anchor's window
+        at = jnp.clip(idx, 0, t - 1).reshape(b, m * s)
+        mask = (idx >= 0) & jnp.take_along_axis(valid, at, axis=1).reshape(b, m, s)  # [B, M, S]
+        gather = lambda x: jnp.take_along_axis(x, at[None, :, :, None, None], axis=2).reshape(  # noqa: E731
+            x.shape[0], b * m, s, *x.shape[3:])
+        ck, cv = self.window_cache(gather(k), gather(v))
+        root = jnp.take_along_axis(y, a, axis=1)  # [B, M]
+        out = self.block(base, ck, cv, mask.reshape(b * m, s), root.reshape(b * m))  # [B*M, C, D]
+        return jnp.moveaxis(out.reshape(b, m, *out.shape[1:]), 2, 0)
+
 
 def check_compatible(head: BlockHead, base_config: LlamaConfig) -> None:
     """An `InputError` naming the dimension in which `head` does not fit `base_config`."""
@@ -210,18 +233,19 @@ def init_from_base(base: Llama, cfg: BlockConfig = BlockConfig(), seed: int = 0)
 def loss_from_features(head: BlockHead, base: Llama, f, tokens, loss_mask, valid, loss_cfg, *, index=None,
                        vocab_ids=None):
     """Distillation from the base's pre-norm features `f [B, T, D]`: block position k at anchor s against the
-    base's distribution softmax(W_lm h_{s+1+k}) (`kd_loss`'s head k at start s; `kd_loss_packed` with `index`),
-    through the shared frozen lm_head (or its draft-vocabulary columns), weights `loss_cfg.decay ** k`, no
-    regression term (its metrics are reported as 0)."""
+    base's distribution softmax(W_lm h_{s+1+k}) (`kd_loss`'s head k at start s), through the shared frozen lm_head
+    (or its draft-vocabulary columns), weights `loss_cfg.decay ** k`, no regression term (its metrics are 0).
+    Without `index` a block runs at every position (`kd_loss`); with `index` (`loss.vocab_positions_per_row`: M
+    sampled trained positions per row) only at those M anchors (`anchored_kd_loss`): T / M times fewer blocks."""
     f = jax.lax.stop_gradient(f)
     h = rms_norm(f, jax.lax.stop_gradient(base.final_norm[...]), base.config.rms_norm_eps)  # [B, T, D]
-    out = head.train_outputs(base, f, tokens, valid)  # [C, B, T, D]
     proj = output_projection(base, vocab_ids)  # [D, V or Q]
     cfg = dataclasses.replace(loss_cfg, v_weight=0.0)
     labels = next_token_labels(tokens, valid, vocab_ids) if cfg.hard_labels else None
     if index is not None:
-        loss, m = kd_loss_packed(out, h, loss_mask, valid, proj, index, cfg, labels=labels)
-    else:
-        loss, m = kd_loss(out, h, tokens, loss_mask, valid, proj, cfg, labels=labels)
+        out = head.anchor_outputs(base, f, tokens, valid, index)  # [C, B, M, D]
+        return anchored_kd_loss(out, h, loss_mask, valid, proj, index, cfg, labels=labels)
+    out = head.train_outputs(base, f, tokens, valid)  # [C, B, T, D]
+    loss, m = kd_loss(out, h, tokens, loss_mask, valid, proj, cfg, labels=labels)
     m["vloss"] = jnp.zeros_like(m["vloss"])
     return loss, m
