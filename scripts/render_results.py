@@ -5,7 +5,7 @@
   python scripts/render_results.py --check    # exit 1 if any is not what the result files render to
 
 Each results/*.json holds one benchmark run: `title`, `date`, `machine`, `machine_short`, `settings`, `command`,
-`source` (how the numbers got into the file), `benchmark` (`bench_spec` or `bench_step`), the numbers, and optional
+`source` (how the numbers got into the file), `benchmark` (`bench_spec`, `bench_step`, `compare_heads`, ...), the numbers, and optional
 `notes` and `summary` (the runs that also go into the short table of README.md). `bench_spec` files keep the layout
 of the results.json that `bench/bench_spec.py --out-dir` writes (`runs`, `greedy_compared`, `greedy_mismatches`);
 a new run's results.json can be dropped in with those keys added. Standard library only.
@@ -247,6 +247,22 @@ def train_memory_table(d: dict) -> list[str]:
     return lines
 
 
+def compare_table(d: dict) -> list[str]:
+    """bench/compare_heads.py: head types trained on an equal budget, side by side on the same prompts and trees."""
+    lines = ["| head | tree | tau | accept rate per depth | vs our AR | differing | params | train steps | "
+             "tokens seen | train min |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for spec, e in d["heads"].items():
+        cost = e.get("training") or {}
+        minutes = f"{cost['train_time_s'] / 60:.1f}" if cost.get("train_time_s") else "-"
+        seen = f"{cost['tokens_seen']:,}" if cost.get("tokens_seen") else "-"
+        for tree, r in e["trees"].items():
+            rates = ", ".join(f"{x:.2f}" for x in r.get("accept_rate_per_depth") or [])
+            lines.append(f"| {e['type']} | `{tree}` | {num(r.get('tau'))} | {rates} | {num(r.get('speedup_vs_ar'))}x "
+                         f"| {e['greedy_mismatches']} of {e['greedy_compared']} | {e['params'] / 1e6:.1f}M | "
+                         f"{cost.get('final_step', '-')} | {seen} | {minutes} |")
+    return lines
+
+
 def section(d: dict) -> list[str]:
     lines = [f"## {d['title']}", "",
              f"- **Date:** {d['date']}",
@@ -256,7 +272,8 @@ def section(d: dict) -> list[str]:
     lines += [f"- **Source:** `results/{d['_file']}` ({d.get('source', 'recorded by the command')})", "",
               "```bash", d["command"], "```", ""]
     tables = {"bench_spec": spec_table, "bench_step": step_table, "batch_table": batch_table,
-              "choice": choice_table, "bench_rows": rows_table, "train_memory": train_memory_table}
+              "choice": choice_table, "bench_rows": rows_table, "train_memory": train_memory_table,
+              "compare_heads": compare_table}
     lines += tables[d["benchmark"]](d)
     for note in d.get("notes", []):
         lines += ["", note]
