@@ -52,6 +52,25 @@ def _batch(seed=0, t=12):
 
 
 # ------------------------------------------------------------------------------------------------ config
+def test_layers_can_start_as_the_bases_last_layers():
+    from clover_jax.training.config import ConfigError, load_config
+
+    base = init_llama(CFG, seed=0)
+    head = init_from_base(base, BlockConfig(num_layers=2, init_layers="base"), seed=1)
+    for name, value in base.layers.layer_params().items():
+        np.testing.assert_array_equal(np.asarray(getattr(head.layers, name)[...]), np.asarray(value[-2:]))
+    fresh = _head(base, num_layers=2)
+    assert not np.array_equal(np.asarray(fresh.layers.wq[...]), np.asarray(base.layers.wq[...][-2:]))
+    cfg = load_config(None, ["head.type=block", "head.init_layers=base"])
+    assert cfg.head.head_config().init_layers == "base"
+    with pytest.raises(InputError, match="init_layers must be one of"):
+        BlockConfig(init_layers="first")
+    with pytest.raises(ConfigError, match="head.init_layers"):
+        load_config(None, ["head.type=block", "head.init_layers=first"])
+    with pytest.raises(InputError, match="copies 9 layers; the base model has"):
+        init_from_base(base, BlockConfig(num_layers=9, init_layers="base"))
+
+
 def test_registered_with_its_own_section_and_clear_errors():
     from clover_jax.training.config import ConfigError, load_config
 

@@ -17,6 +17,7 @@ from clover_jax.heads.block.export import (
     to_reference,
 )
 from clover_jax.heads.block.head import (
+    INIT_LAYERS,
     BlockConfig,
     BlockHead,
     check_compatible,
@@ -35,14 +36,17 @@ class BlockOptions(HeadOptions):
     num_heads: int = 8  # the block size
     num_layers: int = 2  # decoder layers of the block
     window: int = 16  # accepted positions whose base features the block attends to
+    init_layers: str = "random"  # the block's layers at init: "random" or "base" (copies of the base's last layers)
 
     def _validate(self):
         super()._validate()
         self._need(self.num_layers >= 1, "num_layers", "must be >= 1")
         self._need(self.window >= 1, "window", "must be >= 1")
+        self._need(self.init_layers in INIT_LAYERS, "init_layers", f"must be one of {INIT_LAYERS}")
 
     def config_kwargs(self):
-        return {"block_size": self.num_heads, "num_layers": self.num_layers, "window": self.window}
+        return {"block_size": self.num_heads, "num_layers": self.num_layers, "window": self.window,
+                "init_layers": self.init_layers}
 
 
 BLOCK = registry.register(registry.HeadType(

@@ -58,6 +58,7 @@ from clover_jax.models.config import LlamaConfig, RopeScaling, rope_inv_freq
 from clover_jax.models.llama import DecoderStack, Llama, apply_rope, rms_norm
 from clover_jax.validation import InputError
 
+INIT_LAYERS = ("random", "base")
 ROPE_THETA = 10000.0  # plain RoPE over block-relative positions (< window + block_size): no long-context scaling
 
 
@@ -66,6 +67,7 @@ class BlockConfig:
     block_size: int = 8  # C: tokens drafted by one forward (the deepest tree it drafts)
     num_layers: int = 2  # decoder layers of the block
     window: int = 16  # S: accepted positions whose base features the block attends to
+    init_layers: str = "random"  # the block's decoder layers at init: "random", or "base" (the base's last layers)
     dtype: Any = jnp.float32  # compute dtype (norms, attention softmax and logits stay float32)
     param_dtype: Any = jnp.float32
     remat: bool = False  # rematerialise the block's layers in the backward pass
@@ -75,6 +77,8 @@ class BlockConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InputError(f"block head: {name} must be an integer >= 1, got {value!r}")
+        if self.init_layers not in INIT_LAYERS:
+            raise InputError(f"block head: init_layers must be one of {INIT_LAYERS}, got {self.init_layers!r}")
 
 
 def layer_config(base_config: LlamaConfig) -> LlamaConfig:
@@ -222,10 +226,19 @@ def check_compatible(head: BlockHead, base_config: LlamaConfig) -> None:
 
 
 def init_from_base(base: Llama, cfg: BlockConfig = BlockConfig(), seed: int = 0) -> BlockHead:
-    """A fresh block head for `base` (random: torch's Linear defaults for the projections, the decoder layers'
-    N(0, 0.02), norms 1); it shares the base's embedding, final norm and lm_head rather than copying them."""
+    """A fresh block head for `base` (random: torch's Linear defaults for the projections, N(0, 0.02) for the
+    decoder layers, norms 1; with `cfg.init_layers == "base"` the decoder layers start as copies of the base's last
+    `num_layers` layers, as PARD starts its drafter from a pretrained model of the family); it shares the base's
+    embedding, final norm and lm_head rather than copying them."""
     head = BlockHead(base.config, cfg, rngs=nnx.Rngs(params=seed))
     check_compatible(head, base.config)
+    if cfg.init_layers == "base":
+        n = cfg.num_layers
+        if n > base.config.num_hidden_layers:
+            raise InputError(f"block head: init_layers 'base' copies {n} layers; the base model has "
+                             f"{base.config.num_hidden_layers}")
+        for name, value in base.layers.layer_params().items():
+            getattr(head.layers, name)[...] = value[-n:].astype(cfg.param_dtype)
     return head
 
 
