@@ -177,6 +177,27 @@ def test_training_outputs_are_the_drafters_block_at_every_anchor():
         np.testing.assert_allclose(np.asarray(got[0]), np.asarray(out[:, r, s]), rtol=1e-5, atol=1e-5)
 
 
+def _hand_loss(out, h, w, lm, anchors_trained: bool):
+    """By hand: block position k at anchor s against softmax(W_lm h_{s+1+k}), masked by lm[s+k] (and lm[s] when
+    only trained positions are anchors), weights 0.8^k; returns (loss, terms per position)."""
+    total, counts = 0.0, []
+    for k in range(out.shape[0]):
+        num, cnt = 0.0, 0
+        for r in range(out.shape[1]):
+            for s in range(out.shape[2] - 1 - k):
+                if not lm[r, s + k] or (anchors_trained and not lm[r, s]):
+                    continue
+                z = out[k, r, s] @ w
+                logp = z - z.max() - np.log(np.sum(np.exp(z - z.max())))
+                t = h[r, s + 1 + k] @ w
+                p = np.exp(t - t.max())
+                num += -np.sum(p / p.sum() * logp)
+                cnt += 1
+        total += 0.8 ** k * num / (cnt + 1)
+        counts.append(cnt)
+    return total, counts
+
+
 def test_loss_is_the_soft_cross_entropy_of_each_block_position():
     base = init_llama(CFG, seed=0)
     base.lm_head[...] = base.lm_head[...] * 10
@@ -194,41 +215,14 @@ def test_loss_is_the_soft_cross_entropy_of_each_block_position():
     w = np.asarray(base.lm_head_matrix())
     vm = np.asarray(valid)
     lm = np.asarray(loss_mask) & vm & np.concatenate([vm[:, 1:], np.zeros((2, 1), bool)], 1)
-    total = 0.0
-    for k in range(3):
-        num, cnt = 0.0, 0
-        for r in range(2):
-            for s in range(12 - 1 - k):
-                if not lm[r, s + k]:
-                    continue
-                z = out[k, r, s] @ w
-                logp = z - z.max() - np.log(np.sum(np.exp(z - z.max())))
-                t = h[r, s + 1 + k] @ w
-                p = np.exp(t - t.max())
-                num += -np.sum(p / p.sum() * logp)
-                cnt += 1
-        total += 0.8 ** k * num / (cnt + 1)
+    total, _ = _hand_loss(out, h, w, lm, anchors_trained=False)
     np.testing.assert_allclose(float(loss), total, rtol=2e-5)
 
     # sampled anchors: every trained position listed, the blocks run there only; the same terms but for starts s
     # that are not trained positions themselves (the last prompt positions)
     index = jnp.asarray(pack_positions(loss_mask, valid, 12))
     loss_p, m_p = ht.loss_from_features(head, base, f, tokens, loss_mask, valid, cfg, index=index)
-    total, counts = 0.0, []
-    for k in range(3):
-        num, cnt = 0.0, 0
-        for r in range(2):
-            for s in range(12 - 1 - k):
-                if not (lm[r, s] and lm[r, s + k]):
-                    continue
-                z = out[k, r, s] @ w
-                logp = z - z.max() - np.log(np.sum(np.exp(z - z.max())))
-                t = h[r, s + 1 + k] @ w
-                p = np.exp(t - t.max())
-                num += -np.sum(p / p.sum() * logp)
-                cnt += 1
-        total += 0.8 ** k * num / (cnt + 1)
-        counts.append(cnt)
+    total, counts = _hand_loss(out, h, w, lm, anchors_trained=True)
     np.testing.assert_allclose(float(loss_p), total, rtol=2e-5)
     assert np.asarray(m_p["p_count"]).tolist() == counts and np.all(np.asarray(m_p["vloss"]) == 0)
     assert np.all(np.asarray(m_p["chain_acc"]) <= np.asarray(m_p["acc"]) + 1e-6)

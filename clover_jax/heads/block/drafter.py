@@ -16,10 +16,11 @@ from clover_jax.decoding.drafter import (
     Proposal,
     TreeDrafterBase,
     cached_arrays,
+    per_depth_node_index,
     vocab_ids,
 )
 from clover_jax.decoding.sampling import top_k_ids
-from clover_jax.decoding.tree import TreeBuffers, TreeSpec, build_buffers
+from clover_jax.decoding.tree import TreeSpec, build_buffers
 from clover_jax.decoding.trees.topology import TreeTopology
 from clover_jax.heads.block.head import BlockHead, check_compatible
 from clover_jax.validation import InputError
@@ -55,12 +56,6 @@ def shift_in(f_old: jax.Array, y_old: jax.Array, count: jax.Array, f_new: jax.Ar
     return f, y, jnp.minimum(count + num_new, s).astype(count.dtype)
 
 
-def node_index(buffers: TreeBuffers, top_k: int) -> np.ndarray:
-    """`[U]` int32: node 0 -> 0 (the root); a node at depth d, child rank r -> 1 + (d-1) * top_k + r."""
-    depth, rank = np.asarray(buffers.depth), np.asarray(buffers.rank)
-    return np.where(depth == 0, 0, 1 + (depth - 1) * top_k + rank).astype(np.int32)
-
-
 @dataclasses.dataclass(frozen=True, eq=False)
 class BlockDrafter(TreeDrafterBase):
     """Static drafting plan of a block head over one tree (hashable by identity; build once per tree)."""
@@ -82,7 +77,7 @@ class BlockDrafter(TreeDrafterBase):
         """The drafter's arrays, passed into the jitted loop as an argument (not baked in as constants)."""
         return cached_arrays(self, lambda: {"buffers": jax.tree.map(jnp.asarray, self.buffers.topology()),
                                             "vocab_ids": vocab_ids(self.draft_vocab),
-                                            "node_index": jnp.asarray(node_index(self.buffers, self.spec.top_k))})
+                                            "node_index": jnp.asarray(per_depth_node_index(self.buffers, self.spec.top_k))})
 
     def init_state(self, head: BlockHead, base, batch: int, cache_size: int, arrays: dict | None = None
                    ) -> BlockState:

@@ -34,10 +34,10 @@ import numpy as np
 from flax import nnx, struct
 
 from clover_jax import parallel
-from clover_jax.decoding.drafter import Proposal, TreeDrafterBase, cached_arrays, vocab_ids
+from clover_jax.decoding.drafter import Proposal, TreeDrafterBase, cached_arrays, per_depth_node_index, vocab_ids
 from clover_jax.decoding.sampling import top_k_ids
 from clover_jax.decoding.trees.topology import TreeTopology
-from clover_jax.decoding.tree import TreeBuffers, TreeSpec, build_buffers
+from clover_jax.decoding.tree import TreeSpec, build_buffers
 from clover_jax.heads.losses import kd_loss, kd_loss_packed, next_token_labels, output_projection
 from clover_jax.io.export import ExportError
 from clover_jax.io.hf import read_weights_file
@@ -157,12 +157,6 @@ class MedusaState:
     node_index: jax.Array  # [U] int32 index of each node's token in cat([root], top-k of heads 0.. flat)
 
 
-def node_index(buffers: TreeBuffers, top_k: int) -> np.ndarray:
-    """`[U]` int32: node 0 -> 0 (the root); a node at depth d, child rank r -> 1 + (d-1) * top_k + r."""
-    depth, rank = np.asarray(buffers.depth), np.asarray(buffers.rank)
-    return np.where(depth == 0, 0, 1 + (depth - 1) * top_k + rank).astype(np.int32)
-
-
 @dataclasses.dataclass(frozen=True, eq=False)
 class MedusaDrafter(TreeDrafterBase):
     """Static drafting plan of Medusa heads over one tree (hashable by identity; build once per tree)."""
@@ -184,7 +178,7 @@ class MedusaDrafter(TreeDrafterBase):
         """The drafter's arrays, passed into the jitted loop as an argument (not baked in as constants)."""
         return cached_arrays(self, lambda: {"buffers": jax.tree.map(jnp.asarray, self.buffers.topology()),
                                             "vocab_ids": vocab_ids(self.draft_vocab),
-                                            "node_index": jnp.asarray(node_index(self.buffers, self.spec.top_k))})
+                                            "node_index": jnp.asarray(per_depth_node_index(self.buffers, self.spec.top_k))})
 
     def init_state(self, head: MedusaHead, base, batch: int, cache_size: int, arrays: dict | None = None
                    ) -> MedusaState:
