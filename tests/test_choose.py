@@ -34,9 +34,7 @@ def fake_measure(monkeypatch, tmp_path):
         table = {choose_mod._label(h, t): {"head": h, "tree": t, "measured_speedup": predicted.get(
             choose_mod._label(h, t), 0.5), "tau_measured": 2.0, "tau_batch": 2.0, "tau_source": "reference",
             "step_cost": 1.0, "predicted_speedup": predicted.get(choose_mod._label(h, t), 0.5)} for h, t in pairs}
-        best = max(table, key=lambda k: table[k]["predicted_speedup"])
-        best = best if table[best]["predicted_speedup"] >= choose_mod.MARGIN else "ar"
-        return {"best": best, "candidates": table, "new_tokens": 48, "batch_size": batch_size, "seconds": 1.0,
+        return {"best": choose_mod.decide(table, choose_mod._label(*pairs[0])), "candidates": table, "new_tokens": 48, "batch_size": batch_size, "seconds": 1.0,
                 "version": choose_mod.VERSION}
 
     monkeypatch.setattr(choose_mod, "measure", measure)
@@ -72,11 +70,19 @@ def test_no_tree_chooses_among_the_shipped_heads_and_keeps_the_choice(smollm, fa
 
 def test_plain_decoding_when_no_tree_pays(smollm, fake_measure):
     calls, predicted = fake_measure
-    predicted["lookup-4-table"] = 1.04  # below the margin
+    predicted["lookup-4-table"] = 0.8  # the default tree 0.5x: plain decoding beats both
     plan = prepare_generate(smollm, ["hi"], mode="speculative")
     assert plan.mode == "ar" and isinstance(plan.loop, AutoregressiveLoop) and plan.drafter is None
     assert plan.choice["tree"] == "ar"
-    assert any("plain autoregressive decoding" in n and "lookup-4-table at 1.04x" in n for n in plan.notes)
+    assert any("plain autoregressive decoding" in n and "lookup-4-table at 0.8x" in n for n in plan.notes)
+
+
+def test_the_default_tree_is_kept_within_the_tolerance(smollm, fake_measure):
+    _, predicted = fake_measure
+    predicted[f"{CLOVER} fit-5-411aab+lookup-4-table"] = 0.95  # plain decoding predicted 5% faster
+    plan = prepare_generate(smollm, ["hi"], mode="speculative")
+    assert isinstance(plan.head, Clover2Head) and plan.drafter.spec.name == "fit-5-411aab+lookup-4-table"
+    assert any("plain decoding predicted 1.0x, less than 10% faster: the default kept" in n for n in plan.notes)
 
 
 def test_a_head_less_chain_can_win(smollm, fake_measure):
@@ -108,46 +114,64 @@ def test_named_trees_default_and_in_memory_heads_measure_nothing(smollm, fake_me
 
 
 def test_measure_predicts_tokens_per_iteration_over_an_iteration_cost(smollm, monkeypatch):
-    """predicted = tau_B / cost: cost, the tree's decode time per loop iteration over plain decoding's (each program's
-    fastest round); plain decoding's loop (unrolled layers here) timed on the model's first 2 and 8 layers and
-    extrapolated to its 30; tau_B from the reference's per-prompt counts (`batch_tau`), else from the measured
-    iterations."""
+    """predicted = tau_B / cost: cost, the tree's fastest decode time per loop iteration over plain decoding's (each
+    program timed once a round, `ROUNDS` rounds); on a CPU every loop on the full model, on a GPU an unrolled loop on
+    the model's first 2 and 8 layers, extrapolated to its 30; tau_B from the reference's per-prompt counts
+    (`batch_tau`), else from the measured iterations."""
     layers = smollm.model.config.num_hidden_layers
-    assert choose_mod.PROBE_DEPTHS == (2, 8) and layers == 30
-    # per call: (seconds, iterations) of each (run, depth); three rounds each, the fastest kept
-    seconds = {}
-    iterations = {("ar", 2): 100, ("ar", 8): 100, ("lookup-4-table", 30): 40}
-    depths_seen = []
+    assert choose_mod.PROBE_DEPTHS == (2, 8) and layers == 30 and choose_mod.ROUNDS == 3
+    seconds, iterations, seen = {}, {("ar", 30): 20, ("ar", 2): 100, ("ar", 8): 100, ("lookup-4-table", 30): 40}, []
 
     def decode(loaded, units, new_tokens, *, mode="ar", tree=None, **kw):
         key = (tree or "ar", loaded.model.config.num_hidden_layers)
-        depths_seen.append(key)
+        seen.append(key)
         toks = [[1, 2, 3]]
         return seconds[key].pop(0), iterations[key], [toks] * len(units), [[0, 1, 1]] * len(units), 100  # tau 2.5
 
     monkeypatch.setattr(choose_mod, "generate", lambda *a, **kw: None)  # the warm-up calls
     monkeypatch.setattr(choose_mod, "_decode", decode)
     monkeypatch.setattr(choose_mod, "reference", lambda head, tree, model_source=None: None)
-    # AR: 2 ms an iteration on 2 layers, 5 ms on 8 -> 0.5 ms a layer, 16 ms on 30 (each round: the fastest of 3);
-    # the tree: 0.8 s / 40 = 20 ms in round 2; rounds 1 and 3 run 1.5x slower and 0.8x as long, AR alike: cost 1.25 in every round
-    seconds.update({("ar", 2): [0.3, 0.35, 0.4] + [0.2, 0.25, 0.3] + [0.16, 0.2, 0.3],
-                    ("ar", 8): [0.75, 0.8, 0.9] + [0.5, 0.6, 0.5] + [0.4, 0.45, 0.5],
-                    ("lookup-4-table", 30): [1.2, 0.8, 0.64]})
+    # AR: 10 ms an iteration at its fastest (round 2); the tree 20 ms (round 2 again): cost 2.0
+    seconds.update({("ar", 30): [0.3, 0.2, 0.25], ("lookup-4-table", 30): [1.2, 0.8, 0.9]})
     entry = choose_mod.measure(smollm, [(None, "lookup-4-table")], prompts=["x"])
-    assert sorted(set(depths_seen)) == [("ar", 2), ("ar", 8), ("lookup-4-table", 30)]
-    assert depths_seen.count(("ar", 2)) == 9 and depths_seen.count(("lookup-4-table", 30)) == 3
-    assert entry["ar_iteration_ms"] == pytest.approx(16.0) and entry["iteration_ms"]["lookup-4-table"] == 20.0
+    assert seen == [("ar", 30), ("lookup-4-table", 30), ("lookup-4-table", 30), ("ar", 30), ("ar", 30),
+                    ("lookup-4-table", 30)]  # the order turned by one each round
+    assert entry["ar_iteration_ms"] == pytest.approx(10.0) and entry["iteration_ms"]["lookup-4-table"] == 20.0
+    assert entry["round_costs"]["lookup-4-table"] == [2.0, 2.0, 1.8]  # 30 / 15 ms, 20 / 10, 22.5 / 12.5
     row = entry["candidates"]["lookup-4-table"]
-    # cost 20 / 16 = 1.25; no reference: tau_B = the longest reply's 100 tokens over the tree's 40 iterations
-    assert row["step_cost"] == 1.25 and row["tau_measured"] == 2.5
-    assert row["tau_batch"] == 2.5 and row["tau_source"] == "measured" and row["predicted_speedup"] == 2.0
-    assert "measured_speedup" not in row  # plain decoding ran on a part of the model only: no speed-up seen
+    # no reference: tau_B = the longest reply's 100 tokens over the tree's 40 iterations
+    assert row["step_cost"] == 2.0 and row["tau_measured"] == 2.5
+    assert row["tau_batch"] == 2.5 and row["tau_source"] == "measured" and row["predicted_speedup"] == 1.25
+    # both on the full model: the speed-up seen (10 ms x 20 iterations against 20 ms x 40) and the outputs compared
+    assert row["measured_speedup"] == 0.25 and row["differing_outputs"] == 0
+    assert entry["best"] == "lookup-4-table" and entry["default"] == "lookup-4-table"
+    # on a backend whose unrolled loops are timed on parts of the model: AR (unrolled) at 2 and 8 layers, three
+    # calls a round each; 2 ms on 2 layers, 5 ms on 8 -> 16 ms on 30; the tree (scanned) on the full model
+    monkeypatch.setattr(choose_mod, "PROBE_BACKENDS", (choose_mod.jax.default_backend(),))
+    seen.clear()
     seconds.update({("ar", 2): [0.2] * 9, ("ar", 8): [0.5] * 9, ("lookup-4-table", 30): [0.8] * 3})
     monkeypatch.setattr(choose_mod, "reference", lambda head, tree, model_source=None: {
         "tau": 3.0, "per_prompt": [[30, 10], [30, 10]]})
     entry = choose_mod.measure(smollm, [(None, "lookup-4-table")], prompts=["x"])
-    assert entry["candidates"]["lookup-4-table"]["predicted_speedup"] == pytest.approx(3.0 / 1.25)
-    assert entry["best"] == "lookup-4-table"
+    assert seen.count(("ar", 2)) == 9 and seen.count(("ar", 8)) == 9 and seen.count(("lookup-4-table", 30)) == 3
+    assert entry["ar_iteration_ms"] == pytest.approx(16.0)
+    row = entry["candidates"]["lookup-4-table"]
+    assert row["predicted_speedup"] == pytest.approx(3.0 / 1.25) and row["tau_source"] == "reference"
+    assert "measured_speedup" not in row  # plain decoding ran on parts of the model only: no speed-up seen
+
+
+def test_the_default_is_kept_unless_another_is_clearly_faster():
+    def table(**speedups):
+        return {k: {"predicted_speedup": v} for k, v in speedups.items()}
+
+    assert choose_mod.TOLERANCE == 0.10
+    assert choose_mod.decide(table(a=1.30, b=1.40), "a") == "a"  # 7.7% faster: within the tolerance
+    assert choose_mod.decide(table(a=1.30, b=1.45), "a") == "b"  # 11.5% faster
+    assert choose_mod.decide(table(a=0.95, b=0.90), "a") == "a"  # plain decoding 5% faster: within it
+    assert choose_mod.decide(table(a=0.85, b=0.90), "a") == "ar"  # plain decoding 17.6% faster
+    assert choose_mod.decide(table(a=0.85, b=1.02), "a") == "b"  # the fastest, plain decoding second
+    assert choose_mod.decide(table(a=1.30, b=1.40), None) == "b"  # no default among them
+    assert choose_mod.decide({}, None) == "ar"
 
 
 def test_full_depth_is_affine_in_the_depth():

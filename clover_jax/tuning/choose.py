@@ -20,28 +20,30 @@ batch 1 barely more than one), and not on the text (shapes are static). The choi
 2. For each candidate and our autoregressive loop, on `PROMPTS` (a short held-out Spec-Bench question, repeated to
    the batch size): the jitted call for 1 new token and for `NEW_TOKENS` new tokens (one cache size, so one
    compiled program per run), after a warm-up that compiles every program side by side. The difference is the
-   decode phase (prefill, dispatch and compile cancel), over its loop iterations: the run's iteration time. A loop
-   whose base layers run unrolled (plain decoding on a CPU; every loop on a GPU) compiles in time growing with the
-   depth, so it is timed on the model's first `PROBE_DEPTHS` layers (`clover_jax.models.llama.first_layers`) and
-   its iteration time extrapolated to the full depth (affine in the depth); scanned loops, which compile once
-   whatever the depth, run on the full model. `ROUNDS` rounds time every program in turn.
-3. `cost` is the tree's iteration time over plain decoding's in the same round (the machine's speed drifts between
-   rounds more than within one), the median over the rounds. `tau_B` comes from the head's
+   decode phase (prefill, dispatch and compile cancel), over its loop iterations: the run's iteration time.
+   `ROUNDS` rounds time every program once, in an order turned by one each round; a program's iteration time is
+   its fastest round's (a loop's time varies from call to call and does not fall below what the loop costs). On a
+   GPU, where every loop runs its layers unrolled and such a loop compiles in time growing faster than the depth,
+   an unrolled loop is timed on the model's first `PROBE_DEPTHS` layers (`clover_jax.models.llama.first_layers`)
+   and its iteration time extrapolated to the full depth (affine in the depth); elsewhere every loop runs on the
+   full model, so the measurement also sees each tree's speed-up and compares its tokens with plain decoding's.
+3. `cost` is the tree's iteration time over plain decoding's. `tau_B` comes from the head's
    `calibration.json` `reference` (per held-out ShareGPT prompt: decode tokens and steps of the tree at batch 1,
    the command beside them): the mean over random batches of `batch_size` of those prompts of the longest reply
    over the most steps (`batch_tau`). A head without a reference keeps what the measurement saw (the longest reply's new
    tokens over the tree's iterations, drafted on the full model): a few short prompts tell the cost well and the
    acceptance badly.
-4. The candidate with the highest predicted speed-up is chosen when it is at least `MARGIN`; else plain
-   decoding. The choice, its reason and every candidate's numbers are kept in the user's cache
+4. `decide`: the default candidate (the default head's tree, or the named head's) is kept unless another one, or
+   plain decoding at 1.0x, is predicted more than `TOLERANCE` (10%) faster; then the fastest. The choice, its
+   reason and every candidate's numbers are kept in the user's cache
    (`~/.cache/clover_jax/calibration/choices.json`, `CLOVER_JAX_CACHE` overrides), keyed by the heads' weights,
    the hardware, the dtype and the batch size, and announced on stderr in one line when made.
 
-About 50 s measured on a 2-core CPU for SmolLM2-135M at batch 1 (six programs compiled, three rounds); a measured
-choice is reused afterwards. On that machine a loop's iteration time varies by up to 15% between one-second windows,
-and the EAGLE head's predicted speed-up ranged from 1.12x to 1.34x over seven measurements (each chose it): a
-candidate predicted within about 10% of another may swap with it from one measurement to the next. The
-full calibration (`tree="auto"`, `clover_jax.tuning.calibrate`) searches many more trees and fits new ones.
+About 45 s measured on a 2-core CPU for SmolLM2-135M at batch 1 (five programs compiled, about 26 s of it, three
+rounds); a measured choice is reused afterwards. On that machine a speculative loop's iteration time varies by up
+to 25% from call to call, and over three measurements on an idle machine the default tree's predicted speed-up was
+0.96x, 1.18x and 1.33x: the tolerance keeps the choice (the default tree in all three) where the prediction cannot
+resolve the candidates. The full calibration (`tree="auto"`, `clover_jax.tuning.calibrate`) searches many more trees and fits new ones.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ import sys
 import time
 from typing import Any, Sequence
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -73,19 +76,24 @@ from clover_jax.io.prompts import read_prompts
 from clover_jax.models.llama import first_layers
 from clover_jax.validation import InputError
 
-VERSION = 5  # a saved choice of another version is measured again
-# two short questions outside MT-Bench's categories: a step's cost grows with the context (attention over the cache),
-# so the prompts are of a chat request's length (40 and 44 tokens: one prompt bucket, one program per run), not a
-# long document's
+VERSION = 6  # a saved choice of another version is measured again
+# a short question outside MT-Bench's categories: a step's cost grows with the context (attention over the cache), so
+# the prompt is of a chat request's length (40 tokens: one prompt bucket, one program per run), not a long document's
 PROMPTS = (("spec_bench", "qa", 1),)
-NEW_TOKENS = 32
+NEW_TOKENS = 16
 CACHE_SIZE = 512  # every call of the measurement: one compiled program per run, a chat request's cache
 ROUNDS = 3
-# plain decoding's loop (and, on a GPU, every loop) runs the layers unrolled, whose compile grows with the depth: it is
-# timed on the model's first 2 and 8 layers and its iteration time extrapolated to the full depth
+# on a GPU every loop runs the layers unrolled, whose compile grows faster than the depth: such a loop is timed on the
+# model's first 2 and 8 layers and its iteration time extrapolated to the full depth. On a CPU an unrolled loop
+# compiles in time growing more slowly than the depth (SmolLM2's plain decoding: about 6 s for its 30 layers against
+# 7 s for its first 2 and 8 layers): every loop is timed on the full model
 PROBE_DEPTHS = (2, 8)
+PROBE_BACKENDS = ("gpu",)
 PROBE_REPEATS = 3  # times per round a loop on a part of the model is timed
-MARGIN = 1.05  # a tree must be predicted this much faster than plain decoding to be chosen
+# another candidate (plain decoding included) replaces the default one (the first: the default head's tree) only when
+# predicted this much faster: on a 2-core CPU a speculative loop's time varies by up to 25% from call to call, and a
+# prediction from three calls' fastest by 10-15% from one measurement to the next
+TOLERANCE = 0.10
 HEADLESS = ("lookup-4-table", "lookup-2-table")
 CHOICES_FILE = "choices.json"
 
@@ -182,16 +190,18 @@ def _layers_form(loaded, kw: dict) -> str:
     return plan.loop.layers
 
 
-def _variants(loaded, runs: dict[str, dict], full_depth: set[str]) -> list[_Variant]:
-    """The programs to time: a run whose layers run unrolled on the first `PROBE_DEPTHS` layers of the model (its
-    compile grows with the depth; its step time is affine in it), a scanned one (compiled once whatever the depth)
-    and the runs in `full_depth` on the full model."""
+def _variants(loaded, runs: dict[str, dict], full_depth: set[str], backend: str | None = None) -> list[_Variant]:
+    """The programs to time: on a backend of `PROBE_BACKENDS`, a run whose layers run unrolled on the first
+    `PROBE_DEPTHS` layers of the model (its compile grows faster than the depth; its step time is affine in it);
+    a scanned one (compiled once whatever the depth), every run on another backend and the runs in `full_depth` on
+    the full model."""
     num_layers = loaded.model.config.num_hidden_layers
+    probe = (backend or jax.default_backend()) in PROBE_BACKENDS and num_layers > PROBE_DEPTHS[-1]
     truncated: dict[int, LoadedModel] = {}
     out = []
     for run, kw in runs.items():
         form = _layers_form(loaded, kw)
-        if form != "unrolled" or run in full_depth or num_layers <= PROBE_DEPTHS[-1]:
+        if not probe or form != "unrolled" or run in full_depth:
             out.append(_Variant(run, num_layers, loaded, kw))
             continue
         for depth in PROBE_DEPTHS:
@@ -211,10 +221,23 @@ def _full_depth(per_depth: dict[int, float], num_layers: int) -> float:
     return t0 + (t1 - t0) * (num_layers - d0) / (d1 - d0)
 
 
+def decide(table: dict[str, dict], default: str | None) -> str:
+    """What to draft with, from `table`'s `predicted_speedup`s and plain decoding's 1.0 (`AR`): the fastest, unless
+    the `default` candidate is predicted within `TOLERANCE` of it (a difference the measurement does not resolve keeps
+    the default tree: plain decoding replaces it only where it is predicted below 1 / (1 + TOLERANCE))."""
+    speedup = {AR: 1.0, **{name: row["predicted_speedup"] for name, row in table.items()}}
+    best = max(speedup, key=speedup.get)
+    if default in table and speedup[best] < speedup[default] * (1 + TOLERANCE):
+        return default
+    return best
+
+
 def measure(loaded, pairs: Sequence[tuple[str | None, str]], *, batch_size: int = 1, mesh=None,
             prompts: Sequence[str] | None = None, new_tokens: int = NEW_TOKENS, model_source=None,
             ngram_table=None) -> dict[str, Any]:
-    """Measures plain decoding and each (head, tree) pair (see the module docstring); returns the entry to save."""
+    """Measures plain decoding and each (head, tree) pair (see the module docstring); returns the entry to save. The
+    first pair is the default one (the request's tree were nothing chosen), kept against a candidate that is not
+    predicted `TOLERANCE` faster (`decide`)."""
     if prompts is None:
         prompts = [p for source, cat, n in PROMPTS for p in read_prompts(source, category=cat, limit=n)]
     t0 = time.perf_counter()
@@ -237,26 +260,32 @@ def measure(loaded, pairs: Sequence[tuple[str | None, str]], *, batch_size: int 
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(len(warm), os.cpu_count() or 1))) as pool:
         list(pool.map(lambda item: generate(item[0].loaded, item[1], max_new_tokens=1, decode_text=False,
                                             **item[0].kw), warm))
-    # ROUNDS rounds, each timing every program in turn: a run's cost is its iteration time over plain decoding's of the
-    # same round (the machine's speed drifts between rounds more than within one), the median over the rounds
-    per_round: list[dict[str, float]] = []  # [s] per round: each run's iteration on the full model
+    # ROUNDS rounds, each timing every program once (a part of the model PROBE_REPEATS times: its error is multiplied
+    # in the extrapolation, and it is quick), in an order turned by one each round. A program's iteration time is its
+    # fastest call's: a loop's time varies from call to call (on a 2-core CPU by up to 25%) and does not fall below
+    # what the loop costs
+    timed: dict[str, list[float]] = {v.name: [] for v in variants}  # [s] per round: an iteration's decode time
     iterations, outputs, hists, longest = {}, {}, {}, {}
-    for _ in range(ROUNDS):
-        timed = {v.name: float("inf") for v in variants}
-        for v in variants:
-            # a part of the model is timed more often: its error is multiplied in the extrapolation (and it is quick)
+    for r in range(ROUNDS):
+        shift = r % len(variants)
+        for v in variants[shift:] + variants[:shift]:
+            fastest = float("inf")
             for _ in range(PROBE_REPEATS if v.depth < num_layers else 1):
                 seconds, its, ids, hist, most = _decode(v.loaded, units, new_tokens, **v.kw)
-                timed[v.name] = min(timed[v.name], seconds / max(its, 1))
+                fastest = min(fastest, seconds / max(its, 1))
+            timed[v.name].append(fastest)
             if v.depth == num_layers:
                 iterations[v.run], outputs[v.run], hists[v.run], longest[v.run] = its, ids, hist, most
-        per_round.append({run: _full_depth({v.depth: timed[v.name] for v in variants if v.run == run}, num_layers)
-                          for run in runs})
-    iteration = {run: float(np.median([r[run] for r in per_round])) for run in runs}
+
+    def full_depth(run: str, pick) -> float:
+        return _full_depth({v.depth: pick(timed[v.name]) for v in variants if v.run == run}, num_layers)
+
+    iteration = {run: full_depth(run, min) for run in runs}
+    per_round = [{run: full_depth(run, lambda t, r=r: t[r]) for run in runs} for r in range(ROUNDS)]
     table: dict[str, dict] = {}
     for head, tree in pairs:
         name = _label(head, tree)
-        cost = float(np.median([r[name] / r[AR] for r in per_round]))  # an iteration, in decode iterations
+        cost = iteration[name] / iteration[AR]  # an iteration, in decode iterations
         ref = refs[name]
         row = {"head": head, "tree": tree}
         if name in iterations:  # drafted by the full model: what these prompts showed
@@ -278,10 +307,8 @@ def measure(loaded, pairs: Sequence[tuple[str | None, str]], *, batch_size: int 
                                            for a, b in zip(unit_a, unit_b))
         table[name] = {**row, "step_cost": round(cost, 3), "tau_batch": round(tau_b, 3), "tau_source": source,
                        "predicted_speedup": round(tau_b / cost, 3)}
-    best = max(table, key=lambda k: table[k]["predicted_speedup"], default=None)
-    if best is None or table[best]["predicted_speedup"] < MARGIN:
-        best = AR
-    return {"best": best, "candidates": table, "ar_iteration_ms": round(1e3 * iteration[AR], 3),
+    default = _label(*pairs[0]) if pairs else None
+    return {"best": decide(table, default), "default": default, "candidates": table, "ar_iteration_ms": round(1e3 * iteration[AR], 3),
             "iteration_ms": {run: round(1e3 * t, 3) for run, t in iteration.items()},
             "round_costs": {name: [round(r[name] / r[AR], 3) for r in per_round] for name in table},
             "new_tokens": new_tokens, "prompts": len(prompts), "batch_size": batch_size, "rounds": ROUNDS,
@@ -365,15 +392,20 @@ def choose(loaded, head: HeadBundle | None = None, *, batch_size: int = 1, mesh=
     ranked = sorted(entry["candidates"].values(), key=lambda r: -r["predicted_speedup"])
     if entry["best"] == AR:
         top = ranked[0] if ranked else None
-        why = (f"no tree is predicted {MARGIN}x faster here (best: {_label(top['head'], top['tree'])} at "
+        why = (f"no tree is predicted faster here (best: {_label(top['head'], top['tree'])} at "
                f"{top['predicted_speedup']}x)" if top else "no candidate tree")
         choice = Choice(None, AR, 1.0, f"plain autoregressive decoding: {why} [{where}]", entry)
     else:
         row = entry["candidates"][entry["best"]]
+        rival, speed = _label(ranked[0]["head"], ranked[0]["tree"]), ranked[0]["predicted_speedup"]
+        if speed < 1.0:
+            rival, speed = "plain decoding", 1.0
+        kept = (f"; {rival} predicted {speed}x, less than {TOLERANCE:.0%} faster: the default kept"
+                if speed > row["predicted_speedup"] else "")
         choice = Choice(row["head"], row["tree"], row["predicted_speedup"],
                         f"chose {_label(row['head'], row['tree'])}: predicted {row['predicted_speedup']}x plain "
                         f"decoding here (step cost {row['step_cost']} decode steps, tokens per step at this batch "
-                        f"{row['tau_batch']}) [{where}]", entry)
+                        f"{row['tau_batch']}{kept}) [{where}]", entry)
     if made and not quiet:
         print(f"clover_jax: {choice.note} (measured in {entry['seconds']} s)", file=sys.stderr)
     return choice
