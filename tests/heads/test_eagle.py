@@ -5,6 +5,7 @@ in torch loading the export strictly and computing the same outputs, a training 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -18,7 +19,8 @@ from flax import nnx
 from clover_jax import parallel
 from clover_jax.heads.registry import drafter_for
 from clover_jax.heads import registry
-from clover_jax.heads.eagle.head import EagleConfig, EagleDrafter, EagleDynamicDrafter, EagleHead, init_from_base
+from clover_jax.heads.eagle.head import (EagleConfig, EagleDrafter, EagleDynamicDrafter, EagleHead, check_compatible,
+                                         init_from_base)
 from clover_jax.models.cache import causal_mask
 from clover_jax.models.config import LlamaConfig
 from clover_jax.models.llama import init_llama
@@ -310,3 +312,13 @@ def test_feature_noise_is_eagles_uniform_noise_on_inputs_only():
     make_cfg("head.type=eagle", "loss.feature_noise=0.2")  # accepted
     with pytest.raises(ConfigError, match="feature_noise: a clover2 head"):
         make_cfg("loss.feature_noise=0.2")
+
+
+def test_a_base_of_other_dimensions_is_a_named_error():
+    head = nnx.eval_shape(lambda: init_from_base(nnx.eval_shape(lambda: init_llama(CFG))))
+    check_compatible(head, CFG)
+    for field in LlamaConfig.HEAD_FIT_FIELDS:
+        value = getattr(CFG, field)
+        other = dataclasses.replace(CFG, **{field: (not value) if isinstance(value, bool) else value * 2})
+        with pytest.raises(InputError, match=f"EAGLE head does not fit the base model: {field} is"):
+            check_compatible(head, other)

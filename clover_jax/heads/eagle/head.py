@@ -209,8 +209,7 @@ class EagleHead(nnx.Module):
 def check_compatible(head: EagleHead, base_config: LlamaConfig) -> None:
     """An `InputError` naming the dimension in which `head` does not fit `base_config`."""
     hb = head.base_config
-    for name in ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
-                 "head_dim", "attention_bias", "attention_out_bias", "mlp_bias"):
+    for name in LlamaConfig.HEAD_FIT_FIELDS:
         if getattr(hb, name) != getattr(base_config, name):
             raise InputError(f"EAGLE head does not fit the base model: {name} is {getattr(hb, name)} in the head "
                              f"but {getattr(base_config, name)} in the base model")
