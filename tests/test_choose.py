@@ -188,6 +188,8 @@ def test_first_layers_shares_the_weights_and_keeps_the_shapes(smollm):
     assert part.config.hidden_size == model.config.hidden_size and part.dtype == model.dtype
     assert part.layers.wq[...].shape == (2, *model.layers.wq[...].shape[1:])
     assert (part.layers.w_down[...] == model.layers.w_down[...][:2]).all()
+    # the layers' weights are the first two slices of the full model's, not a copy (on this CPU)
+    assert part.layers.w_down[...].unsafe_buffer_pointer() == model.layers.w_down[...].unsafe_buffer_pointer()
     assert part.embed[...] is model.embed[...] or (part.embed[...] == model.embed[...]).all()
     with pytest.raises(ValueError, match="31.*30 layers"):
         first_layers(model, 31)

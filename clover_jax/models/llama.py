@@ -369,7 +369,7 @@ def init_llama(config: LlamaConfig, seed: int = 0, **kw) -> Llama:
 
 def first_layers(model: Llama, num_layers: int, **config_changes) -> Llama:
     """A model made of `model`'s first `num_layers` decoder layers and its embedding, final norm and output
-    projection (the layers' weights sliced, the rest shared), its config changed by `config_changes` besides
+    projection (the layers' weights sliced without a copy where the backend allows, the rest shared), its config changed by `config_changes` besides
     `num_hidden_layers`. What it computes is not `model`'s function; what a step of it costs is, per layer, what a
     step of `model` costs: `clover_jax.tuning.choose` times loops on two such models and extrapolates to the full
     depth instead of compiling the full unrolled stack."""
@@ -384,7 +384,8 @@ def first_layers(model: Llama, num_layers: int, **config_changes) -> Llama:
     for path, var in nnx.to_flat_state(state):
         value = full[path].get_value()
         if path[0] == "layers" and value.shape != var.get_value().shape:  # a stacked [L, ...] layer weight
-            value = value[:num_layers]
+            prefix = views.leading_prefix(value, num_layers)  # no copy where the backend allows
+            value = value[:num_layers] if prefix is None else prefix
         leaves.append((path, var.replace(value)))
     out = nnx.merge(graph, nnx.from_flat_state(leaves))
     out.layers.scan_unroll = model.layers.scan_unroll

@@ -3,9 +3,9 @@
 A decoding loop with unrolled layers reads each layer's weights as a buffer of its own. Slicing the stacked weights
 inside the jitted program makes XLA materialise every slice, so the call would hold a second copy of the layers'
 weights. `leading_slices` instead makes, outside the program, L arrays whose buffers lie inside the stacked array's
-buffer: the array's DLPack capsule (JAX's own, whose deleter keeps the stacked buffer alive) re-pointed at slice i
-(data pointer + i x slice bytes, the slice's shape, row-major strides) and imported with
-`jax.dlpack.from_dlpack(..., copy=False)`, which refuses rather than copies. Where that is not possible (an array
+buffer (`leading_prefix`: one array of the first n): the array's DLPack capsule (JAX's own, whose deleter keeps
+the stacked buffer alive) re-pointed at slice i (data pointer + i x slice bytes, the slice's shape, row-major
+strides) and imported with `jax.dlpack.from_dlpack(..., copy=False)`, which refuses rather than copies. Where that is not possible (an array
 over several devices, a backend without DLPack import, a slice not aligned as the backend needs) it returns None
 and the caller slices inside its program as before.
 
@@ -58,14 +58,15 @@ def _shape_array(shape: tuple[int, ...]) -> ctypes.Array:
     return arr
 
 
-def _slice(x: jax.Array, i: int) -> jax.Array:
+def _slice(x: jax.Array, i: int, count: int | None = None) -> jax.Array:
+    """`x[i]`, or with `count` `x[i:i + count]`, imported over `x`'s buffer."""
     capsule = x.__dlpack__()  # a legacy "dltensor" capsule of x's buffer
     t = _DLTensor.from_address(_capsule_pointer(capsule, b"dltensor"))
     if t.strides:  # a plain leading-axis slice only of a row-major buffer
         strides = list((ctypes.c_int64 * t.ndim).from_address(t.strides))
         if strides != [int(math.prod(x.shape[d + 1:])) for d in range(x.ndim)]:
             raise ValueError(f"not row-major: strides {strides} of shape {x.shape}")
-    shape = tuple(x.shape[1:])
+    shape = tuple(x.shape[1:]) if count is None else (count, *x.shape[1:])
     t.data = t.data + t.byte_offset + i * (x.nbytes // x.shape[0])
     t.byte_offset = 0
     t.ndim = len(shape)
@@ -92,4 +93,18 @@ def leading_slices(x: jax.Array) -> tuple[jax.Array, ...] | None:
     except Exception:  # noqa: BLE001 - no DLPack on this backend, alignment, a layout JAX does not export as is
         return None
     _CACHE[key] = (weakref.ref(x, lambda _, key=key: _CACHE.pop(key, None)), out)
+    return out
+
+
+def leading_prefix(x: jax.Array, count: int) -> jax.Array | None:
+    """`x[:count]` as an array sharing `x`'s device memory, or None where the backend cannot alias it."""
+    if x.ndim < 1 or not 1 <= count <= x.shape[0] or not x.is_fully_addressable or len(x.devices()) != 1:
+        return None
+    try:
+        x.block_until_ready()
+        out = _slice(x, 0, count)
+        if out.unsafe_buffer_pointer() != x.unsafe_buffer_pointer():
+            return None  # imported as a copy
+    except Exception:  # noqa: BLE001 - no DLPack on this backend, alignment, a layout JAX does not export as is
+        return None
     return out
