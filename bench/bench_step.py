@@ -172,7 +172,7 @@ def parts_ms(args, config, base, head, drafter, prompt, lens) -> dict[str, float
         base_, head_ = nnx.merge(bg, bs), nnx.merge(hg, hp)
         cache = KVCache.init(c.num_hidden_layers, b, s, c.num_key_value_heads, c.head_dim, dtype,
                              per_layer=lw is not None)
-        _, hidden, cache = prefill(base_, prompt, lens, cache, layer_weights=lw)
+        _, hidden, cache = prefill(base_, prompt, lens, cache, layer_weights=lw, taps=drafter.feature_layers(head_))
         y = jnp.concatenate([prompt[:, 1:], prompt[:, :1]], axis=1)
         hs = unroll_head_layers(drafter, head_, drafter.init_state(head_, base_, b, s, arrays))  # as the loop does
         hs = drafter.start(head_, base_, hs, hidden, y, lens)
@@ -202,6 +202,8 @@ def parts_ms(args, config, base, head, drafter, prompt, lens) -> dict[str, float
     out["ar: logits + argmax"] = _timeit(ar_logits, bs, h1, repeat=r)
 
     # --- the speculative step
+    taps = drafter.feature_layers(nnx.merge(hg, hp))  # base layers the head reads besides the last
+
     @jax.jit
     def draft(bs, hp, hs, root, key):
         return drafter.propose(nnx.merge(hg, hp), nnx.merge(bg, bs), hs, root, key)
@@ -215,14 +217,14 @@ def parts_ms(args, config, base, head, drafter, prompt, lens) -> dict[str, float
         mask = jnp.broadcast_to(buffers.mask, (b, u, u))
         length = cache.lengths
         h, nk, nv = base_.forward_hidden(tokens, length[:, None] + depth, mask, cache, prefix_mask(length, u, s),
-                                         layer_weights=lw)
+                                         layer_weights=lw, taps=taps)  # [B, U, (n + 1) D]
         return h, cache.write(nk, nv, length[:, None] + jnp.arange(u)[None, :])
 
     hv, cache_v = verify_forward(bs, lw, cache, prop.tokens, prop.buffers)
 
     @jax.jit
     def logits(bs, h):
-        return nnx.merge(bg, bs).logits(h)
+        return nnx.merge(bg, bs).logits(h[..., -c.hidden_size:])
 
     lg = logits(bs, hv)
 
@@ -240,7 +242,7 @@ def parts_ms(args, config, base, head, drafter, prompt, lens) -> dict[str, float
     def commit(bs, hp, hs, f_new, y_new, num):
         return drafter.commit(nnx.merge(hg, hp), nnx.merge(bg, bs), hs, f_new, y_new, num)
 
-    f_new = jnp.take_along_axis(hv, acc.accepted_nodes[..., None], axis=1)  # [B, Dmax+1, D]
+    f_new = jnp.take_along_axis(hv, acc.accepted_nodes[..., None], axis=1)  # [B, Dmax+1, (n + 1) D]
     y_new = jnp.zeros((b, dmax + 1), jnp.int32)
     out["spec: draft"] = _timeit(draft, bs, hp, hs, root, key, repeat=r)
     out["spec: verify forward + KV write"] = _timeit(verify_forward, bs, lw, cache, prop.tokens, prop.buffers,

@@ -128,7 +128,7 @@ def decode_layers(layers: str | None = None, mesh=None, *, tokens_per_step: int 
 
 
 def prefill(model: Llama, prompt: jax.Array, prompt_lengths: jax.Array, cache: KVCache,
-            chunk: int = PREFILL_CHUNK, layer_weights=None):
+            chunk: int = PREFILL_CHUNK, layer_weights=None, taps: tuple[int, ...] = ()):
     """Runs the prompt `[B, T]` (right padded) through the model into an empty cache.
 
     A prompt of at most `chunk` tokens runs as one block. A longer one (T a multiple of `chunk`) runs block by
@@ -142,7 +142,10 @@ def prefill(model: Llama, prompt: jax.Array, prompt_lengths: jax.Array, cache: K
 
     `layer_weights`: the per-layer weights when the layers run unrolled (`decode_layers`); only the blocks of a long prompt use them (they read a per-layer cache), a one-block prompt runs the scan.
 
-    Returns (last-position logits [B, V], pre-norm hidden [B, T, D], cache with lengths = prompt_lengths).
+    `taps`: layers whose outputs the hidden states carry besides the last layer's (`Llama.forward_hidden`).
+
+    Returns (last-position logits [B, V], pre-norm hidden [B, T, D] (with `taps` [B, T, (n + 1) D], the last layer's
+    last), cache with lengths = prompt_lengths).
     """
     b, t = prompt.shape
     if t <= chunk or t % chunk:
@@ -150,20 +153,22 @@ def prefill(model: Llama, prompt: jax.Array, prompt_lengths: jax.Array, cache: K
         positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
         # no cache to read: a scan over the stacked weights (a prompt-length block is bound by the products, not
         # by the slice copies), and an unrolled loop's compile time halves
-        hidden, new_k, new_v = model.forward_hidden(prompt, positions, causal_mask(valid))
+        hidden, new_k, new_v = model.forward_hidden(prompt, positions, causal_mask(valid), taps=taps)
         cache = cache.append(new_k, new_v, num_valid=prompt_lengths)
     else:
-        hidden, cache = _prefill_blocks(model, prompt, prompt_lengths, cache, chunk, layer_weights)
-    last = jnp.take_along_axis(hidden, (prompt_lengths - 1)[:, None, None], axis=1)[:, 0]  # [B, D]
+        hidden, cache = _prefill_blocks(model, prompt, prompt_lengths, cache, chunk, layer_weights, taps)
+    d = model.config.hidden_size
+    last = jnp.take_along_axis(hidden[..., -d:], (prompt_lengths - 1)[:, None, None], axis=1)[:, 0]  # [B, D]
     return model.logits(last), hidden, cache
 
 
 def _prefill_blocks(model: Llama, prompt: jax.Array, prompt_lengths: jax.Array, cache: KVCache, chunk: int,
-                    layer_weights=None):
-    """`prefill` of a prompt `[B, T]` in blocks of `chunk` tokens; returns (pre-norm hidden [B, T, D], cache)."""
+                    layer_weights=None, taps: tuple[int, ...] = ()):
+    """`prefill` of a prompt `[B, T]` in blocks of `chunk` tokens; returns (pre-norm hidden [B, T, (n + 1) D] for
+    n `taps`, cache)."""
     b, t = prompt.shape
     offsets = jnp.arange(chunk, dtype=jnp.int32)  # [C]
-    hidden0 = jnp.zeros((b, t, model.config.hidden_size), model.dtype)  # [B, T, D]
+    hidden0 = jnp.zeros((b, t, (len(taps) + 1) * model.config.hidden_size), model.dtype)  # [B, T, (n + 1) D]
 
     def body(start, num, carry):
         cache, hidden = carry
@@ -172,7 +177,8 @@ def _prefill_blocks(model: Llama, prompt: jax.Array, prompt_lengths: jax.Array, 
         valid = positions < prompt_lengths[:, None]  # [B, C]
         h, new_k, new_v = model.forward_hidden(ids, positions, causal_mask(valid), cache,
                                                prefix_mask(cache.lengths, chunk, cache.size),
-                                               cache_extent=jnp.max(cache.lengths), layer_weights=layer_weights)
+                                               cache_extent=jnp.max(cache.lengths), layer_weights=layer_weights,
+                                               taps=taps)
         # a row whose prompt ended in an earlier block advances by 0; its block lands past its length, unread
         cache = cache.append(new_k, new_v, num_valid=num)
         hidden = jax.lax.dynamic_update_slice_in_dim(hidden, h.astype(hidden.dtype), start, axis=1)
@@ -212,14 +218,15 @@ def decode_cache(model: Llama, batch: int, cache_size: int, cache_dtype, layers:
 
 
 def decode_forward(model: Llama, tokens: jax.Array, positions: jax.Array, self_mask: jax.Array, cache: KVCache,
-                   layer_weights=None):
+                   layer_weights=None, taps: tuple[int, ...] = ()):
     """One decoding forward of `tokens [B, U]` at `positions [B, U]` (`self_mask [B, U, U]`) after each row's cached
-    prefix; returns `(pre-norm hidden [B, U, D], new_k, new_v [L, B, U, K, H], cache)`, the cache to write them
+    prefix; returns `(pre-norm hidden [B, U, D] (with n `taps` [B, U, (n + 1) D], the last layer's last), new_k,
+    new_v [L, B, U, K, H], cache)`, the cache to write them
     into. With `layer_weights` (unrolled layers) an optimization barrier orders every layer's cache read before any
     write, so XLA writes the per-layer cache buffers in place instead of copying all of them at every step."""
     hidden, nk, nv = model.forward_hidden(tokens, positions, self_mask, cache,
                                           prefix_mask(cache.lengths, tokens.shape[1], cache.size),
-                                          layer_weights=layer_weights)
+                                          layer_weights=layer_weights, taps=taps)
     if layer_weights is not None:
         cache, hidden, nk, nv = jax.lax.optimization_barrier((cache, hidden, nk, nv))
     return hidden, nk, nv, cache

@@ -94,10 +94,17 @@ class Drafter(abc.ABC):
         """Bytes `unroll_layers` adds (the memory plan counts them)."""
         return 0
 
+    def feature_layers(self, head) -> tuple[int, ...]:
+        """Base layers (0-based, below the last) whose outputs the head reads besides the last layer's: the hidden
+        states `start` and `commit` receive are then `[..., (n + 1) D]`, those layers' outputs in this order and the
+        last layer's last (`clover_jax.models.llama.Llama.forward_hidden`'s `taps`). None by default."""
+        return ()
+
     @abc.abstractmethod
     def start(self, head, base, state, f_prompt: jax.Array, y_prompt: jax.Array, lengths: jax.Array) -> Any:
-        """Consumes the prompt: `f_prompt [B, T, D]` the base's pre-norm hidden states, `y_prompt [B, T]` the token
-        after each position (the root after the last), `lengths [B]`."""
+        """Consumes the prompt: `f_prompt [B, T, D]` the base's pre-norm hidden states (`[B, T, (n + 1) D]` with
+        `feature_layers`), `y_prompt [B, T]` the token after each position (the root after the last), `lengths
+        [B]`."""
 
     @abc.abstractmethod
     def propose(self, head, base, state, root: jax.Array, key: jax.Array) -> Proposal:

@@ -172,6 +172,9 @@ class LookupDrafter(Drafter):
     def layer_copy_bytes(self, head) -> int:
         return self.inner.layer_copy_bytes(head) if self.inner is not None else 0
 
+    def feature_layers(self, head) -> tuple[int, ...]:
+        return self.inner.feature_layers(head) if self.inner is not None else ()
+
     def unroll_layers(self, head, state: LookupState) -> LookupState:
         """The inner drafter's `unroll_layers` (see `clover_jax.decoding.drafter`)."""
         if self.inner is None:

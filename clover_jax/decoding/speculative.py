@@ -112,7 +112,9 @@ def _spec_start(loop: SpeculativeLoop, base, head, drafter_arrays, prompt, promp
     shard = functools.partial(parallel.constrain_state, mesh=mesh)  # identity without a mesh
 
     cache, lw = decode_cache(base, b, cache_size, loop.cache_dtype, layers, layer_weights)  # see decode_layers
-    logits, hidden, cache = prefill(base, prompt, prompt_lengths, shard(cache), layer_weights=lw)
+    # the hidden states the drafter reads: the last layer's, after the outputs of its `feature_layers` if any
+    logits, hidden, cache = prefill(base, prompt, prompt_lengths, shard(cache), layer_weights=lw,
+                                    taps=drafter.feature_layers(head))
     key, sub = jax.random.split(key)
     root = next_token(sub, logits, sampling, greedy)  # [B]
     # the head reads (f_t, x_{t+1}) pairs: the prompt shifted by one, then the root
@@ -152,9 +154,11 @@ def _spec_step(loop: SpeculativeLoop, base, head, lw, s: _SpecState, limit, eos_
     tree_mask = buf.mask if buf.mask.ndim == 3 else jnp.broadcast_to(buf.mask, (b, u, u))
     length = s.cache.lengths
     positions = length[:, None] + depth  # [B, U]
-    hidden, nk, nv, cache = decode_forward(base, prop.tokens, positions, tree_mask, s.cache, lw)
+    # hidden [B, U, (n + 1) D]: the outputs of the drafter's n feature layers, then the last layer's
+    hidden, nk, nv, cache = decode_forward(base, prop.tokens, positions, tree_mask, s.cache, lw,
+                                           taps=drafter.feature_layers(head))
     cache = cache.write(nk, nv, length[:, None] + jnp.arange(u)[None, :])
-    logits = base.logits(hidden)  # [B, U, V]
+    logits = base.logits(hidden[..., -base.config.hidden_size:])  # [B, U, V]
     acc = _accept(prop, logits, k_acc, sampling, greedy, drafter.sampled_drafts)
     active = ~s.done
     n = jnp.where(active, acc.num_accepted, 0)  # accepted drafts per row
@@ -177,7 +181,7 @@ def _spec_step(loop: SpeculativeLoop, base, head, lw, s: _SpecState, limit, eos_
     if stream:
         streaming.emit(new, num_new)
     # the head consumes (f, next token) for the root and the accepted drafts
-    f_new = jnp.take_along_axis(hidden, nodes[..., None], axis=1)  # [B, Dmax+1, D]
+    f_new = jnp.take_along_axis(hidden, nodes[..., None], axis=1)  # [B, Dmax+1, (n + 1) D]
     hs = drafter.commit(head, base, s.head_state, f_new, new, jnp.where(active, n + 1, 0))
     check_state(drafter, "commit", s.head_state, hs)
     hist = s.accept_hist + (jax.nn.one_hot(n, dmax + 1, dtype=jnp.int32) * active[:, None])

@@ -461,9 +461,10 @@ def uniform_feature_noise(rng: jax.Array, valid: jax.Array, dim: int, std: float
     return jnp.where(valid[..., None], u * (std * 512.0 / length)[:, None, None], 0.0)
 
 
-def base_features(base: Llama, tokens: jax.Array, valid: jax.Array) -> jax.Array:
-    """The frozen base's pre-final-norm last-layer hidden states f `[B, T, D]` of right-padded `tokens`."""
+def base_features(base: Llama, tokens: jax.Array, valid: jax.Array, taps: tuple[int, ...] = ()) -> jax.Array:
+    """The frozen base's pre-final-norm last-layer hidden states f `[B, T, D]` of right-padded `tokens`; with
+    `taps` `[B, T, (n + 1) D]`: those layers' outputs, then the last layer's (`Llama.forward_hidden`)."""
     b, t = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    f, _, _ = base.forward_hidden(tokens, positions, causal_mask(valid.astype(bool)))
+    f, _, _ = base.forward_hidden(tokens, positions, causal_mask(valid.astype(bool)), taps=taps)
     return f

@@ -61,7 +61,7 @@ class HeadType:
       recognizes(meta, folder) -> bool     (optional) whether a folder published by the reference project,
                                            whose config.json has no `head_type`, holds a head of this type
     `weights_file` is the file an export writes (the reference project's name). `fields` are the config fields that fix the architecture: saved in checkpoints, compared on resume and
-    warm start. `sharding_rules` extend `clover_jax.parallel`'s rules for this head's parameter names.
+    warm start; `optional_fields` maps those of them added after heads were saved to the value such heads have. `sharding_rules` extend `clover_jax.parallel`'s rules for this head's parameter names.
     """
 
     name: str
@@ -83,6 +83,9 @@ class HeadType:
     # loss_from_features takes `rng` and applies `LossConfig.feature_noise` to the head's input features
     feature_noise: bool = False
     recognizes: Callable[[dict, Any], bool] | None = None
+    optional_fields: dict = dataclasses.field(default_factory=dict)
+    # head config -> base layers (below the last) whose outputs the head reads besides the last layer's
+    feature_layers: Callable[[Any], tuple[int, ...]] | None = None
 
     def make_drafter(self, spec, draft_vocab=None):
         """The drafter of this head type for a tree policy (an error naming the policies it drafts otherwise)."""
@@ -92,15 +95,21 @@ class HeadType:
             raise InputError(f"{spec.name!r} is a {policy_kind(type(spec))}; {self.name} heads draft a {can}")
         return cls(spec, draft_vocab=draft_vocab)
 
+    def base_feature_layers(self, config) -> tuple[int, ...]:
+        """The base layers whose outputs a head of `config` reads besides the last layer's (its features, in
+        training as in drafting, are `[..., (n + 1) D]`: those layers' outputs, then the last layer's)."""
+        return tuple(self.feature_layers(config)) if self.feature_layers is not None else ()
+
     def config_to_meta(self, config) -> dict[str, Any]:
         """The JSON-able architecture fields of `config` plus its dtypes (checkpoint metadata)."""
-        out = {k: getattr(config, k) for k in self.fields}
+        out = {k: list(v) if isinstance(v, tuple) else v for k in self.fields for v in [getattr(config, k)]}
         out["dtype"] = jnp.dtype(config.dtype).name
         out["param_dtype"] = jnp.dtype(config.param_dtype).name
         return out
 
     def config_from_meta(self, meta: dict[str, Any], dtype=None, remat: bool = False):
         """The config written by `config_to_meta` (`dtype` overrides the saved compute dtype)."""
+        meta = {**self.optional_fields, **meta}
         missing = [k for k in self.fields if k not in meta]
         if missing:
             raise InputError(f"{self.name} head metadata lacks {missing}")

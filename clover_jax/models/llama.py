@@ -131,7 +131,7 @@ class DecoderStack(nnx.Module):
                  cache_k: jax.Array | None = None, cache_v: jax.Array | None = None,
                  cache_mask: jax.Array | None = None, path_k: jax.Array | None = None,
                  path_v: jax.Array | None = None, cache_extent: jax.Array | None = None,
-                 layer_weights: tuple[dict[str, jax.Array], ...] | None = None):
+                 layer_weights: tuple[dict[str, jax.Array], ...] | None = None, taps: tuple[int, ...] = ()):
         """Runs the stack.
 
         Args:
@@ -146,9 +146,11 @@ class DecoderStack(nnx.Module):
             in blocks of `CACHE_BLOCK` slots up to it (`_blocked_cache_attention`) instead of all S slots.
           layer_weights: optional `per_layer_weights()`, taken outside the caller's loop. With it, or with a
             per-layer cache (tuples of `[B, K, S, H]`), the layers run unrolled in Python instead of a `lax.scan`.
+          taps: layer indices (0-based, each below L) whose outputs are returned besides the last layer's.
 
         Returns:
-          `(y [B, T, D], new_k [L, B, T, K, H], new_v [L, B, T, K, H])`.
+          `(y [B, T, D], new_k [L, B, T, K, H], new_v [L, B, T, K, H])`, with `taps` `y` is `[B, T, (n + 1) D]`:
+          the n tapped layers' outputs in the order of `taps`, then the last layer's.
         """
         c = self.config
         per_layer = layer_weights is not None or isinstance(cache_k, tuple)
@@ -183,19 +185,47 @@ class DecoderStack(nnx.Module):
             h = h + (down + lp["b_down"] if c.mlp_bias else down)
             return h, (k, v)
 
+        taps = check_taps(taps, self.num_layers)
         if per_layer:  # layers unrolled, each reading its own weight and cache buffers (no slice copied per call)
-            h, ks, vs = x.astype(dtype), [], []
+            h, ks, vs, outs = x.astype(dtype), [], [], {}
             for i, lp in enumerate(layer_weights if layer_weights is not None else self.per_layer_weights()):
                 pick = lambda a: None if a is None else a[i]  # noqa: E731
                 h, (k, v) = layer(h, (lp, pick(cache_k), pick(cache_v), pick(path_k), pick(path_v)))
                 ks.append(k)
                 vs.append(v)
-            return h, jnp.stack(ks), jnp.stack(vs)
+                if i in taps:
+                    outs[i] = h
+            return jnp.concatenate([*(outs[i] for i in taps), h], axis=-1), jnp.stack(ks), jnp.stack(vs)
         if self.remat:
             layer = jax.checkpoint(layer)
         xs = (self.layer_params(), cache_k if use_cache else None, cache_v if use_cache else None, path_k, path_v)
-        y, (new_k, new_v) = jax.lax.scan(layer, x.astype(dtype), xs, unroll=self.scan_unroll)
-        return y, new_k, new_v
+        if not taps:
+            y, (new_k, new_v) = jax.lax.scan(layer, x.astype(dtype), xs, unroll=self.scan_unroll)
+            return y, new_k, new_v
+        # the tapped outputs ride in the carry: slot j holds tap j's output, slot n takes every other layer's
+        slot = np.full((self.num_layers,), len(taps), np.int32)
+        slot[list(taps)] = np.arange(len(taps), dtype=np.int32)
+
+        def tapped_layer(carry, xs_i):
+            h, outs = carry
+            h, kv = layer(h, xs_i[:-1])
+            return (h, jax.lax.dynamic_update_index_in_dim(outs, h, xs_i[-1], 0)), kv
+
+        h0 = x.astype(dtype)
+        outs0 = jnp.zeros((len(taps) + 1, *h0.shape), dtype)  # [n + 1, B, T, D]
+        (y, outs), (new_k, new_v) = jax.lax.scan(tapped_layer, (h0, outs0), (*xs, jnp.asarray(slot)),
+                                                 unroll=self.scan_unroll)
+        return jnp.concatenate([*outs[:-1], y], axis=-1), new_k, new_v
+
+
+def check_taps(taps, num_layers: int) -> tuple[int, ...]:
+    """`taps` as a tuple of distinct layer indices below the last layer (whose output is always returned), or a
+    `ValueError` naming what is wrong."""
+    taps = tuple(int(i) for i in taps)
+    if len(set(taps)) != len(taps) or any(not 0 <= i < num_layers - 1 for i in taps):
+        raise ValueError(f"feature layers {taps}: distinct indices of layers 0..{num_layers - 2} (layer "
+                         f"{num_layers - 1}, the last, is always read)")
+    return taps
 
 
 def _dot(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
@@ -321,9 +351,11 @@ class Llama(nnx.Module):
         return jnp.take(self.embed[...], tokens, axis=0).astype(self.dtype)
 
     def forward_hidden(self, tokens, positions, self_mask, cache=None, cache_mask=None, cache_extent=None,
-                       layer_weights=None):
+                       layer_weights=None, taps: tuple[int, ...] = ()):
         """Pre-final-norm hidden states `[B, T, D]` and new K/V `[L, B, T, K, H]`. `cache_extent` (`[]` int):
-        no query sees a cache slot at or past it, so attention reads only the cache blocks below it."""
+        no query sees a cache slot at or past it, so attention reads only the cache blocks below it. With `taps`
+        (layer indices) the hidden states are `[B, T, (n + 1) D]`: those layers' outputs, then the last layer's
+        (`hidden[..., -D:]`, what `logits` reads)."""
         x = self.embed_tokens(tokens)
         ck = cv = None
         if cache is not None:
@@ -331,7 +363,7 @@ class Llama(nnx.Module):
             if cache_mask is None:
                 raise ValueError("cache_mask [B, T, S] is required when a cache is given")
         return self.layers(x, positions, self_mask, ck, cv, cache_mask, cache_extent=cache_extent,
-                           layer_weights=layer_weights)
+                           layer_weights=layer_weights, taps=taps)
 
     def logits(self, hidden_prenorm: jax.Array) -> jax.Array:
         """float32 logits `[..., V]` from pre-norm hidden states `[..., D]`."""

@@ -59,10 +59,12 @@ def check_head_metadata(saved: dict[str, Any], current: dict[str, Any], where: s
     if saved.get("head_type") != current["head_type"]:
         raise CheckpointError(f"{where}: incompatible checkpoint: head type {saved.get('head_type')!r}, "
                               f"this run trains {current['head_type']!r}")
-    fields = registry.get(current["head_type"]).fields
+    head_type = registry.get(current["head_type"])
     for section, what in (("head_config", "head config"), ("base_dims", "base model")):
-        keys = fields if section == "head_config" else LlamaConfig.HEAD_FIT_FIELDS
+        keys = head_type.fields if section == "head_config" else LlamaConfig.HEAD_FIT_FIELDS
         s, c = saved.get(section, {}), current[section]
+        if section == "head_config":  # fields added after the checkpoint was saved: the value it had
+            s = {**head_type.optional_fields, **s}
         for k in keys:
             if s.get(k) != c[k]:
                 raise CheckpointError(f"{where}: incompatible checkpoint: {what} {k} is {s.get(k)!r} in the "

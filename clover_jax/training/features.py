@@ -48,27 +48,27 @@ def feature_rows(length: int, batch_size: int = 8) -> int:
     return max(1, min(int(batch_size), FEATURE_TOKENS // max(int(length), 1)))
 
 
-def feature_program(base, dtype=jnp.bfloat16):
-    """(the jitted pass `forward(state, tokens [R, T], valid [R, T]) -> [R, T, D]` features in `dtype`, the base's
-    state to pass it)."""
+def feature_program(base, dtype=jnp.bfloat16, taps: tuple[int, ...] = ()):
+    """(the jitted pass `forward(state, tokens [R, T], valid [R, T]) -> [R, T, (n + 1) D]` features in `dtype` (n
+    `taps`: those layers' outputs, then the last layer's), the base's state to pass it)."""
     graphdef, state = nnx.split(base)
 
     @jax.jit
     def forward(state, tokens, valid):
-        return base_features(nnx.merge(graphdef, state), tokens, valid).astype(dtype)
+        return base_features(nnx.merge(graphdef, state), tokens, valid, taps).astype(dtype)
 
     return forward, state
 
 
 def compute_features(base, dataset, boundaries, batch_size: int = 8, dtype=jnp.bfloat16,
-                     progress: bool = True, indices=None) -> list[np.ndarray]:
-    """`[len_i, D]` base features of every example of `dataset` (a `TokenizedDataset`), in its order, or of the
-    examples at `indices` only, in that order.
+                     progress: bool = True, indices=None, taps: tuple[int, ...] = ()) -> list[np.ndarray]:
+    """`[len_i, (n + 1) D]` base features (n `taps`) of every example of `dataset` (a `TokenizedDataset`), in its
+    order, or of the examples at `indices` only, in that order.
 
     Examples go through the base in batches of `batch_size`, shortest first, each batch right-padded to
     the smallest of `boundaries` that holds it (one compile per boundary used); a batch of long rows goes in
     passes of `feature_rows(boundary, batch_size)` rows."""
-    forward, state = feature_program(base, dtype)
+    forward, state = feature_program(base, dtype, taps)
     bounds = np.asarray(sorted(boundaries))
     indices = np.arange(len(dataset)) if indices is None else np.asarray(indices, np.int64)  # [M]
     lengths = np.asarray(dataset.lengths)[indices]  # [M]
@@ -166,14 +166,17 @@ class FeatureStore:
 
 
 def attach_features(batcher, base, batch_size: int = 8, dtype=jnp.bfloat16, progress: bool = True,
-                    cache_dir: str | os.PathLike | None = None):
+                    cache_dir: str | os.PathLike | None = None, taps: tuple[int, ...] = ()):
     """Computes the base features of `batcher.dataset` (those `cache_dir` does not hold, see the module docstring)
-    and makes the batcher's batches carry them."""
+    and makes the batcher's batches carry them. `taps`: base layers whose outputs the features hold before the
+    last layer's (a folder of their own in `cache_dir`)."""
     dataset = batcher.dataset
     if cache_dir is None:
-        batcher.features = compute_features(base, dataset, batcher.boundaries, batch_size, dtype, progress)
+        batcher.features = compute_features(base, dataset, batcher.boundaries, batch_size, dtype, progress,
+                                            taps=taps)
         return batcher
-    store = FeatureStore(Path(cache_dir) / f"features-{model_key(base, dtype)}", base.config.hidden_size, dtype)
+    folder = f"features-{model_key(base, dtype)}" + "".join(f"-layer{i}" for i in taps)
+    store = FeatureStore(Path(cache_dir) / folder, (len(taps) + 1) * base.config.hidden_size, dtype)
     keys = [example_key(dataset[i].tokens) for i in range(len(dataset))]
     found = store.get(keys)
     missing, seen = [], set()
@@ -182,7 +185,8 @@ def attach_features(batcher, base, batch_size: int = 8, dtype=jnp.bfloat16, prog
             missing.append(i)
             seen.add(key)
     if missing:
-        computed = compute_features(base, dataset, batcher.boundaries, batch_size, dtype, progress, indices=missing)
+        computed = compute_features(base, dataset, batcher.boundaries, batch_size, dtype, progress, indices=missing,
+                                    taps=taps)
         data = store.put([keys[i] for i in missing], computed)
         found.update({keys[i]: f for i, f in zip(missing, computed)})
         log.info("base features of %d examples computed and written to %s (%.0f MB)", len(missing), data,

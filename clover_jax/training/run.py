@@ -16,6 +16,7 @@ from typing import Any, Callable
 import jax
 
 from clover_jax import parallel
+from clover_jax.heads import registry
 from clover_jax.heads.draft_vocab import coverage, frequent_tokens, head_draft_vocab, load_draft_vocab, save_draft_vocab
 from clover_jax.io.loader import base_config_of, load_model_on_mesh
 from clover_jax.training import data as data_lib
@@ -54,16 +55,19 @@ def build_data(cfg: ExperimentConfig, loaded, mesh=None, make_generate_fn=None) 
     kw = dict(process_index=jax.process_index(), process_count=jax.process_count())
     batcher = data_lib.BucketedBatcher(train, cfg.data.batch_size, cfg.data.bucket_boundaries, seed=cfg.data.seed,
                                        shuffle=cfg.data.shuffle, **kw)
+    # the base layers the head reads besides the last: the cached features hold their outputs too
+    taps = registry.get(cfg.head.type).base_feature_layers(steps_lib.head_config(cfg))
     if cfg.train.cache_features:
         attach_features(batcher, loaded.model, progress=jax.process_index() == 0,
-                        cache_dir=cfg.train.feature_cache_dir)
+                        cache_dir=cfg.train.feature_cache_dir, taps=taps)
     eval_batches: list[dict[str, Any]] = []
     if cfg.train.eval_every and len(held):
         held_batcher = data_lib.BucketedBatcher(held, cfg.data.batch_size, cfg.data.bucket_boundaries,
                                                 seed=cfg.data.seed, shuffle=True, **kw)  # seeded: every evaluation
         # sees the same batches, drawn from all length buckets (unshuffled, the first ones are the shortest)
         if cfg.train.cache_features:
-            attach_features(held_batcher, loaded.model, progress=False, cache_dir=cfg.train.feature_cache_dir)
+            attach_features(held_batcher, loaded.model, progress=False, cache_dir=cfg.train.feature_cache_dir,
+                            taps=taps)
         limit = cfg.train.eval_batches or None
         eval_batches = list(itertools.islice(held_batcher.epoch_batches(0), limit))
     log.info("data: %d train / %d held-out examples, %d batches per epoch", len(train), len(held),

@@ -130,18 +130,24 @@ def _split_micro(batch: dict[str, jax.Array], accum: int, mesh=None) -> dict[str
 
 
 # ------------------------------------------------------------------------------------------------- steps
-def make_loss_fn(head_graphdef, base_graphdef, loss_cfg: LossConfig, vocab_ids=None) -> Callable:
+def make_loss_fn(head_graphdef, base_graphdef, loss_cfg: LossConfig, vocab_ids=None,
+                 taps: tuple[int, ...] = ()) -> Callable:
     """(params, base_state, batch, rng=None) -> (loss, kd_loss metrics): the head type's loss
     (`HeadType.loss_from_features`), with the base run online or, when the batch carries `features` (the base's
     cached pre-norm hidden states), from those. `vocab_ids` (a draft vocabulary, or None for the full one)
-    restricts the cross-entropy; `rng` draws `loss_cfg.feature_noise` (training steps only)."""
+    restricts the cross-entropy; `rng` draws `loss_cfg.feature_noise` (training steps only). `taps`: the base
+    layers the head reads besides the last (`HeadType.base_feature_layers`): features `[B, T, (n + 1) D]`."""
     def forward(params, base_state, batch, rng=None):
         head = nnx.merge(head_graphdef, params)
         base = nnx.merge(base_graphdef, base_state)
         if "features" in batch:
             f = batch["features"].astype(base.dtype)  # stored in bfloat16; the online path's dtype
+            width = (len(taps) + 1) * base.config.hidden_size
+            if f.shape[-1] != width:  # trace time
+                raise ValueError(f"the batch's cached base features are {f.shape[-1]} wide; the head reads "
+                                 f"{width} (base layers {taps} and the last)")
         else:
-            f = base_features(base, batch["tokens"], batch["valid"])
+            f = base_features(base, batch["tokens"], batch["valid"], taps)
         noise = {"rng": rng} if rng is not None and loss_cfg.feature_noise else {}  # training only
         return registry.of_head(head).loss_from_features(
             head, base, f, batch["tokens"], batch["loss_mask"], batch["valid"], loss_cfg,
@@ -150,12 +156,12 @@ def make_loss_fn(head_graphdef, base_graphdef, loss_cfg: LossConfig, vocab_ids=N
 
 
 def make_grad_fn(head_graphdef, base_graphdef, loss_cfg: LossConfig, num_heads: int,
-                 grad_accum: int = 1, mesh=None, vocab_ids=None) -> Callable:
+                 grad_accum: int = 1, mesh=None, vocab_ids=None, taps: tuple[int, ...] = ()) -> Callable:
     """(params, base_state, batch, rng=None) -> (grads, sums): gradients of the big-batch loss w.r.t. the head
     params, accumulated over `grad_accum` micro-batches (see the module docstring), and per-head sums."""
     accum = int(grad_accum)
     exact = not loss_cfg.label_mask
-    forward = make_loss_fn(head_graphdef, base_graphdef, loss_cfg, vocab_ids)
+    forward = make_loss_fn(head_graphdef, base_graphdef, loss_cfg, vocab_ids, taps)
 
     def micro_objective(params, base_state, mb, totals, rng):
         loss, m = forward(params, base_state, mb, rng)
@@ -195,7 +201,7 @@ def build_steps(head_graphdef, base_graphdef, tx: optax.GradientTransformation, 
                 num_heads: int, *, grad_accum: int = 1, schedule: optax.Schedule | None = None,
                 mesh=None, param_shardings=None, opt_shardings=None, base_shardings=None,
                 donate: bool = True, return_grads: bool = False, vocab_ids=None,
-                noise_seed: int = 0) -> tuple[Callable, Callable]:
+                noise_seed: int = 0, taps: tuple[int, ...] = ()) -> tuple[Callable, Callable]:
     """(train_step, eval_step), jitted with explicit shardings when `mesh` is given.
 
     train_step(params, opt_state, base_state, batch, step) -> (params', opt_state', metrics)
@@ -203,8 +209,8 @@ def build_steps(head_graphdef, base_graphdef, tx: optax.GradientTransformation, 
     eval_step(params, base_state, batch) -> per-head sums (v_sum, p_sum, correct, chain_correct, count) + tokens
     metrics: loss, vloss/ploss/acc/chain_acc/count `[num_heads]`, lr, grad_norm, tokens.
     """
-    forward = make_loss_fn(head_graphdef, base_graphdef, loss_cfg, vocab_ids)
-    grad_fn = make_grad_fn(head_graphdef, base_graphdef, loss_cfg, num_heads, grad_accum, mesh, vocab_ids)
+    forward = make_loss_fn(head_graphdef, base_graphdef, loss_cfg, vocab_ids, taps)
+    grad_fn = make_grad_fn(head_graphdef, base_graphdef, loss_cfg, num_heads, grad_accum, mesh, vocab_ids, taps)
 
     def train_step(params, opt_state, base_state, batch, step):
         # the feature noise of step `step`: the same on a resumed run as on an uninterrupted one

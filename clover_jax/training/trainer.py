@@ -243,7 +243,7 @@ class Trainer:
             grad_accum=cfg.optim.grad_accum, schedule=self.schedule, mesh=self.mesh,
             param_shardings=self.param_shardings, opt_shardings=self.opt_shardings,
             base_shardings=self.base_shardings, donate=donate, vocab_ids=self.vocab_ids, noise_seed=cfg.train.seed,
-            **kw)
+            taps=registry.get(cfg.head.type).base_feature_layers(self.head_cfg), **kw)
         self._train_step, self._eval_step = self._build()
         self._train_step_grads = None
 

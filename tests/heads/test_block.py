@@ -335,3 +335,93 @@ def test_block_training_run_checkpoint_export_and_import(tmp_path):
     sp = clover_jax.generate(base, prompts_list, max_new_tokens=20, cache_size=128, mode="speculative",
                              head=str(folder), tree="chain-3")
     assert sp.token_ids == ar.token_ids and len(sp.stats["accept_hist"]) == 4
+
+
+# ------------------------------------------------------------------------------------------------ feature layers
+def test_the_context_reads_the_bases_chosen_layers_and_drafts_exactly():
+    """With `feature_layers` the loop hands the drafter `[..., 2D]` features (layer 0's output, then the last
+    layer's), training and drafting read the same ones, the draft depends on them, and decoding stays exact."""
+    base = init_llama(CFG, seed=0)
+    head = init_from_base(base, BlockConfig(block_size=4, window=5, feature_layers=[0]), seed=1)
+    d = CFG.hidden_size
+    assert head.cfg.feature_layers == (0,) and head.ctx_w.shape == (3 * d, d) and head.tap_norm.shape == (1, d)
+    assert drafter_for(BlockHead, "chain-2+lookup-3").feature_layers(head) == (0,)  # through the lookup chain
+    tokens, valid, _ = _batch()
+    f = base_features(base, tokens, valid, taps=(0,))  # [B, T, 2D]
+    out = head.train_outputs(base, f, tokens, valid)
+    y = np.concatenate([np.asarray(tokens)[:, 1:], np.zeros((2, 1), np.int32)], axis=1)
+    for r, s in [(0, 3), (1, 7)]:
+        lo = max(0, s - 4)
+        n = s - lo + 1
+        f_win = jnp.zeros((1, 5, 2 * d)).at[0, 5 - n:].set(f[r, lo:s + 1])
+        y_win = jnp.zeros((1, 5), jnp.int32).at[0, 5 - n:].set(y[r, lo:s + 1])
+        got = head.draft(base, f_win, y_win, jnp.asarray([n]), jnp.asarray(y[r, s:s + 1]))
+        np.testing.assert_allclose(np.asarray(got[0]), np.asarray(out[:, r, s]), rtol=1e-5, atol=1e-5)
+        other = head.draft(base, f_win.at[..., :d].multiply(-1.0), y_win, jnp.asarray([n]), jnp.asarray(y[r, s:s + 1]))
+        assert not np.allclose(np.asarray(other), np.asarray(got), atol=1e-4)  # layer 0's output is read
+    prompt, lens = prompts()
+    for tree in ("chain-4", "chain-2+lookup-3"):
+        for eos in (NO_EOS, (2,)):
+            out_tokens, _ = spec(base, head, tree, prompt, lens, eos=eos)
+            same_as_greedy(base, out_tokens, prompt, lens, 24, eos)
+
+
+def test_feature_layers_outside_the_base_or_malformed_are_named_errors():
+    base = init_llama(CFG, seed=0)  # two layers: only layer 0 can be read besides the last
+    with pytest.raises(InputError, match=r"block head does not fit the base model: feature layers \(1,\)"):
+        init_from_base(base, BlockConfig(feature_layers=(1,)))
+    for bad in ("0", [0, 0], [-1], [True]):
+        with pytest.raises(InputError, match="feature_layers must be distinct layer indices"):
+            BlockConfig(feature_layers=bad)
+
+
+def test_feature_layers_train_from_cached_features_checkpoint_and_export(tmp_path):
+    """A run whose head reads layer 0: its cached features hold two layers (a folder of their own), the loss of a
+    cached batch equals the online one, the checkpoint records the layers (a checkpoint saved before they existed
+    still loads), and the exported folder round-trips."""
+    from training_helpers import make_cfg, tiny_base
+    from test_trainer import _tiny_dataset
+
+    from clover_jax.heads.export import export_head, import_head
+    from clover_jax.training.checkpoint import check_head_metadata, head_metadata
+    from clover_jax.training.data import BucketedBatcher
+    from clover_jax.training.features import attach_features
+    from clover_jax.training.trainer import Trainer
+
+    base, ds = tiny_base(), _tiny_dataset()
+    d = CFG.hidden_size
+    plain = attach_features(BucketedBatcher(ds, 8, [8, 16], seed=0), base, progress=False, cache_dir=tmp_path,
+                            dtype=jnp.float32)
+    batcher = attach_features(BucketedBatcher(ds, 8, [8, 16], seed=0), base, progress=False, cache_dir=tmp_path,
+                              dtype=jnp.float32, taps=(0,))
+    assert len(list(tmp_path.glob("features-*-layer0"))) == 1 and len(list(tmp_path.glob("features-*"))) == 2
+    assert batcher.features[0].shape == (len(ds[0]), 2 * d)
+    np.testing.assert_allclose(batcher.features[0][:, d:], plain.features[0], atol=1e-6)  # the last layer's last
+    batch = next(batcher)
+
+    mesh = parallel.make_mesh(1, 1, 1, devices=jax.devices("cpu")[:1])
+    opts = ("head.type=block", "head.num_heads=3", "head.window=4", "head.feature_layers=[0]")
+    losses = []
+    for b in ({k: v for k, v in batch.items() if k != "features"}, batch):
+        trainer = Trainer(make_cfg(*opts), base, mesh=mesh, donate=False)
+        losses.append(float(trainer.train_step(b)["loss"]))
+    np.testing.assert_allclose(losses[1], losses[0], rtol=1e-5)
+    with pytest.raises(ValueError, match="cached base features are 32 wide; the head reads 64"):
+        Trainer(make_cfg(*opts), base, mesh=mesh, donate=False).train_step({**batch, "features": batch["features"][
+            ..., d:]})
+
+    meta = head_metadata(trainer.head_cfg, base.config, "tiny")
+    assert meta["head_config"]["feature_layers"] == [0]
+    old = head_metadata(BlockConfig(block_size=3, window=4), base.config, "tiny")
+    del old["head_config"]["feature_layers"]  # saved before the field existed: it read the last layer only
+    check_head_metadata(old, head_metadata(BlockConfig(block_size=3, window=4), base.config, "tiny"), "old")
+    assert registry.get("block").config_from_meta(old["head_config"]).feature_layers == ()
+
+    head = init_from_base(base, BlockConfig(block_size=3, window=4, feature_layers=(0,)), seed=3)
+    head.tap_norm[...] = head.tap_norm[...] * 1.5
+    folder = export_head(head, tmp_path / "head", base=base, base_name="tiny")
+    assert json.loads((folder / "config.json").read_text())["feature_layers"] == [0]
+    back = import_head(folder, base)
+    assert back.cfg.feature_layers == (0,)
+    for a, b in zip(jax.tree.leaves(nnx.state(back)), jax.tree.leaves(nnx.state(head))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

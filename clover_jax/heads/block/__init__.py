@@ -37,25 +37,33 @@ class BlockOptions(HeadOptions):
     num_layers: int = 2  # decoder layers of the block
     window: int = 16  # accepted positions whose base features the block attends to
     init_layers: str = "random"  # the block's layers at init: "random" or "base" (copies of the base's last layers)
+    feature_layers: tuple[int, ...] = ()  # base layers whose outputs the context reads besides the last layer's
 
     def _validate(self):
         super()._validate()
         self._need(self.num_layers >= 1, "num_layers", "must be >= 1")
         self._need(self.window >= 1, "window", "must be >= 1")
         self._need(self.init_layers in INIT_LAYERS, "init_layers", f"must be one of {INIT_LAYERS}")
+        layers = self.feature_layers
+        self._need(isinstance(layers, (list, tuple)) and all(
+            isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in layers) and len(set(layers)) == len(
+            layers), "feature_layers", "must be a list of distinct layer indices >= 0")
 
     def config_kwargs(self):
         return {"block_size": self.num_heads, "num_layers": self.num_layers, "window": self.window,
-                "init_layers": self.init_layers}
+                "init_layers": self.init_layers, "feature_layers": tuple(self.feature_layers)}
 
 
 BLOCK = registry.register(registry.HeadType(
     name="block", config_cls=BlockConfig, module_cls=BlockHead, options_cls=BlockOptions,
-    fields=("block_size", "num_layers", "window"), init_from_base=init_from_base, drafters={TreeSpec: BlockDrafter},
+    fields=("block_size", "num_layers", "window", "feature_layers"), optional_fields={"feature_layers": []},
+    feature_layers=lambda config: config.feature_layers,
+    init_from_base=init_from_base, drafters={TreeSpec: BlockDrafter},
     loss_from_features=loss_from_features, to_reference=to_reference, from_reference=from_reference,
     config_dict=config_dict, check_compatible=check_compatible,
-    # [2D, D], [D, D], [C, D]; the block's decoder layers: the base's rules
-    sharding_rules={"ctx_w": ("fsdp", "tp"), "root_w": ("fsdp", "tp"), "mask_emb": (None, None)},
+    # [(n + 2) D, D], [D, D], [C, D], [n, D]; the block's decoder layers: the base's rules
+    sharding_rules={"ctx_w": ("fsdp", "tp"), "root_w": ("fsdp", "tp"), "mask_emb": (None, None),
+                    "tap_norm": (None, None)},
     description="a block drafter: one forward over the base's recent features drafts the next block_size tokens "
                 "(after DFlash, arXiv 2602.06036, and PARD, arXiv 2504.18583)",
     default_tree="chain-4", weights_file=WEIGHTS_FILE))

@@ -32,7 +32,7 @@ parallel.add_rules({"block_f": (parallel.BATCH_AXES, None, None), "block_y": (pa
 
 @struct.dataclass
 class BlockState:
-    block_f: jax.Array  # [B, S, D] pre-norm base features of the newest accepted positions, oldest first
+    block_f: jax.Array  # [B, S, (n + 1) D] pre-norm base features of the newest accepted positions, oldest first
     block_y: jax.Array  # [B, S] int32 the token after each (the last valid one: the root)
     block_count: jax.Array  # [B] int32 valid slots, the last ones (<= S)
     rows: jax.Array | None  # [Q, D] the lm_head rows of the draft vocabulary (None: the whole vocabulary)
@@ -82,12 +82,15 @@ class BlockDrafter(TreeDrafterBase):
     def init_state(self, head: BlockHead, base, batch: int, cache_size: int, arrays: dict | None = None
                    ) -> BlockState:
         arrays = self.arrays() if arrays is None else arrays
-        s, d = head.cfg.window, base.config.hidden_size
+        s, d = head.cfg.window, (len(head.cfg.feature_layers) + 1) * base.config.hidden_size
         ids = arrays["vocab_ids"]
         return BlockState(block_f=jnp.zeros((batch, s, d), head.cfg.dtype),
                           block_y=jnp.zeros((batch, s), jnp.int32), block_count=jnp.zeros((batch,), jnp.int32),
                           rows=None if ids is None else base.lm_head_rows(ids).astype(head.cfg.dtype),
                           vocab_ids=ids, buffers=arrays["buffers"], node_index=arrays["node_index"])
+
+    def feature_layers(self, head: BlockHead) -> tuple[int, ...]:
+        return head.cfg.feature_layers
 
     def start(self, head, base, state: BlockState, f_prompt, y_prompt, lengths) -> BlockState:
         """The window from the prompt's last `window` positions (an empty window shifted by the whole prompt)."""

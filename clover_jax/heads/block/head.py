@@ -5,10 +5,12 @@ hidden features; PARD, arXiv 2504.18583: several masked positions predicted in o
 draft loop with one pass over a block of positions. This head is our own version of that idea, built from the
 pieces this library already has (the base's frozen embedding, final norm and lm_head; Llama decoder layers).
 
-Notation: f_j the base's pre-norm last-layer feature at position j (it predicts x_{j+1}); E the base's input
-embedding; W_lm its output projection; C = `block_size`; S = `window`.
+Notation: f_j the base's pre-norm last-layer feature at position j (it predicts x_{j+1}); g^1_j .. g^n_j the
+outputs of the base layers `feature_layers` at j (none by default; DFlash reads several of the target's layers);
+E the base's input embedding; W_lm its output projection; C = `block_size`; S = `window`.
 
-  context   c_j = [RMSNorm_base(f_j) ; E x_{j+1}] W_ctx         (W_ctx [2D, D]) for the S newest pairs j
+  context   c_j = [RMSNorm_1(g^1_j) ; .. ; RMSNorm_n(g^n_j) ; RMSNorm_base(f_j) ; E x_{j+1}] W_ctx
+            (W_ctx [(n + 2) D, D]; RMSNorm_i learned, init 1) for the S newest pairs j
   block     z_0 = m_0 + E(root) W_root,  z_k = m_k (k >= 1)      (m [C, D] learned; root = x_{s+1})
   layers    `num_layers` pre-norm Llama decoder layers over z: block position k attends to every block position
             (bidirectional) and to the valid window entries, whose keys/values each layer projects from c
@@ -55,7 +57,7 @@ from clover_jax.heads.losses import (
     output_projection,
 )
 from clover_jax.models.config import LlamaConfig, RopeScaling, rope_inv_freq
-from clover_jax.models.llama import DecoderStack, Llama, apply_rope, rms_norm
+from clover_jax.models.llama import DecoderStack, Llama, apply_rope, check_taps, rms_norm
 from clover_jax.validation import InputError
 
 INIT_LAYERS = ("random", "base")
@@ -68,6 +70,8 @@ class BlockConfig:
     num_layers: int = 2  # decoder layers of the block
     window: int = 16  # S: accepted positions whose base features the block attends to
     init_layers: str = "random"  # the block's decoder layers at init: "random", or "base" (the base's last layers)
+    # base layers (0-based, below the last) whose outputs the context reads besides the last layer's
+    feature_layers: tuple[int, ...] = ()
     dtype: Any = jnp.float32  # compute dtype (norms, attention softmax and logits stay float32)
     param_dtype: Any = jnp.float32
     remat: bool = False  # rematerialise the block's layers in the backward pass
@@ -79,6 +83,12 @@ class BlockConfig:
                 raise InputError(f"block head: {name} must be an integer >= 1, got {value!r}")
         if self.init_layers not in INIT_LAYERS:
             raise InputError(f"block head: init_layers must be one of {INIT_LAYERS}, got {self.init_layers!r}")
+        layers = self.feature_layers
+        if isinstance(layers, (str, bytes)) or not isinstance(layers, (list, tuple)) or any(
+                isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in layers) or len(set(layers)) != len(
+                layers):
+            raise InputError(f"block head: feature_layers must be distinct layer indices >= 0, got {layers!r}")
+        object.__setattr__(self, "feature_layers", tuple(int(i) for i in layers))
 
 
 def layer_config(base_config: LlamaConfig) -> LlamaConfig:
@@ -99,7 +109,11 @@ class BlockHead(nnx.Module):
             bound = 1.0 / math.sqrt(fan_in)
             return nnx.Param(jax.random.uniform(rngs.params(), shape, jnp.float32, -bound, bound).astype(pd))
 
-        self.ctx_w = uniform((2 * d, d), 2 * d)  # [I = 2D, D]: [normed feature ; next-token embedding] -> context
+        n = len(cfg.feature_layers)
+        # [I = (n + 2) D, D]: [normed tapped features ; normed last-layer feature ; next-token embedding] -> context
+        self.ctx_w = uniform(((n + 2) * d, d), (n + 2) * d)
+        if n:
+            self.tap_norm = nnx.Param(jnp.ones((n, d), pd))  # [n, D] the tapped features' RMSNorm weights
         self.root_w = uniform((d, d), d)  # [D, D]: the root's embedding into the block
         self.mask_emb = nnx.Param((0.02 * jax.random.normal(rngs.params(), (cfg.block_size, d))).astype(pd))  # [C, D]
         self.layers = DecoderStack(layer_config(base_config), num_layers=cfg.num_layers, rngs=rngs, param_dtype=pd,
@@ -111,10 +125,14 @@ class BlockHead(nnx.Module):
         return jnp.einsum(spec, x.astype(dt), w.astype(dt), preferred_element_type=jnp.float32).astype(dt)
 
     def context(self, base: Llama, f: jax.Array, y: jax.Array) -> jax.Array:
-        """`c [..., D]` of pairs (pre-norm feature `f [..., D]`, the token after it `y [...]`)."""
-        h = rms_norm(f, jax.lax.stop_gradient(base.final_norm[...]), base.config.rms_norm_eps)
+        """`c [..., D]` of pairs (pre-norm features `f [..., (n + 1) D]`: the `feature_layers`' outputs, then the
+        last layer's; the token after them `y [...]`)."""
+        d, eps = base.config.hidden_size, base.config.rms_norm_eps
+        taps = [rms_norm(f[..., j * d:(j + 1) * d], self.tap_norm[...][j], eps)
+                for j in range(len(self.cfg.feature_layers))]
+        h = rms_norm(f[..., -d:], jax.lax.stop_gradient(base.final_norm[...]), eps)
         e = jnp.take(jax.lax.stop_gradient(base.embed[...]), y, axis=0, mode="clip")  # [..., D]
-        x = jnp.concatenate([h.astype(self.cfg.dtype), e.astype(self.cfg.dtype)], axis=-1)  # [..., 2D]
+        x = jnp.concatenate([t.astype(self.cfg.dtype) for t in (*taps, h, e)], axis=-1)  # [..., (n + 2) D]
         return self._dot("...I,ID->...D", x, self.ctx_w[...])
 
     def context_kv(self, c: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -158,7 +176,7 @@ class BlockHead(nnx.Module):
 
     # ------------------------------------------------------------------ drafting and training
     def draft(self, base: Llama, f_win: jax.Array, y_win: jax.Array, count: jax.Array, root: jax.Array) -> jax.Array:
-        """Normed outputs `[B, C, D]` of one block from a window `f_win [B, S, D]`, `y_win [B, S]` whose last
+        """Normed outputs `[B, C, D]` of one block from a window `f_win [B, S, (n + 1) D]`, `y_win [B, S]` whose last
         `count [B]` slots are valid, under `root [B]`."""
         check_compatible(self, base.config)
         s = f_win.shape[1]
@@ -216,8 +234,12 @@ def check_compatible(head: BlockHead, base_config: LlamaConfig) -> None:
         if getattr(hb, name) != getattr(base_config, name):
             raise InputError(f"block head does not fit the base model: {name} is {getattr(hb, name)} in the head "
                              f"but {getattr(base_config, name)} in the base model")
-    d = base_config.hidden_size
-    for what, got, want in (("ctx_w", head.ctx_w.shape, (2 * d, d)), ("root_w", head.root_w.shape, (d, d)),
+    try:
+        check_taps(head.cfg.feature_layers, base_config.num_hidden_layers)
+    except ValueError as e:
+        raise InputError(f"block head does not fit the base model: {e}") from None
+    d, n = base_config.hidden_size, len(head.cfg.feature_layers)
+    for what, got, want in (("ctx_w", head.ctx_w.shape, ((n + 2) * d, d)), ("root_w", head.root_w.shape, (d, d)),
                             ("mask_emb", head.mask_emb.shape, (head.cfg.block_size, d))):
         if tuple(got) != tuple(want):
             raise InputError(f"block head does not fit the base model: {what} has shape {tuple(got)}, the base "
@@ -244,13 +266,15 @@ def init_from_base(base: Llama, cfg: BlockConfig = BlockConfig(), seed: int = 0)
 # ------------------------------------------------------------------------------------------------ training
 def loss_from_features(head: BlockHead, base: Llama, f, tokens, loss_mask, valid, loss_cfg, *, index=None,
                        vocab_ids=None):
-    """Distillation from the base's pre-norm features `f [B, T, D]`: block position k at anchor s against the
+    """Distillation from the base's pre-norm features `f [B, T, (n + 1) D]` (the `feature_layers`' outputs, then the
+    last layer's): block position k at anchor s against the
     base's distribution softmax(W_lm h_{s+1+k}) (`kd_loss`'s head k at start s), through the shared frozen lm_head
     (or its draft-vocabulary columns), weights `loss_cfg.decay ** k`, no regression term (its metrics are 0).
     Without `index` a block runs at every position (`kd_loss`); with `index` (`loss.vocab_positions_per_row`: M
     sampled trained positions per row) only at those M anchors (`anchored_kd_loss`): T / M times fewer blocks."""
     f = jax.lax.stop_gradient(f)
-    h = rms_norm(f, jax.lax.stop_gradient(base.final_norm[...]), base.config.rms_norm_eps)  # [B, T, D]
+    h = rms_norm(f[..., -base.config.hidden_size:], jax.lax.stop_gradient(base.final_norm[...]),
+                 base.config.rms_norm_eps)  # [B, T, D] the base's own distribution's input
     proj = output_projection(base, vocab_ids)  # [D, V or Q]
     cfg = dataclasses.replace(loss_cfg, v_weight=0.0)
     labels = next_token_labels(tokens, valid, vocab_ids) if cfg.hard_labels else None
