@@ -146,7 +146,8 @@ class DecoderStack(nnx.Module):
             in blocks of `CACHE_BLOCK` slots up to it (`_blocked_cache_attention`) instead of all S slots.
           layer_weights: optional `per_layer_weights()`, taken outside the caller's loop. With it, or with a
             per-layer cache (tuples of `[B, K, S, H]`), the layers run unrolled in Python instead of a `lax.scan`.
-          taps: layer indices (0-based, each below L) whose outputs are returned besides the last layer's.
+          taps: distinct layer indices (0-based, each below L - 1) whose outputs are returned besides the last
+            layer's (`check_taps`).
 
         Returns:
           `(y [B, T, D], new_k [L, B, T, K, H], new_v [L, B, T, K, H])`, with `taps` `y` is `[B, T, (n + 1) D]`:

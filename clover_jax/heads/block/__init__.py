@@ -21,6 +21,7 @@ from clover_jax.heads.block.head import (
     BlockConfig,
     BlockHead,
     check_compatible,
+    distinct_indices,
     init_from_base,
     loss_from_features,
 )
@@ -44,10 +45,8 @@ class BlockOptions(HeadOptions):
         self._need(self.num_layers >= 1, "num_layers", "must be >= 1")
         self._need(self.window >= 1, "window", "must be >= 1")
         self._need(self.init_layers in INIT_LAYERS, "init_layers", f"must be one of {INIT_LAYERS}")
-        layers = self.feature_layers
-        self._need(isinstance(layers, (list, tuple)) and all(
-            isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in layers) and len(set(layers)) == len(
-            layers), "feature_layers", "must be a list of distinct layer indices >= 0")
+        self._need(distinct_indices(self.feature_layers), "feature_layers",
+                   "must be a list of distinct layer indices >= 0")
 
     def config_kwargs(self):
         return {"block_size": self.num_heads, "num_layers": self.num_layers, "window": self.window,

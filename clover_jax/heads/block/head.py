@@ -83,12 +83,16 @@ class BlockConfig:
                 raise InputError(f"block head: {name} must be an integer >= 1, got {value!r}")
         if self.init_layers not in INIT_LAYERS:
             raise InputError(f"block head: init_layers must be one of {INIT_LAYERS}, got {self.init_layers!r}")
-        layers = self.feature_layers
-        if isinstance(layers, (str, bytes)) or not isinstance(layers, (list, tuple)) or any(
-                isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in layers) or len(set(layers)) != len(
-                layers):
-            raise InputError(f"block head: feature_layers must be distinct layer indices >= 0, got {layers!r}")
-        object.__setattr__(self, "feature_layers", tuple(int(i) for i in layers))
+        if not distinct_indices(self.feature_layers):
+            raise InputError(f"block head: feature_layers must be distinct layer indices >= 0, got "
+                             f"{self.feature_layers!r}")
+        object.__setattr__(self, "feature_layers", tuple(int(i) for i in self.feature_layers))
+
+
+def distinct_indices(layers) -> bool:
+    """Whether `layers` is a list or tuple of distinct integers >= 0 (what `feature_layers` takes)."""
+    return isinstance(layers, (list, tuple)) and all(
+        isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in layers) and len(set(layers)) == len(layers)
 
 
 def layer_config(base_config: LlamaConfig) -> LlamaConfig:
