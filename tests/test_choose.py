@@ -23,58 +23,87 @@ EAGLE = "smollm2-135m-instruct-eagle"
 
 @pytest.fixture
 def fake_measure(monkeypatch, tmp_path):
-    """Replaces the timed measurement with `predicted` speed-ups per candidate label; counts the calls."""
+    """Replaces the timed measurement with `predicted` speed-ups per candidate label; records the calls (pairs,
+    batch size, the other arguments)."""
     monkeypatch.setenv("CLOVER_JAX_CACHE", str(tmp_path))
     monkeypatch.setattr(choose_mod, "_MEMO", {})
     calls = []
     predicted = {}
 
-    def measure(loaded, pairs, *, batch_size=1, **kw):
-        calls.append((list(pairs), batch_size))
+    def measure(loaded, pairs, *, batch_size=1, compare=choose_mod.ALL, **kw):
+        calls.append((list(pairs), batch_size, dict(kw, compare=compare)))
         table = {choose_mod._label(h, t): {"head": h, "tree": t, "measured_speedup": predicted.get(
             choose_mod._label(h, t), 0.5), "tau_measured": 2.0, "tau_batch": 2.0, "tau_source": "reference",
             "step_cost": 1.0, "predicted_speedup": predicted.get(choose_mod._label(h, t), 0.5)} for h, t in pairs}
-        return {"best": choose_mod.decide(table, choose_mod._label(*pairs[0])), "candidates": table, "new_tokens": 48, "batch_size": batch_size, "seconds": 1.0,
+        return {"best": choose_mod.decide(table, choose_mod._label(*pairs[0])), "candidates": table,
+                "new_tokens": 48, "batch_size": batch_size, "seconds": 1.0, "compared": compare,
                 "version": choose_mod.VERSION}
 
     monkeypatch.setattr(choose_mod, "measure", measure)
     return calls, predicted
 
 
-def test_no_tree_chooses_among_the_shipped_heads_and_keeps_the_choice(smollm, fake_measure, capsys):
+ALL_PAIRS = [(CLOVER, "fit-5-411aab+lookup-4-table"), (EAGLE, "fit-5-36f662+lookup-4-table"), (None, "lookup-4-table"),
+             (None, "lookup-2-table")]
+
+
+def test_a_request_measures_the_default_tree_against_plain_decoding_and_keeps_the_choice(smollm, fake_measure,
+                                                                                        capsys):
     calls, predicted = fake_measure
-    predicted[f"{EAGLE} {pretrained.default_tree(EAGLE)}"] = 1.3
-    predicted["lookup-4-table"] = 1.2
-    plan = prepare_generate(smollm, ["hi"], mode="speculative")
-    (pairs, batch), = calls
-    assert batch == 1 and pairs == [(CLOVER, "fit-5-411aab+lookup-4-table"), (EAGLE, "fit-5-36f662+lookup-4-table"),
-                                    (None, "lookup-4-table"), (None, "lookup-2-table")]
-    assert plan.mode == "speculative" and isinstance(plan.head, EagleHead)
-    assert plan.drafter.spec.name == pretrained.default_tree(EAGLE)
-    assert plan.choice["head"] == EAGLE and plan.choice["predicted_speedup"] == 1.3
-    assert any(n.startswith(f"chose {EAGLE} fit-5-36f662") and "1.3x" in n for n in plan.notes)
+    predicted[f"{CLOVER} fit-5-411aab+lookup-4-table"] = 1.2
+    predicted[f"{EAGLE} {pretrained.default_tree(EAGLE)}"] = 1.5  # not measured by a request
+    plan = prepare_generate(smollm, ["hi"], mode="speculative", max_new_tokens=40)
+    (pairs, batch, kw), = calls
+    # the default head's tree alone, on the request's shapes: its prompt bucket and new tokens
+    assert batch == 1 and pairs == ALL_PAIRS[:1] and kw["compare"] == "default"
+    assert kw["prompt_bucket"] == 32 and kw["reply_tokens"] == 40 and kw["layers"] == "auto"
+    assert isinstance(plan.head, Clover2Head) and plan.drafter.spec.name == "fit-5-411aab+lookup-4-table"
+    assert plan.choice == {"head": CLOVER, "tree": "fit-5-411aab+lookup-4-table", "predicted_speedup": 1.2,
+                           "compared": "default"}
+    assert any(n.startswith(f"chose {CLOVER} fit-5-411aab") and "calibrate --quick compares them" in n
+               for n in plan.notes)
     err = capsys.readouterr().err
-    assert "choosing the draft tree for cpu" in err and "chose " in err  # announced when measured, once
+    assert "choosing the draft tree for cpu" in err and "2 runs compiled" in err and "chose " in err  # once
     # reused: in this process, then from the saved file in a new one (the memo cleared)
     prepare_generate(smollm, ["hello there"], mode="speculative")
     choose_mod._MEMO.clear()
     again = prepare_generate(smollm, ["hello there"], mode="speculative")
-    assert len(calls) == 1 and again.choice["head"] == EAGLE and capsys.readouterr().err == ""
+    assert len(calls) == 1 and again.choice["head"] == CLOVER and capsys.readouterr().err == ""
     saved = json.loads((choose_mod.cache_dir() / choose_mod.CHOICES_FILE).read_text())
     (key, entry), = saved.items()
-    assert "model smollm2-135m-instruct" in key and "| float32 | batch 1" in key and entry["best"].startswith(EAGLE)
+    assert "model smollm2-135m-instruct" in key and "| float32 | batch 1" in key and entry["best"].startswith(CLOVER)
     # another batch size is another choice
     prepare_generate(smollm, ["a", "b"], mode="speculative")
     assert len(calls) == 2 and calls[1][1] == 2
 
 
-def test_plain_decoding_when_no_tree_pays(smollm, fake_measure):
+def test_a_comparison_of_every_candidate_is_kept_for_requests(smollm, fake_measure):
+    """`calibrate --quick` (`choose(compare="all")`) measures every shipped head's tree and the head-less chains;
+    requests use what it chose. A choice that compared the default tree only does not answer for all."""
     calls, predicted = fake_measure
-    predicted["lookup-4-table"] = 0.8  # the default tree 0.5x: plain decoding beats both
+    prepare_generate(smollm, ["hi"], mode="speculative")  # the default tree only
+    predicted[f"{EAGLE} {pretrained.default_tree(EAGLE)}"] = 1.3
+    predicted["lookup-4-table"] = 1.2
+    choice = choose_mod.choose(smollm, model_source="smollm2-135m-instruct", quiet=True, compare="all")
+    assert len(calls) == 2 and calls[1][0] == ALL_PAIRS and calls[1][2]["compare"] == "all"
+    assert choice.head == EAGLE and "not compared" not in choice.note
+    plan = prepare_generate(smollm, ["hi"], mode="speculative")
+    assert len(calls) == 2  # the saved comparison of all answers the request
+    assert isinstance(plan.head, EagleHead) and plan.drafter.spec.name == pretrained.default_tree(EAGLE)
+    assert plan.choice["head"] == EAGLE and plan.choice["predicted_speedup"] == 1.3 and plan.choice["compared"] == "all"
+
+
+def test_plain_decoding_when_no_tree_pays(smollm, fake_measure):
+    _, predicted = fake_measure  # the default tree 0.5x: plain decoding is faster
     plan = prepare_generate(smollm, ["hi"], mode="speculative")
     assert plan.mode == "ar" and isinstance(plan.loop, AutoregressiveLoop) and plan.drafter is None
     assert plan.choice["tree"] == "ar"
-    assert any("plain autoregressive decoding" in n and "lookup-4-table at 0.8x" in n for n in plan.notes)
+    assert any("plain autoregressive decoding" in n and f"{CLOVER} fit-5-411aab+lookup-4-table at 0.5x" in n
+               for n in plan.notes)
+    predicted["lookup-4-table"] = 0.8  # of all candidates, none pays either
+    choose_mod.choose(smollm, model_source="smollm2-135m-instruct", quiet=True, compare="all", refresh=True)
+    plan = prepare_generate(smollm, ["hi"], mode="speculative")
+    assert plan.mode == "ar" and any("lookup-4-table at 0.8x" in n for n in plan.notes)
 
 
 def test_the_default_tree_is_kept_within_the_tolerance(smollm, fake_measure):
@@ -88,6 +117,7 @@ def test_the_default_tree_is_kept_within_the_tolerance(smollm, fake_measure):
 def test_a_head_less_chain_can_win(smollm, fake_measure):
     _, predicted = fake_measure
     predicted["lookup-2-table"] = 1.5
+    choose_mod.choose(smollm, model_source="smollm2-135m-instruct", quiet=True, compare="all")
     plan = prepare_generate(smollm, ["hi"], mode="speculative")
     assert isinstance(plan.head, NoHead) and plan.drafter.spec.name == "lookup-2-table"
     assert plan.ngram_table is not None  # the shipped heads' n-gram table
@@ -98,6 +128,7 @@ def test_a_named_head_chooses_between_its_tree_and_plain_decoding(smollm, fake_m
     predicted[f"{CLOVER} fit-5-411aab+lookup-4-table"] = 1.2
     plan = prepare_generate(smollm, ["hi"], mode="speculative", head=CLOVER)
     assert calls[0][0] == [(CLOVER, "fit-5-411aab+lookup-4-table")]
+    assert calls[0][2]["compare"] == "all"  # a named head has one tree: the comparison is complete
     assert isinstance(plan.head, Clover2Head) and plan.drafter.spec.name == "fit-5-411aab+lookup-4-table"
 
 
@@ -126,18 +157,21 @@ def test_measure_predicts_tokens_per_iteration_over_an_iteration_cost(smollm, mo
         key = (tree or "ar", loaded.model.config.num_hidden_layers)
         seen.append(key)
         toks = [[1, 2, 3]]
-        return seconds[key].pop(0), iterations[key], [toks] * len(units), [[0, 1, 1]] * len(units), 100  # tau 2.5
+        short, long = seconds[key].pop(0)
+        return short, long, iterations[key], [toks] * len(units), [[0, 1, 1]] * len(units), 100  # tau 2.5
 
     monkeypatch.setattr(choose_mod, "generate", lambda *a, **kw: None)  # the warm-up calls
     monkeypatch.setattr(choose_mod, "_decode", decode)
     monkeypatch.setattr(choose_mod, "reference", lambda head, tree, model_source=None: None)
-    # AR: 10 ms an iteration at its fastest (round 2); the tree 20 ms (round 2 again): cost 2.0
-    seconds.update({("ar", 30): [0.3, 0.2, 0.25], ("lookup-4-table", 30): [1.2, 0.8, 0.9]})
+    # (short call, long call) per round: an iteration is the fastest long call less the fastest short call, over the
+    # iterations between them: AR (0.25 - 0.05) / 20 = 10 ms, the tree (0.9 - 0.1) / 40 = 20 ms: cost 2.0
+    seconds.update({("ar", 30): [(0.10, 0.32), (0.05, 0.30), (0.08, 0.25)],
+                    ("lookup-4-table", 30): [(0.2, 1.2), (0.1, 1.0), (0.3, 0.9)]})
     entry = choose_mod.measure(smollm, [(None, "lookup-4-table")], prompts=["x"])
     assert seen == [("ar", 30), ("lookup-4-table", 30), ("lookup-4-table", 30), ("ar", 30), ("ar", 30),
                     ("lookup-4-table", 30)]  # the order turned by one each round
     assert entry["ar_iteration_ms"] == pytest.approx(10.0) and entry["iteration_ms"]["lookup-4-table"] == 20.0
-    assert entry["round_costs"]["lookup-4-table"] == [2.0, 2.0, 1.8]  # 30 / 15 ms, 20 / 10, 22.5 / 12.5
+    assert entry["round_costs"]["lookup-4-table"] == [2.273, 1.8, 1.765]  # 25 / 11 ms, 22.5 / 12.5, 15 / 8.5
     row = entry["candidates"]["lookup-4-table"]
     # no reference: tau_B = the longest reply's 100 tokens over the tree's 40 iterations
     assert row["step_cost"] == 2.0 and row["tau_measured"] == 2.5
@@ -149,7 +183,7 @@ def test_measure_predicts_tokens_per_iteration_over_an_iteration_cost(smollm, mo
     # calls a round each; 2 ms on 2 layers, 5 ms on 8 -> 16 ms on 30; the tree (scanned) on the full model
     monkeypatch.setattr(choose_mod, "PROBE_BACKENDS", (choose_mod.jax.default_backend(),))
     seen.clear()
-    seconds.update({("ar", 2): [0.2] * 9, ("ar", 8): [0.5] * 9, ("lookup-4-table", 30): [0.8] * 3})
+    seconds.update({("ar", 2): [(0.0, 0.2)] * 9, ("ar", 8): [(0.0, 0.5)] * 9, ("lookup-4-table", 30): [(0.0, 0.8)] * 3})
     monkeypatch.setattr(choose_mod, "reference", lambda head, tree, model_source=None: {
         "tau": 3.0, "per_prompt": [[30, 10], [30, 10]]})
     entry = choose_mod.measure(smollm, [(None, "lookup-4-table")], prompts=["x"])
@@ -227,3 +261,32 @@ def test_on_a_mesh_a_saved_choice_is_used_and_none_is_measured(smollm, fake_meas
     choose_mod.choose(smollm, batch_size=2, mesh=plan.mesh, model_source="smollm2-135m-instruct", quiet=True)
     again = prepare_generate(smollm, ["hi", "there"], mode="speculative", mesh="data=2", check_free_memory=False)
     assert len(calls) == 1 and again.choice["tree"] == "lookup-4-table"
+
+
+def test_measure_times_the_programs_of_the_request(smollm, monkeypatch):
+    """With a request's prompt bucket and new tokens, every run is timed on that request's shapes: the prompts cut to
+    the bucket, the cache the request gets with that run's tree (so the tree chosen runs the program timed); a
+    request that cannot fit the model falls back to one chat request's shapes."""
+    seen = {}
+
+    def decode(loaded, units, new_tokens, *, mode="ar", tree=None, **kw):
+        seen[tree or "ar"] = (units, kw)
+        return 0.0, 0.1, 10, [[[1, 2, 3]]] * len(units), [[0, 1]] * len(units), 10
+
+    monkeypatch.setattr(choose_mod, "generate", lambda *a, **kw: None)
+    monkeypatch.setattr(choose_mod, "_decode", decode)
+    long_prompt = "Tell me about the history of the printing press in Europe and its effects on literacy. " * 2
+    entry = choose_mod.measure(smollm, [(None, "lookup-4-table")], prompts=[long_prompt], prompt_bucket=32,
+                               reply_tokens=736)
+    for tree, mode in (("ar", "ar"), ("lookup-4-table", "speculative")):
+        units, kw = seen[tree]
+        request = prepare_generate(smollm, ["hi"], mode=mode, max_new_tokens=736, tree=tree if
+                                   mode == "speculative" else None, head=NoHead() if mode == "speculative" else None)
+        assert request.prompt.shape[1] == 32 and kw["cache_size"] == request.cache_size == entry["cache_size"][tree]
+        assert kw["prompt_bucket"] == 32 and len(units[0][0]) == 32  # the prompt's token ids, cut to the bucket
+    assert entry["cache_size"]["ar"] < entry["cache_size"]["lookup-4-table"]  # 32 + 736 fill 768 slots, not the tree's too
+    # a request past the model's context: the chat request's shapes
+    entry = choose_mod.measure(smollm, [(None, "lookup-4-table")], prompts=[long_prompt], prompt_bucket=32,
+                               reply_tokens=10 ** 6)
+    assert entry["prompt_bucket"] is None and set(entry["cache_size"].values()) == {choose_mod.CACHE_SIZE}
+    assert seen["ar"][1]["cache_size"] == choose_mod.CACHE_SIZE and "prompt_bucket" not in seen["ar"][1]

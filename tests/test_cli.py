@@ -12,6 +12,7 @@ import infer  # noqa: E402
 import train  # noqa: E402
 
 from clover_jax.cli import infer as infer_cli  # noqa: E402
+from clover_jax.compile_cache import CompileCounter  # noqa: E402
 
 _LOADED: dict = {}
 
@@ -48,15 +49,19 @@ def test_infer_needs_a_prompt_and_a_head(capsys, tmp_path):
 
 @pytest.mark.slow
 def test_infer_speculative_chooses_what_is_fastest_here(capsys):
-    """`--mode speculative` with no head and no tree: the choice among the shipped heads, the head-less chains and
-    plain decoding is measured on first use and printed in one line; the answer is plain decoding's. `--tree
-    default` drafts with the shipped head's registered tree, measuring nothing."""
+    """`--mode speculative` with no head and no tree: the default head's tree against plain decoding, measured on
+    first use on the request's own shapes and printed in one line; the request then runs the program the measurement
+    compiled (one speculative loop compiled in all); the answer is plain decoding's. `--tree default` drafts with the
+    shipped head's registered tree, measuring nothing."""
     argv = ["--prompt", "What is the capital of France?", "--max-new-tokens", "24"]
     assert infer.main(argv) == 0
     ar = capsys.readouterr().out.split("### prompt 0:")[1].split("\nar: ")[0].strip()
-    assert infer.main(argv + ["--mode", "speculative"]) == 0
+    with CompileCounter() as count:  # plain decoding's loop on these shapes is compiled already (above)
+        assert infer.main(argv + ["--mode", "speculative"]) == 0
+    built = count.compiled + count.loaded  # compiled, or read from the suite's compile cache
+    assert built["speculative_loop"] == 1 and built["autoregressive_loop"] == 0
     captured = capsys.readouterr()
-    assert "clover_jax: choosing the draft tree for cpu" in captured.err
+    assert "clover_jax: choosing the draft tree for cpu" in captured.err and "2 runs compiled" in captured.err
     assert ("chose " in captured.err and "predicted" in captured.err) or "plain autoregressive decoding" in captured.err
     assert "Paris" in captured.out and ar in captured.out
     assert infer.main(argv + ["--mode", "speculative", "--tree", "default"]) == 0

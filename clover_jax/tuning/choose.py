@@ -1,9 +1,9 @@
 """What speculative decoding drafts with when the request names no tree: the head and tree that are fastest on this
 machine, dtype and batch size, or plain autoregressive decoding when none pays.
 
-    clover_jax.generate(lm, prompts, mode="speculative")                  # chooses among the model's shipped heads
+    clover_jax.generate(lm, prompts, mode="speculative")        # the default head's tree or AR (or a saved choice)
     clover_jax.generate(lm, prompts, mode="speculative", head="smollm2-135m-instruct-eagle")  # that head's tree or AR
-    python -m clover_jax.cli.calibrate --quick --model smollm2-135m-instruct   # measure again (refresh)
+    python -m clover_jax.cli.calibrate --quick --model smollm2-135m-instruct   # compare every shipped head (refresh)
 
 A request's time is the loop's iterations times an iteration's cost. Plain decoding iterates once per token of the
 longest reply in the batch; speculative decoding once per step of the row that needs the most steps. So the
@@ -14,19 +14,25 @@ the dtype and the batch size (on a 2-core CPU a 9-token verify costs about 1.7 d
 batch 1 barely more than one), and not on the text (shapes are static). The choice measures the cost here and takes
 `tau_B` from a reference:
 
-1. Candidates: each head's registered default tree (`clover_jax.pretrained`; a head folder's type default
-   otherwise), and the head-less chains `lookup-4-table` and `lookup-2-table` (prompt lookup, else the model's
-   n-gram table; `lookup-4` / `lookup-2` where there is no table) when no head was named.
+1. Candidates, the default first: the named head's default tree; with no head named, the default head's
+   (`clover_jax.pretrained`), and, when every candidate is compared (`compare="all"`, `calibrate --quick`), each
+   other shipped head's default tree and the head-less chains `lookup-4-table` and `lookup-2-table` (prompt
+   lookup, else the model's n-gram table; `lookup-4` / `lookup-2` where there is no table). A request compares
+   its default tree with plain decoding only (two programs; a saved comparison of every candidate is used where
+   there is one), on its own shapes (prompt bucket, cache size, layers), so that the default tree's program it
+   compiles is the one the request then runs.
 2. For each candidate and our autoregressive loop, on `PROMPTS` (a short held-out Spec-Bench question, repeated to
-   the batch size): the jitted call for 1 new token and for `NEW_TOKENS` new tokens (one cache size, so one
-   compiled program per run), after a warm-up that compiles every program side by side. The difference is the
-   decode phase (prefill, dispatch and compile cancel), over its loop iterations: the run's iteration time.
-   `ROUNDS` rounds time every program once, in an order turned by one each round; a program's iteration time is
-   its fastest round's (a loop's time varies from call to call and does not fall below what the loop costs). On a
-   GPU, where every loop runs its layers unrolled and such a loop compiles in time growing faster than the depth,
-   an unrolled loop is timed on the model's first `PROBE_DEPTHS` layers (`clover_jax.models.llama.first_layers`)
-   and its iteration time extrapolated to the full depth (affine in the depth); elsewhere every loop runs on the
-   full model, so the measurement also sees each tree's speed-up and compares its tokens with plain decoding's.
+   the batch size; cut to a request's prompt bucket): the jitted call for 1 new token and for `NEW_TOKENS` new
+   tokens, after a warm-up that compiles every program side by side. `ROUNDS` rounds time every program's two calls,
+   in an order turned by one each round. A program's iteration time is its fastest long call less its fastest short
+   call (prefill, dispatch and compile cancel), over the loop iterations between them: a call's time varies from
+   call to call and does not fall below what it costs, so each call's fastest is the estimate least disturbed (the
+   fastest round's difference of two disturbed calls was not: on a 2-core CPU it predicted 0.96x, 1.18x and 1.33x
+   in three runs). On a GPU, where every loop runs its layers unrolled and such a loop compiles in time growing
+   faster than the depth, an unrolled loop is timed on the model's first `PROBE_DEPTHS` layers
+   (`clover_jax.models.llama.first_layers`) and its iteration time extrapolated to the full depth (affine in the
+   depth); elsewhere every loop runs on the full model, so the measurement also sees each tree's speed-up and
+   compares its tokens with plain decoding's.
 3. `cost` is the tree's iteration time over plain decoding's. `tau_B` comes from the head's
    `calibration.json` `reference` (per held-out ShareGPT prompt: decode tokens and steps of the tree at batch 1,
    the command beside them): the mean over random batches of `batch_size` of those prompts of the longest reply
@@ -35,15 +41,15 @@ batch 1 barely more than one), and not on the text (shapes are static). The choi
    acceptance badly.
 4. `decide`: the default candidate (the default head's tree, or the named head's) is kept unless another one, or
    plain decoding at 1.0x, is predicted more than `TOLERANCE` (10%) faster; then the fastest. The choice, its
-   reason and every candidate's numbers are kept in the user's cache
+   reason, what was compared and every candidate's numbers are kept in the user's cache
    (`~/.cache/clover_jax/calibration/choices.json`, `CLOVER_JAX_CACHE` overrides), keyed by the heads' weights,
    the hardware, the dtype and the batch size, and announced on stderr in one line when made.
 
-About 45 s measured on a 2-core CPU for SmolLM2-135M at batch 1 (five programs compiled, about 26 s of it, three
-rounds); a measured choice is reused afterwards. On that machine a speculative loop's iteration time varies by up
-to 25% from call to call, and over three measurements on an idle machine the default tree's predicted speed-up was
-0.96x, 1.18x and 1.33x: the tolerance keeps the choice (the default tree in all three) where the prediction cannot
-resolve the candidates. The full calibration (`tree="auto"`, `clover_jax.tuning.calibrate`) searches many more trees and fits new ones.
+Measured on a 2-core CPU for SmolLM2-135M at batch 1 (docs/trees.md has the commands): a request's choice in 16-18 s,
+both programs' compiles included (the first request 17-19 s in all, against 8 s with `tree="default"`: the choice
+adds about 10 s), predicting 1.20x, 1.21x, 1.22x, 1.15x, 1.17x and 1.03x in six runs (the default tree every time);
+every candidate compared (`calibrate --quick`) in 35 s. A measured choice is reused afterwards. The full calibration
+(`tree="auto"`, `clover_jax.tuning.calibrate`) searches many more trees and fits new ones.
 """
 
 from __future__ import annotations
@@ -64,10 +70,11 @@ from clover_jax import pretrained
 from clover_jax.decoding import acceptance_stats
 from clover_jax.decoding.lookup import NoHead
 from clover_jax.decoding.ngram import resolve_ngram_table
+from clover_jax.decoding.sizes import bucket_length
 from clover_jax.generation.api import generate
 from clover_jax.generation.calibration import AR, entry_key, hardware_key
 from clover_jax.generation.plan import prepare_generate
-from clover_jax.generation.request import DEFAULT, FASTEST, NAMED, Request
+from clover_jax.generation.request import DEFAULT, FASTEST, NAMED, Request, check_request
 from clover_jax.heads.bundle import HeadBundle, RunLoader, open_head
 from clover_jax.io.loader import LoadedModel
 from clover_jax.heads.folder import cache_dir, open_folder, read_json
@@ -76,7 +83,7 @@ from clover_jax.io.prompts import read_prompts
 from clover_jax.models.llama import first_layers
 from clover_jax.validation import InputError
 
-VERSION = 6  # a saved choice of another version is measured again
+VERSION = 7  # a saved choice of another version is measured again
 # a short question outside MT-Bench's categories: a step's cost grows with the context (attention over the cache), so
 # the prompt is of a chat request's length (40 tokens: one prompt bucket, one program per run), not a long document's
 PROMPTS = (("spec_bench", "qa", 1),)
@@ -97,6 +104,10 @@ PROBE_REPEATS = 3  # times per round a loop on a part of the model is timed
 TOLERANCE = 0.10
 HEADLESS = ("lookup-4-table", "lookup-2-table")
 CHOICES_FILE = "choices.json"
+# what a measurement compares with plain decoding: the default candidate only (a request's choice: two programs, the
+# default tree's the one the request then runs), or every candidate (`python -m clover_jax.cli.calibrate --quick`)
+DEFAULT_ONLY, ALL = "default", "all"
+SCOPES = (DEFAULT_ONLY, ALL)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,14 +123,19 @@ def _label(head, tree) -> str:
     return tree if head is None else f"{head} {tree}"
 
 
-def candidates(model_source, head: HeadBundle | None = None, *, has_table: bool) -> list[tuple[str | None, str]]:
-    """(head or None, tree) pairs to measure: the named head's default tree, or, when no head is named, each
-    shipped head's default tree and the head-less chains."""
+def candidates(model_source, head: HeadBundle | None = None, *, has_table: bool, compare: str = ALL
+               ) -> list[tuple[str | None, str]]:
+    """(head or None, tree) pairs to measure, the default one first: the named head's default tree, or, when no
+    head is named, the default head's default tree, then (`compare="all"`) every other shipped head's and the
+    head-less chains."""
+    if compare not in SCOPES:
+        raise ValueError(f"compare: expected one of {SCOPES}, got {compare!r}")
     if head is not None:
         return [(head.name, head.default_tree)]
     out = [(h, pretrained.default_tree(h)) for h in pretrained.heads_for(model_source)]
     headless = HEADLESS if has_table else tuple(t.removesuffix("-table") for t in HEADLESS)
-    return out + [(None, t) for t in headless]
+    out += [(None, t) for t in headless]
+    return out[:1] if compare == DEFAULT_ONLY else out
 
 
 def reference(head_source, tree: str, model_source=None) -> dict | None:
@@ -155,20 +171,19 @@ def batch_tau(per_prompt, batch_size: int, draws: int = 512, seed: int = 0) -> f
     return float(a[idx, 0].max(axis=1).sum() / max(a[idx, 1].max(axis=1).sum(), 1.0))
 
 
-def _decode(loaded, units, new_tokens: int, **kw) -> tuple[float, int, list, list, int]:
-    """(decode-phase seconds and loop iterations summed over the prompt batches `units`, their token ids, their accept
-    histograms, the longest reply's new tokens summed over the batches): per batch, the call for `new_tokens` new
-    tokens minus the call for one (prefill and dispatch cancel)."""
-    seconds, iterations, ids, hists, longest = 0.0, 0, [], [], 0
+def _decode(loaded, units, new_tokens: int, **kw) -> tuple[float, float, int, list, list, int]:
+    """(seconds of the calls for one new token and for `new_tokens`, the loop iterations between them, summed over
+    the prompt batches `units`; the long calls' token ids and accept histograms, the longest reply's new tokens
+    summed over the batches). The difference of the two calls is the decode phase: prefill and dispatch cancel."""
+    short_s, long_s, iterations, ids, hists, longest = 0.0, 0.0, 0, [], [], 0
     for rows in units:
         short = generate(loaded, rows, max_new_tokens=1, decode_text=False, **kw)
         long = generate(loaded, rows, max_new_tokens=new_tokens, decode_text=False, **kw)
-        seconds += long.seconds - short.seconds
-        iterations += long.steps - short.steps
+        short_s, long_s, iterations = short_s + short.seconds, long_s + long.seconds, iterations + long.steps - short.steps
         ids.append(long.token_ids)
         hists.append(long.stats.get("accept_hist"))
         longest += max(len(t) for t in long.token_ids) - 1
-    return seconds, iterations, ids, hists, longest
+    return short_s, long_s, iterations, ids, hists, longest
 
 
 @dataclasses.dataclass(frozen=True)
@@ -233,19 +248,32 @@ def decide(table: dict[str, dict], default: str | None) -> str:
     return best
 
 
+def _request_cache(loaded, kw: dict, prompt_bucket: int, reply_tokens: int) -> int | None:
+    """The cache size a request of prompts in `prompt_bucket` asking `reply_tokens` new tokens gets for run `kw`
+    (`clover_jax.decoding.sizes`: the tree's nodes count), or None where such a request does not fit the model."""
+    try:
+        plan = prepare_generate(loaded, [[0] * prompt_bucket], max_new_tokens=reply_tokens, check_free_memory=False,
+                                **kw)
+    except (InputError, ValueError):
+        return None
+    return plan.cache_size
+
+
 def measure(loaded, pairs: Sequence[tuple[str | None, str]], *, batch_size: int = 1, mesh=None,
             prompts: Sequence[str] | None = None, new_tokens: int = NEW_TOKENS, model_source=None,
-            ngram_table=None) -> dict[str, Any]:
+            ngram_table=None, prompt_bucket: int | None = None, reply_tokens: int | None = None,
+            layers: str = "auto", compare: str = ALL) -> dict[str, Any]:
     """Measures plain decoding and each (head, tree) pair (see the module docstring); returns the entry to save. The
     first pair is the default one (the request's tree were nothing chosen), kept against a candidate that is not
-    predicted `TOLERANCE` faster (`decide`)."""
+    predicted `TOLERANCE` faster (`decide`). With `prompt_bucket` and `reply_tokens` (a request's: its prompts'
+    bucket and new tokens), every run has that request's shapes (the prompts cut to the bucket, the cache the
+    request would get with that run's tree), so the program timed for the tree chosen is the one the request then
+    runs; else one chat request's shapes (`CACHE_SIZE`)."""
     if prompts is None:
         prompts = [p for source, cat, n in PROMPTS for p in read_prompts(source, category=cat, limit=n)]
     t0 = time.perf_counter()
     num_layers = loaded.model.config.num_hidden_layers
-    # one batch per prompt, each `batch_size` rows starting at that prompt (the prompts repeated)
-    units = [[prompts[(i + j) % len(prompts)] for j in range(batch_size)] for i in range(len(prompts))]
-    common = dict(mesh=mesh, temperature=0.0, cache_size=CACHE_SIZE)
+    common = dict(mesh=mesh, temperature=0.0, layers=layers)
     runs = {AR: dict(common, mode="ar")}
     refs = {}
     for head, tree in pairs:
@@ -253,6 +281,18 @@ def measure(loaded, pairs: Sequence[tuple[str | None, str]], *, batch_size: int 
         runs[name] = dict(common, mode="speculative", head=head if head is not None else NoHead(), tree=tree,
                           ngram_table=ngram_table if head is None else None)
         refs[name] = reference(head, tree, model_source)
+    caches = {run: None for run in runs}
+    if prompt_bucket is not None and reply_tokens is not None:  # the request's shapes, where its prompts fit
+        reply_tokens = max(reply_tokens, new_tokens)  # a cache that holds the measurement's calls too
+        caches = {run: _request_cache(loaded, kw, prompt_bucket, reply_tokens) for run, kw in runs.items()}
+    if all(caches.values()):
+        prompts = [ids[:prompt_bucket] for ids in check_request(loaded, list(prompts)).ids]  # token ids, cut
+        runs = {run: dict(kw, cache_size=caches[run], prompt_bucket=prompt_bucket) for run, kw in runs.items()}
+    else:
+        prompt_bucket, caches = None, {run: CACHE_SIZE for run in runs}
+        runs = {run: dict(kw, cache_size=CACHE_SIZE) for run, kw in runs.items()}
+    # one batch per prompt, each `batch_size` rows starting at that prompt (the prompts repeated)
+    units = [[prompts[(i + j) % len(prompts)] for j in range(batch_size)] for i in range(len(prompts))]
     # a candidate without a reference takes its tokens per step from these prompts: drafted by the full model
     variants = _variants(loaded, runs, {name for name, ref in refs.items() if ref is None})
     # compile every program first (warm-up calls, not timed), side by side: XLA compiles outside Python's lock, so on a
@@ -262,24 +302,30 @@ def measure(loaded, pairs: Sequence[tuple[str | None, str]], *, batch_size: int 
         list(pool.map(lambda item: generate(item[0].loaded, item[1], max_new_tokens=1, decode_text=False,
                                             **item[0].kw), warm))
     # ROUNDS rounds, each timing every program once (a part of the model PROBE_REPEATS times: its error is multiplied
-    # in the extrapolation, and it is quick), in an order turned by one each round. A program's iteration time is its
-    # fastest call's: a loop's time varies from call to call (on a 2-core CPU by up to 25%) and does not fall below
-    # what the loop costs
-    timed: dict[str, list[float]] = {v.name: [] for v in variants}  # [s] per round: an iteration's decode time
+    # in the extrapolation, and it is quick), in an order turned by one each round.
+    # [s] per round, of each program's calls for one and for `new_tokens` new tokens (their fastest of the round)
+    short: dict[str, list[float]] = {v.name: [] for v in variants}
+    long: dict[str, list[float]] = {v.name: [] for v in variants}
     iterations, outputs, hists, longest = {}, {}, {}, {}
+    its_of: dict[str, int] = {}
     for r in range(ROUNDS):
         shift = r % len(variants)
         for v in variants[shift:] + variants[:shift]:
-            fastest = float("inf")
-            for _ in range(PROBE_REPEATS if v.depth < num_layers else 1):
-                seconds, its, ids, hist, most = _decode(v.loaded, units, new_tokens, **v.kw)
-                fastest = min(fastest, seconds / max(its, 1))
-            timed[v.name].append(fastest)
+            calls = [_decode(v.loaded, units, new_tokens, **v.kw)
+                     for _ in range(PROBE_REPEATS if v.depth < num_layers else 1)]
+            short[v.name].append(min(c[0] for c in calls))
+            long[v.name].append(min(c[1] for c in calls))
+            its, ids, hist, most = calls[-1][2:]
+            its_of[v.name] = max(its, 1)  # the same every call: greedy, static shapes
             if v.depth == num_layers:
                 iterations[v.run], outputs[v.run], hists[v.run], longest[v.run] = its, ids, hist, most
 
+    # a program's iteration time: its fastest long call less its fastest short call, over the iterations between
+    # them (each call's time varies from call to call, on a 2-core CPU by up to 25%, and does not fall below what
+    # it costs: the fastest of each is the estimate least disturbed)
     def full_depth(run: str, pick) -> float:
-        return _full_depth({v.depth: pick(timed[v.name]) for v in variants if v.run == run}, num_layers)
+        return _full_depth({v.depth: (pick(long[v.name]) - pick(short[v.name])) / its_of[v.name]
+                            for v in variants if v.run == run}, num_layers)
 
     iteration = {run: full_depth(run, min) for run in runs}
     per_round = [{run: full_depth(run, lambda t, r=r: t[r]) for run in runs} for r in range(ROUNDS)]
@@ -312,7 +358,10 @@ def measure(loaded, pairs: Sequence[tuple[str | None, str]], *, batch_size: int 
     return {"best": decide(table, default), "default": default, "candidates": table, "ar_iteration_ms": round(1e3 * iteration[AR], 3),
             "iteration_ms": {run: round(1e3 * t, 3) for run, t in iteration.items()},
             "round_costs": {name: [round(r[name] / r[AR], 3) for r in per_round] for name in table},
+            "round_ms": {v.name: [round(1e3 * (b - a) / its_of[v.name], 2) for a, b in zip(short[v.name], long[v.name])]
+                         for v in variants},
             "new_tokens": new_tokens, "prompts": len(prompts), "batch_size": batch_size, "rounds": ROUNDS,
+            "compared": compare, "prompt_bucket": prompt_bucket, "cache_size": caches,
             "seconds": round(time.perf_counter() - t0, 1), "version": VERSION, "date": time.strftime("%Y-%m-%d")}
 
 
@@ -357,17 +406,24 @@ def _draftable(loaded, pair, ngram_table) -> bool:
 
 
 def choose(loaded, head: HeadBundle | None = None, *, batch_size: int = 1, mesh=None, refresh: bool = False,
-           model_source=None, quiet: bool = False, measure_new: bool = True) -> Choice | None:
+           model_source=None, quiet: bool = False, measure_new: bool = True, compare: str = ALL,
+           prompt_bucket: int | None = None, reply_tokens: int | None = None, layers: str = "auto") -> Choice | None:
     """The head and tree to draft with here (or plain decoding): the saved choice for this machine, dtype and batch
-    size, else a new measurement (announced on stderr, saved in the user's cache). `head_source`: the head the
-    request named (its default tree `head_tree`, or plain decoding); None: any of the model's shipped heads or a head-less
-    chain. `head`: a head read from a folder (`clover_jax.heads.bundle.open_head`). None when no candidate passes the
-    request's checks (nothing to choose), or when nothing is saved and `measure_new` is False."""
+    size, else a new measurement (announced on stderr, saved in the user's cache). `head`: the head the request
+    named, read from a folder (`clover_jax.heads.bundle.open_head`): its default tree or plain decoding; None: the
+    model's shipped heads and the head-less chains (`compare="all"`) or the default head's tree alone
+    (`compare="default"`; a saved comparison of all is used where there is one). `prompt_bucket`, `reply_tokens`,
+    `layers`: the request's, so that the measurement times the programs the request then runs (`measure`). None
+    when no candidate passes the request's checks (nothing to choose), or when nothing is saved and `measure_new`
+    is False."""
     model = loaded.model
     model_source = model_source or getattr(loaded, "name", None)
     where = entry_key(hardware_key(mesh), jnp.dtype(model.dtype).name, batch_size)
     key = f"{_subject(model_source, head)} | {where}"
+    compare = ALL if head is not None else compare  # a named head has one tree: its comparison is complete
     entry = None if refresh else (_MEMO.get(key) or load_choice(key))
+    if entry is not None and compare == ALL and entry.get("compared", ALL) != ALL:
+        entry = None  # a choice that compared the default tree only does not answer for every candidate
     made = entry is None
     if made and not measure_new:
         return None
@@ -379,15 +435,16 @@ def choose(loaded, head: HeadBundle | None = None, *, batch_size: int = 1, mesh=
             ngram_table = resolve_ngram_table(None, shipped) if shipped is not None else None
         # candidates the request could not draft (a tree deeper than the head's heads, ...) are not measured; with
         # none left there is no choice to make, and the request's own checks say what is wrong
-        pairs = [pair for pair in candidates(model_source, head, has_table=ngram_table is not None)
+        pairs = [pair for pair in candidates(model_source, head, has_table=ngram_table is not None, compare=compare)
                  if _draftable(loaded, pair, ngram_table)]
         if not pairs:
             return None
         if not quiet:
             print(f"clover_jax: choosing the draft tree for {where} (first use: {len(pairs) + 1} runs compiled "
-                  "and timed, about a minute on a CPU; the answer is kept)", file=sys.stderr)
+                  f"and timed, about {10 * (len(pairs) + 1)} s on a 2-core CPU; the answer is kept)", file=sys.stderr)
         entry = measure(loaded, pairs, batch_size=batch_size, mesh=mesh, model_source=model_source,
-                        ngram_table=ngram_table)
+                        ngram_table=ngram_table, prompt_bucket=prompt_bucket, reply_tokens=reply_tokens,
+                        layers=layers, compare=compare)
         save_choice(key, entry)
     _MEMO[key] = entry
     ranked = sorted(entry["candidates"].values(), key=lambda r: -r["predicted_speedup"])
@@ -403,10 +460,12 @@ def choose(loaded, head: HeadBundle | None = None, *, batch_size: int = 1, mesh=
             rival, speed = "plain decoding", 1.0
         kept = (f"; {rival} predicted {speed}x, less than {TOLERANCE:.0%} faster: the default kept"
                 if speed > row["predicted_speedup"] else "")
+        others = ("; the other shipped heads and head-less chains not compared (python -m clover_jax.cli.calibrate "
+                  "--quick compares them)" if entry.get("compared", ALL) == DEFAULT_ONLY else "")
         choice = Choice(row["head"], row["tree"], row["predicted_speedup"],
                         f"chose {_label(row['head'], row['tree'])}: predicted {row['predicted_speedup']}x plain "
                         f"decoding here (step cost {row['step_cost']} decode steps, tokens per step at this batch "
-                        f"{row['tau_batch']}{kept}) [{where}]", entry)
+                        f"{row['tau_batch']}{kept}{others}) [{where}]", entry)
     if made and not quiet:
         print(f"clover_jax: {choice.note} (measured in {entry['seconds']} s)", file=sys.stderr)
     return choice
@@ -436,8 +495,12 @@ def decide_fastest(request: Request, *, run_loader: RunLoader | None = None
     loaded = LoadedModel(request.model.config, request.model, request.tokenizer, request.model_source or "")
     # on a mesh a measurement compiles every candidate's sharded loop (minutes; on a pod, on every host): a saved
     # choice is used, else the default tree, and the note says how to measure one
+    # a request measures its default tree against plain decoding, on its own shapes (the default tree's program is
+    # then the one it runs); a saved comparison of every candidate (`calibrate --quick`) is used where there is one
+    bucket = request.prompt_bucket or bucket_length(max(len(row) for row in request.ids))
     choice = choose(loaded, bundle, batch_size=request.batch_size, mesh=request.mesh,
-                    model_source=request.model_source, measure_new=request.mesh is None)
+                    model_source=request.model_source, measure_new=request.mesh is None, compare=DEFAULT_ONLY,
+                    prompt_bucket=bucket, reply_tokens=request.max_new_tokens, layers=request.layers)
     if choice is None and request.mesh is not None:
         mesh = ",".join(f"{k}={v}" for k, v in dict(request.mesh.shape).items() if v > 1)
         return default.replace(head=bundle if bundle is not None else head), (
@@ -445,7 +508,8 @@ def decide_fastest(request: Request, *, run_loader: RunLoader | None = None
             f"clover_jax.cli.calibrate --quick --mesh {mesh} --batch-size {request.batch_size})",), None
     if choice is None:  # no candidate passes the request's checks: the default tree's resolution reports why
         return default.replace(head=bundle if bundle is not None else head), (), None
-    about = {"head": choice.head, "tree": choice.tree, "predicted_speedup": choice.predicted}
+    about = {"head": choice.head, "tree": choice.tree, "predicted_speedup": choice.predicted,
+             "compared": choice.entry.get("compared", ALL)}
     if choice.tree == AR:
         return request.replace(speculative=False), (choice.note,), about
     if choice.head is None:
