@@ -4,7 +4,7 @@ a request with no tree gets, comparing every shipped head's default tree, the he
 (`clover_jax.tuning.choose`; a request alone compares its default tree with plain decoding).
 
     python -m clover_jax.cli.calibrate --model smollm2-135m-instruct --head smollm2-135m-instruct-clover2
-    python -m clover_jax.cli.calibrate --quick --model smollm2-135m-instruct            # among the shipped heads
+    python -m clover_jax.cli.calibrate --quick --model smollm2-135m-instruct            # every shipped head, the chains, AR
 """
 
 from __future__ import annotations
