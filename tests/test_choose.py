@@ -55,12 +55,12 @@ def test_a_request_measures_the_default_tree_against_plain_decoding_and_keeps_th
     plan = prepare_generate(smollm, ["hi"], mode="speculative", max_new_tokens=40)
     (pairs, batch, kw), = calls
     # the default head's tree alone, on the request's shapes: its prompt bucket and new tokens
-    assert batch == 1 and pairs == ALL_PAIRS[:1] and kw["compare"] == "default"
+    assert batch == 1 and pairs == ALL_PAIRS[:1] and kw["compare"] == "request"
     assert kw["prompt_bucket"] == 32 and kw["reply_tokens"] == 40 and kw["layers"] == "auto"
     assert isinstance(plan.head, Clover2Head) and plan.drafter.spec.name == "fit-5-411aab+lookup-4-table"
     assert plan.choice == {"head": CLOVER, "tree": "fit-5-411aab+lookup-4-table", "predicted_speedup": 1.2,
-                           "compared": "default"}
-    assert any(n.startswith(f"chose {CLOVER} fit-5-411aab") and "calibrate --quick compares them" in n
+                           "compared": "request"}
+    assert any(n.startswith(f"chose {CLOVER} fit-5-411aab") and "calibrate --quick compares every shipped head" in n
                for n in plan.notes)
     err = capsys.readouterr().err
     assert "choosing the draft tree for cpu" in err and "2 runs compiled" in err and "chose " in err  # once
@@ -72,16 +72,17 @@ def test_a_request_measures_the_default_tree_against_plain_decoding_and_keeps_th
     saved = json.loads((choose_mod.cache_dir() / choose_mod.CHOICES_FILE).read_text())
     (key, entry), = saved.items()
     assert "model smollm2-135m-instruct" in key and "| float32 | batch 1" in key and entry["best"].startswith(CLOVER)
-    # another batch size is another choice
+    # another batch size is another choice: above batch 1, with the shortest head-less chain too (verifying gets
+    # dearer with the batch)
     prepare_generate(smollm, ["a", "b"], mode="speculative")
-    assert len(calls) == 2 and calls[1][1] == 2
+    assert len(calls) == 2 and calls[1][1] == 2 and calls[1][0] == [ALL_PAIRS[0], ALL_PAIRS[-1]]
 
 
 def test_a_comparison_of_every_candidate_is_kept_for_requests(smollm, fake_measure):
     """`calibrate --quick` (`choose(compare="all")`) measures every shipped head's tree and the head-less chains;
     requests use what it chose. A choice that compared the default tree only does not answer for all."""
     calls, predicted = fake_measure
-    prepare_generate(smollm, ["hi"], mode="speculative")  # the default tree only
+    prepare_generate(smollm, ["hi"], mode="speculative")  # a request's: the default tree only
     predicted[f"{EAGLE} {pretrained.default_tree(EAGLE)}"] = 1.3
     predicted["lookup-4-table"] = 1.2
     choice = choose_mod.choose(smollm, model_source="smollm2-135m-instruct", quiet=True, compare="all")

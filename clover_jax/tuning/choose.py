@@ -18,9 +18,10 @@ batch 1 barely more than one), and not on the text (shapes are static). The choi
    (`clover_jax.pretrained`), and, when every candidate is compared (`compare="all"`, `calibrate --quick`), each
    other shipped head's default tree and the head-less chains `lookup-4-table` and `lookup-2-table` (prompt
    lookup, else the model's n-gram table; `lookup-4` / `lookup-2` where there is no table). A request compares
-   its default tree with plain decoding only (two programs; a saved comparison of every candidate is used where
-   there is one), on its own shapes (prompt bucket, cache size, layers), so that the default tree's program it
-   compiles is the one the request then runs.
+   its default tree with plain decoding (two programs; at a batch above 1 the shortest head-less chain too, as
+   verifying gets dearer with the batch; a saved comparison of every candidate is used where there is one), on its
+   own shapes (prompt bucket, cache size, layers), so that the default tree's program it compiles is the one the
+   request then runs.
 2. For each candidate and our autoregressive loop, on `PROMPTS` (a short held-out Spec-Bench question, repeated to
    the batch size; cut to a request's prompt bucket): the jitted call for 1 new token and for `NEW_TOKENS` new
    tokens, after a warm-up that compiles every program side by side. `ROUNDS` rounds time every program's two calls,
@@ -104,10 +105,11 @@ PROBE_REPEATS = 3  # times per round a loop on a part of the model is timed
 TOLERANCE = 0.10
 HEADLESS = ("lookup-4-table", "lookup-2-table")
 CHOICES_FILE = "choices.json"
-# what a measurement compares with plain decoding: the default candidate only (a request's choice: two programs, the
-# default tree's the one the request then runs), or every candidate (`python -m clover_jax.cli.calibrate --quick`)
-DEFAULT_ONLY, ALL = "default", "all"
-SCOPES = (DEFAULT_ONLY, ALL)
+# what a measurement compares with plain decoding: a request's few candidates (the default tree; at a batch above 1
+# the shortest head-less chain too, as verifying gets dearer with the batch), or every candidate (`python -m
+# clover_jax.cli.calibrate --quick`)
+REQUEST, ALL = "request", "all"
+SCOPES = (REQUEST, ALL)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,11 +125,11 @@ def _label(head, tree) -> str:
     return tree if head is None else f"{head} {tree}"
 
 
-def candidates(model_source, head: HeadBundle | None = None, *, has_table: bool, compare: str = ALL
-               ) -> list[tuple[str | None, str]]:
+def candidates(model_source, head: HeadBundle | None = None, *, has_table: bool, compare: str = ALL,
+               batch_size: int = 1) -> list[tuple[str | None, str]]:
     """(head or None, tree) pairs to measure, the default one first: the named head's default tree, or, when no
-    head is named, the default head's default tree, then (`compare="all"`) every other shipped head's and the
-    head-less chains."""
+    head is named, the default head's default tree, then every other shipped head's and the head-less chains
+    (`compare="all"`), or, for a request (`compare="request"`), at a batch above 1 the shortest head-less chain."""
     if compare not in SCOPES:
         raise ValueError(f"compare: expected one of {SCOPES}, got {compare!r}")
     if head is not None:
@@ -135,7 +137,9 @@ def candidates(model_source, head: HeadBundle | None = None, *, has_table: bool,
     out = [(h, pretrained.default_tree(h)) for h in pretrained.heads_for(model_source)]
     headless = HEADLESS if has_table else tuple(t.removesuffix("-table") for t in HEADLESS)
     out += [(None, t) for t in headless]
-    return out[:1] if compare == DEFAULT_ONLY else out
+    if compare == REQUEST:
+        return out[:1] + ([(None, headless[-1])] if batch_size > 1 and out[0][0] is not None else [])
+    return out
 
 
 def reference(head_source, tree: str, model_source=None) -> dict | None:
@@ -412,7 +416,8 @@ def choose(loaded, head: HeadBundle | None = None, *, batch_size: int = 1, mesh=
     size, else a new measurement (announced on stderr, saved in the user's cache). `head`: the head the request
     named, read from a folder (`clover_jax.heads.bundle.open_head`): its default tree or plain decoding; None: the
     model's shipped heads and the head-less chains (`compare="all"`) or the default head's tree alone
-    (`compare="default"`; a saved comparison of all is used where there is one). `prompt_bucket`, `reply_tokens`,
+    (`compare="request"`: with the shortest head-less chain at a batch above 1; a saved comparison of all is used
+    where there is one). `prompt_bucket`, `reply_tokens`,
     `layers`: the request's, so that the measurement times the programs the request then runs (`measure`). None
     when no candidate passes the request's checks (nothing to choose), or when nothing is saved and `measure_new`
     is False."""
@@ -435,8 +440,8 @@ def choose(loaded, head: HeadBundle | None = None, *, batch_size: int = 1, mesh=
             ngram_table = resolve_ngram_table(None, shipped) if shipped is not None else None
         # candidates the request could not draft (a tree deeper than the head's heads, ...) are not measured; with
         # none left there is no choice to make, and the request's own checks say what is wrong
-        pairs = [pair for pair in candidates(model_source, head, has_table=ngram_table is not None, compare=compare)
-                 if _draftable(loaded, pair, ngram_table)]
+        pairs = [pair for pair in candidates(model_source, head, has_table=ngram_table is not None, compare=compare,
+                                             batch_size=batch_size) if _draftable(loaded, pair, ngram_table)]
         if not pairs:
             return None
         if not quiet:
@@ -448,10 +453,12 @@ def choose(loaded, head: HeadBundle | None = None, *, batch_size: int = 1, mesh=
         save_choice(key, entry)
     _MEMO[key] = entry
     ranked = sorted(entry["candidates"].values(), key=lambda r: -r["predicted_speedup"])
+    others = ("; the other candidates not compared (python -m clover_jax.cli.calibrate --quick compares every shipped "
+              "head and head-less chain)" if entry.get("compared", ALL) == REQUEST else "")
     if entry["best"] == AR:
         top = ranked[0] if ranked else None
         why = (f"no tree is predicted faster here (best: {_label(top['head'], top['tree'])} at "
-               f"{top['predicted_speedup']}x)" if top else "no candidate tree")
+               f"{top['predicted_speedup']}x{others})" if top else "no candidate tree")
         choice = Choice(None, AR, 1.0, f"plain autoregressive decoding: {why} [{where}]", entry)
     else:
         row = entry["candidates"][entry["best"]]
@@ -460,8 +467,6 @@ def choose(loaded, head: HeadBundle | None = None, *, batch_size: int = 1, mesh=
             rival, speed = "plain decoding", 1.0
         kept = (f"; {rival} predicted {speed}x, less than {TOLERANCE:.0%} faster: the default kept"
                 if speed > row["predicted_speedup"] else "")
-        others = ("; the other shipped heads and head-less chains not compared (python -m clover_jax.cli.calibrate "
-                  "--quick compares them)" if entry.get("compared", ALL) == DEFAULT_ONLY else "")
         choice = Choice(row["head"], row["tree"], row["predicted_speedup"],
                         f"chose {_label(row['head'], row['tree'])}: predicted {row['predicted_speedup']}x plain "
                         f"decoding here (step cost {row['step_cost']} decode steps, tokens per step at this batch "
@@ -499,7 +504,7 @@ def decide_fastest(request: Request, *, run_loader: RunLoader | None = None
     # then the one it runs); a saved comparison of every candidate (`calibrate --quick`) is used where there is one
     bucket = request.prompt_bucket or bucket_length(max(len(row) for row in request.ids))
     choice = choose(loaded, bundle, batch_size=request.batch_size, mesh=request.mesh,
-                    model_source=request.model_source, measure_new=request.mesh is None, compare=DEFAULT_ONLY,
+                    model_source=request.model_source, measure_new=request.mesh is None, compare=REQUEST,
                     prompt_bucket=bucket, reply_tokens=request.max_new_tokens, layers=request.layers)
     if choice is None and request.mesh is not None:
         mesh = ",".join(f"{k}={v}" for k, v in dict(request.mesh.shape).items() if v > 1)
