@@ -100,7 +100,7 @@ def _main(argv=None):
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--head", default=None,
                     help="registered head name, training run dir or exported folder (default: the model's first "
-                    "shipped head; the `chosen` run then chooses among the model's shipped heads)")
+                    "shipped head; the `chosen` run then drafts with what a request with no head gets: a saved choice, else the default head's tree or plain decoding)")
     ap.add_argument("--questions", default="mt_bench", help="mt_bench | spec_bench | sharegpt_heldout | path to question.jsonl")
     ap.add_argument("--category")
     ap.add_argument("--limit", type=int, default=0)
@@ -147,7 +147,7 @@ def _main(argv=None):
     loaded = load_model(args.model, mesh=mesh, dtype=getattr(jnp, args.dtype))
     from clover_jax import pretrained
 
-    chosen_head = args.head  # the `chosen` run's head: None chooses among the model's shipped heads
+    chosen_head = args.head  # the `chosen` run's head: None, what a request with no head gets
     args.head = args.head or pretrained.default_head(args.model)
     if args.head is None:
         raise SystemExit(f"--head: {args.model} has no shipped head; pass one")

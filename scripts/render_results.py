@@ -189,8 +189,14 @@ def choice_table(d: dict) -> list[str]:
     a benchmark ran that tree at that batch size, its measured one), and what was chosen."""
     labels = list(d["rows"][0]["candidates"])
     measured = d.get("measured", {})  # {batch: {label: speed-up on the benchmark}}
+    request = any("request" in r for r in d["rows"])  # a request's own measurement beside the comparison of all
+
+    def best(label: str) -> str:
+        return "plain decoding" if label == "ar" else short_label(label)
+
     lines = ["| batch | measured in | chosen | " + " | ".join(f"{short_label(x)}: predicted (benchmark)" for x in labels)
-             + " |", "|---|---|---|" + "---|" * len(labels)]
+             + " |" + (" a request: measured in, chose (predicted) |" if request else ""),
+             "|---|---|---|" + "---|" * len(labels) + ("---|" if request else "")]
     for r in d["rows"]:
         b = str(r["batch_size"])
         cells = []
@@ -198,8 +204,11 @@ def choice_table(d: dict) -> list[str]:
             c = r["candidates"][x]
             got = measured.get(b, {}).get(x)
             cells.append(f"{c['predicted_speedup']:.2f}x" + (f" ({got:.2f}x)" if got is not None else ""))
-        best = "plain decoding" if r["best"] == "ar" else short_label(r["best"])
-        lines.append(f"| {b} | {r['seconds']:.0f} s | {best} | " + " | ".join(cells) + " |")
+        if request:
+            q = r["request"]
+            said = ", ".join(f"{short_label(k)} {v['predicted_speedup']:.2f}x" for k, v in q["candidates"].items())
+            cells.append(f"{q['seconds']:.0f} s, {best(q['best'])} ({said})")
+        lines.append(f"| {b} | {r['seconds']:.0f} s | {best(r['best'])} | " + " | ".join(cells) + " |")
     return lines
 
 

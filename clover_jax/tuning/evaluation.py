@@ -102,7 +102,8 @@ def evaluate(loaded, head, prompts: Sequence[str], *, trees: Sequence[str] = ("c
     `mesh`: decode on a device mesh; `layers`: how the decoding loops run the layers; `ngram_table`: for trees
     named `...-table` (all three as in `generate`). A tree named `chosen` runs a request that names no tree
     (`generate`'s default: the head and tree chosen for this machine, or plain decoding), with the head
-    `chosen_head` (None: chosen among the model's shipped heads; `loaded` must then know its name).
+    `chosen_head` (None: what a request with no head gets, `clover_jax.tuning.choose`; `loaded` must then know its
+    name).
 
     `known_trees`: trees named outside the grammar (a calibration's probe and fitted trees: name -> policy).
     `prompt_bucket`: every prompt padded to this length (one program per run; `generate`'s). `warmup_threads` > 1:
