@@ -266,12 +266,12 @@ def _request_cache(loaded, kw: dict, prompt_bucket: int, reply_tokens: int) -> i
 def measure(loaded, pairs: Sequence[tuple[str | None, str]], *, batch_size: int = 1, mesh=None,
             prompts: Sequence[str] | None = None, new_tokens: int = NEW_TOKENS, model_source=None,
             ngram_table=None, prompt_bucket: int | None = None, reply_tokens: int | None = None,
-            layers: str = "auto", compare: str = ALL) -> dict[str, Any]:
+            cache_size: int | None = None, layers: str = "auto", compare: str = ALL) -> dict[str, Any]:
     """Measures plain decoding and each (head, tree) pair (see the module docstring); returns the entry to save. The
     first pair is the default one (the request's tree were nothing chosen), kept against a candidate that is not
     predicted `TOLERANCE` faster (`decide`). With `prompt_bucket` and `reply_tokens` (a request's: its prompts'
-    bucket and new tokens), every run has that request's shapes (the prompts cut to the bucket, the cache the
-    request would get with that run's tree), so the program timed for the tree chosen is the one the request then
+    bucket and new tokens, and the cache size it asked for, if any), every run has that request's shapes (the
+    prompts cut to the bucket, the cache the request would get with that run's tree), so the program timed for the tree chosen is the one the request then
     runs; else one chat request's shapes (`CACHE_SIZE`)."""
     if prompts is None:
         prompts = [p for source, cat, n in PROMPTS for p in read_prompts(source, category=cat, limit=n)]
@@ -288,7 +288,8 @@ def measure(loaded, pairs: Sequence[tuple[str | None, str]], *, batch_size: int 
     caches = {run: None for run in runs}
     if prompt_bucket is not None and reply_tokens is not None:  # the request's shapes, where its prompts fit
         reply_tokens = max(reply_tokens, new_tokens)  # a cache that holds the measurement's calls too
-        caches = {run: _request_cache(loaded, kw, prompt_bucket, reply_tokens) for run, kw in runs.items()}
+        caches = {run: _request_cache(loaded, dict(kw, cache_size=cache_size), prompt_bucket, reply_tokens)
+                  for run, kw in runs.items()}
     if all(caches.values()):
         prompts = [ids[:prompt_bucket] for ids in check_request(loaded, list(prompts)).ids]  # token ids, cut
         runs = {run: dict(kw, cache_size=caches[run], prompt_bucket=prompt_bucket) for run, kw in runs.items()}
@@ -411,13 +412,14 @@ def _draftable(loaded, pair, ngram_table) -> bool:
 
 def choose(loaded, head: HeadBundle | None = None, *, batch_size: int = 1, mesh=None, refresh: bool = False,
            model_source=None, quiet: bool = False, measure_new: bool = True, compare: str = ALL,
-           prompt_bucket: int | None = None, reply_tokens: int | None = None, layers: str = "auto") -> Choice | None:
+           prompt_bucket: int | None = None, reply_tokens: int | None = None, cache_size: int | None = None,
+           layers: str = "auto") -> Choice | None:
     """The head and tree to draft with here (or plain decoding): the saved choice for this machine, dtype and batch
     size, else a new measurement (announced on stderr, saved in the user's cache). `head`: the head the request
     named, read from a folder (`clover_jax.heads.bundle.open_head`): its default tree or plain decoding; None: the
     model's shipped heads and the head-less chains (`compare="all"`) or the default head's tree alone
     (`compare="request"`: with the shortest head-less chain at a batch above 1; a saved comparison of all is used
-    where there is one). `prompt_bucket`, `reply_tokens`,
+    where there is one). `prompt_bucket`, `reply_tokens`, `cache_size`,
     `layers`: the request's, so that the measurement times the programs the request then runs (`measure`). None
     when no candidate passes the request's checks (nothing to choose), or when nothing is saved and `measure_new`
     is False."""
@@ -449,7 +451,7 @@ def choose(loaded, head: HeadBundle | None = None, *, batch_size: int = 1, mesh=
                   f"and timed, about {10 * (len(pairs) + 1)} s on a 2-core CPU; the answer is kept)", file=sys.stderr)
         entry = measure(loaded, pairs, batch_size=batch_size, mesh=mesh, model_source=model_source,
                         ngram_table=ngram_table, prompt_bucket=prompt_bucket, reply_tokens=reply_tokens,
-                        layers=layers, compare=compare)
+                        cache_size=cache_size, layers=layers, compare=compare)
         save_choice(key, entry)
     _MEMO[key] = entry
     ranked = sorted(entry["candidates"].values(), key=lambda r: -r["predicted_speedup"])
@@ -505,7 +507,8 @@ def decide_fastest(request: Request, *, run_loader: RunLoader | None = None
     bucket = request.prompt_bucket or bucket_length(max(len(row) for row in request.ids))
     choice = choose(loaded, bundle, batch_size=request.batch_size, mesh=request.mesh,
                     model_source=request.model_source, measure_new=request.mesh is None, compare=REQUEST,
-                    prompt_bucket=bucket, reply_tokens=request.max_new_tokens, layers=request.layers)
+                    prompt_bucket=bucket, reply_tokens=request.max_new_tokens, cache_size=request.cache_size,
+                    layers=request.layers)
     if choice is None and request.mesh is not None:
         mesh = ",".join(f"{k}={v}" for k, v in dict(request.mesh.shape).items() if v > 1)
         return default.replace(head=bundle if bundle is not None else head), (
