@@ -46,8 +46,8 @@ batch 1 barely more than one), and not on the text (shapes are static). The choi
    (`~/.cache/clover_jax/calibration/choices.json`, `CLOVER_JAX_CACHE` overrides), keyed by the heads' weights,
    the hardware, the dtype and the batch size, and announced on stderr in one line when made.
 
-Measured on a 2-core CPU for SmolLM2-135M at batch 1 (docs/trees.md has the commands): a request's choice in 16-18 s,
-both programs' compiles included (the first request 17-19 s in all, against 8 s with `tree="default"`: the choice
+Measured on a 2-core CPU for SmolLM2-135M at batch 1 (docs/trees.md has the commands): a request's choice in 16-17 s,
+both programs' compiles included (the first request 17-18 s in all, against 8 s with `tree="default"`: the choice
 adds about 10 s), predicting 1.20x, 1.21x, 1.22x, 1.15x, 1.17x and 1.03x in six runs (the default tree every time);
 every candidate compared (`calibrate --quick`) in 35 s. A measured choice is reused afterwards. The full calibration
 (`tree="auto"`, `clover_jax.tuning.calibrate`) searches many more trees and fits new ones.
