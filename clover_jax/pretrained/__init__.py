@@ -77,7 +77,8 @@ def heads_for(model_name: str | os.PathLike | None) -> list[str]:
 
 def default_head(model_name: str | os.PathLike | None) -> str | None:
     """The first registered head for a registered base model name, or None. (With no head named, speculative
-    decoding chooses among `heads_for(model)` by a calibration on this machine: `clover_jax.generation.plan`.)"""
+    decoding drafts with its default tree, or plain decoding, by a measurement on this machine; `calibrate --quick`
+    chooses among `heads_for(model)`: `clover_jax.tuning.choose`.)"""
     heads = heads_for(model_name)
     return heads[0] if heads else None
 
