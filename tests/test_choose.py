@@ -56,7 +56,8 @@ def test_a_request_measures_the_default_tree_against_plain_decoding_and_keeps_th
     (pairs, batch, kw), = calls
     # the default head's tree alone, on the request's shapes: its prompt bucket and new tokens
     assert batch == 1 and pairs == ALL_PAIRS[:1] and kw["compare"] == "request"
-    assert kw["prompt_bucket"] == 32 and kw["reply_tokens"] == 40 and kw["layers"] == "auto" and kw["cache_size"] is None
+    assert kw["prompt_bucket"] == 32 and kw["reply_tokens"] == 40 and kw["layers"] == "auto"
+    assert kw["cache_size"] is None
     assert isinstance(plan.head, Clover2Head) and plan.drafter.spec.name == "fit-5-411aab+lookup-4-table"
     assert plan.choice == {"head": CLOVER, "tree": "fit-5-411aab+lookup-4-table", "predicted_speedup": 1.2,
                            "compared": "request"}
@@ -285,7 +286,8 @@ def test_measure_times_the_programs_of_the_request(smollm, monkeypatch):
                                    mode == "speculative" else None, head=NoHead() if mode == "speculative" else None)
         assert request.prompt.shape[1] == 32 and kw["cache_size"] == request.cache_size == entry["cache_size"][tree]
         assert kw["prompt_bucket"] == 32 and len(units[0][0]) == 32  # the prompt's token ids, cut to the bucket
-    assert entry["cache_size"]["ar"] < entry["cache_size"]["lookup-4-table"]  # 32 + 736 fill 768 slots, not the tree's too
+    # 32 + 736 tokens fill 768 slots, not the tree's too
+    assert entry["cache_size"]["ar"] < entry["cache_size"]["lookup-4-table"]
     # a request that names its cache size: that size for every run
     entry = choose_mod.measure(smollm, [(None, "lookup-4-table")], prompts=[long_prompt], prompt_bucket=32,
                                reply_tokens=100, cache_size=1024)

@@ -183,7 +183,8 @@ def _decode(loaded, units, new_tokens: int, **kw) -> tuple[float, float, int, li
     for rows in units:
         short = generate(loaded, rows, max_new_tokens=1, decode_text=False, **kw)
         long = generate(loaded, rows, max_new_tokens=new_tokens, decode_text=False, **kw)
-        short_s, long_s, iterations = short_s + short.seconds, long_s + long.seconds, iterations + long.steps - short.steps
+        short_s, long_s = short_s + short.seconds, long_s + long.seconds
+        iterations += long.steps - short.steps
         ids.append(long.token_ids)
         hists.append(long.stats.get("accept_hist"))
         longest += max(len(t) for t in long.token_ids) - 1
@@ -271,8 +272,8 @@ def measure(loaded, pairs: Sequence[tuple[str | None, str]], *, batch_size: int 
     first pair is the default one (the request's tree were nothing chosen), kept against a candidate that is not
     predicted `TOLERANCE` faster (`decide`). With `prompt_bucket` and `reply_tokens` (a request's: its prompts'
     bucket and new tokens, and the cache size it asked for, if any), every run has that request's shapes (the
-    prompts cut to the bucket, the cache the request would get with that run's tree), so the program timed for the tree chosen is the one the request then
-    runs; else one chat request's shapes (`CACHE_SIZE`)."""
+    prompts cut to the bucket, the cache the request would get with that run's tree), so the program timed for the
+    tree chosen is the one the request then runs; else one chat request's shapes (`CACHE_SIZE`)."""
     if prompts is None:
         prompts = [p for source, cat, n in PROMPTS for p in read_prompts(source, category=cat, limit=n)]
     t0 = time.perf_counter()
@@ -448,7 +449,7 @@ def choose(loaded, head: HeadBundle | None = None, *, batch_size: int = 1, mesh=
             return None
         if not quiet:
             print(f"clover_jax: choosing the draft tree for {where} (first use: {len(pairs) + 1} runs compiled "
-                  f"and timed, about {10 * (len(pairs) + 1)} s on a 2-core CPU; the answer is kept)", file=sys.stderr)
+                  "and timed, 7-9 s a run at batch 1 on a 2-core CPU; the answer is kept)", file=sys.stderr)
         entry = measure(loaded, pairs, batch_size=batch_size, mesh=mesh, model_source=model_source,
                         ngram_table=ngram_table, prompt_bucket=prompt_bucket, reply_tokens=reply_tokens,
                         cache_size=cache_size, layers=layers, compare=compare)
@@ -500,10 +501,10 @@ def decide_fastest(request: Request, *, run_loader: RunLoader | None = None
         return default, (), None  # no shipped head to choose among: the draft's resolution says what to pass
     bundle = open_head(head, request.model, run_loader=run_loader) if head is not None else None
     loaded = LoadedModel(request.model.config, request.model, request.tokenizer, request.model_source or "")
-    # on a mesh a measurement compiles every candidate's sharded loop (minutes; on a pod, on every host): a saved
-    # choice is used, else the default tree, and the note says how to measure one
     # a request measures its default tree against plain decoding, on its own shapes (the default tree's program is
-    # then the one it runs); a saved comparison of every candidate (`calibrate --quick`) is used where there is one
+    # then the one it runs); a saved comparison of every candidate (`calibrate --quick`) is used where there is one.
+    # On a mesh a measurement compiles every candidate's sharded loop (minutes; on a pod, on every host): a saved
+    # choice is used, else the default tree, and the note says how to measure one
     bucket = request.prompt_bucket or bucket_length(max(len(row) for row in request.ids))
     choice = choose(loaded, bundle, batch_size=request.batch_size, mesh=request.mesh,
                     model_source=request.model_source, measure_new=request.mesh is None, compare=REQUEST,
