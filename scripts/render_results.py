@@ -194,9 +194,26 @@ def choice_table(d: dict) -> list[str]:
     def best(label: str) -> str:
         return "plain decoding" if label == "ar" else short_label(label)
 
+    again = any("request_next" in r for r in d["rows"])  # the next process's request, a second first measurement
+
+    def said(q: dict) -> str:
+        preds = ", ".join(f"{short_label(k)} {v['predicted_speedup']:.2f}x" for k, v in q["candidates"].items())
+        how = f"{q['rounds']} round{'s' * (q['rounds'] != 1)}" if "rounds" in q else ""
+        if "programs_reused" in q:
+            how += ", its programs reused" if q["programs_reused"] else f", bucket {q['prompt_bucket']}"
+        if "settled" in q:
+            how += "" if q["settled"] else ", not settled"
+        return f"{best(q['best'])} ({preds}; {how})" if how else f"{best(q['best'])} ({preds})"
+
+    def next_request(first: dict, q: dict) -> str:
+        if q.get("measurements", 1) <= first.get("measurements", 1):
+            return "the saved choice"
+        return f"measured again, {q['seconds'] - first['seconds']:.0f} s: {said(q)}"
+
     lines = ["| batch | measured in | chosen | " + " | ".join(f"{short_label(x)}: predicted (benchmark)" for x in labels)
-             + " |" + (" a request: measured in, chose (predicted) |" if request else ""),
-             "|---|---|---|" + "---|" * len(labels) + ("---|" if request else "")]
+             + " |" + (" a request: measured in, chose (predicted) |" if request else "")
+             + (" the next request | another first request |" if again else ""),
+             "|---|---|---|" + "---|" * len(labels) + ("---|" if request else "") + ("---|---|" if again else "")]
     for r in d["rows"]:
         b = str(r["batch_size"])
         cells = []
@@ -206,8 +223,10 @@ def choice_table(d: dict) -> list[str]:
             cells.append(f"{c['predicted_speedup']:.2f}x" + (f" ({got:.2f}x)" if got is not None else ""))
         if request:
             q = r["request"]
-            said = ", ".join(f"{short_label(k)} {v['predicted_speedup']:.2f}x" for k, v in q["candidates"].items())
-            cells.append(f"{q['seconds']:.0f} s, {best(q['best'])} ({said})")
+            cells.append(f"{q['seconds']:.0f} s, {said(q)}")
+        if again:
+            cells.append(next_request(r["request"], r["request_next"]))
+            cells.append(f"{r['request_again']['seconds']:.0f} s, {said(r['request_again'])}")
         lines.append(f"| {b} | {r['seconds']:.0f} s | {best(r['best'])} | " + " | ".join(cells) + " |")
     return lines
 

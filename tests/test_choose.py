@@ -36,8 +36,8 @@ def fake_measure(monkeypatch, tmp_path):
             choose_mod._label(h, t), 0.5), "tau_measured": 2.0, "tau_batch": 2.0, "tau_source": "reference",
             "step_cost": 1.0, "predicted_speedup": predicted.get(choose_mod._label(h, t), 0.5)} for h, t in pairs}
         return {"best": choose_mod.decide(table, choose_mod._label(*pairs[0])), "candidates": table,
-                "new_tokens": 48, "batch_size": batch_size, "seconds": 1.0, "compared": compare,
-                "version": choose_mod.VERSION}
+                "new_tokens": 48, "batch_size": batch_size, "seconds": 1.0, "compared": compare, "rounds": 3,
+                "programs_reused": compare == choose_mod.REQUEST, "version": choose_mod.VERSION}
 
     monkeypatch.setattr(choose_mod, "measure", measure)
     return calls, predicted
@@ -58,9 +58,12 @@ def test_a_request_measures_the_default_tree_against_plain_decoding_and_keeps_th
     assert batch == 1 and pairs == ALL_PAIRS[:1] and kw["compare"] == "request"
     assert kw["prompt_bucket"] == 32 and kw["reply_tokens"] == 40 and kw["layers"] == "auto"
     assert kw["cache_size"] is None
+    # within a time budget, 16 new tokens a call at this batch size
+    assert kw["budget_s"] == choose_mod.REQUEST_BUDGET_S and kw["new_tokens"] == choose_mod.NEW_TOKENS == 16
     assert isinstance(plan.head, Clover2Head) and plan.drafter.spec.name == "fit-5-411aab+lookup-4-table"
     assert plan.choice == {"head": CLOVER, "tree": "fit-5-411aab+lookup-4-table", "predicted_speedup": 1.2,
-                           "compared": "request"}
+                           "compared": "request", "rounds": 3, "measurements": 1, "settled": True,
+                           "programs_reused": True}
     assert any(n.startswith(f"chose {CLOVER} fit-5-411aab") and "calibrate --quick compares every shipped head" in n
                for n in plan.notes)
     err = capsys.readouterr().err
@@ -77,6 +80,50 @@ def test_a_request_measures_the_default_tree_against_plain_decoding_and_keeps_th
     # dearer with the batch)
     prepare_generate(smollm, ["a", "b"], mode="speculative")
     assert len(calls) == 2 and calls[1][1] == 2 and calls[1][0] == [ALL_PAIRS[0], ALL_PAIRS[-1]]
+    # above batch 4, shorter calls (each decodes every row)
+    prepare_generate(smollm, ["a"] * 8, mode="speculative")
+    assert calls[2][1] == 8 and calls[2][2]["new_tokens"] == choose_mod.LARGE_BATCH_NEW_TOKENS == 8
+
+
+def test_a_close_departure_from_the_default_is_measured_again_and_merged(smollm, monkeypatch, tmp_path):
+    """A request's measurement that departs from the default tree by a margin under `CLEAR_MARGIN` (or has fewer
+    than `ROUNDS` rounds) is not settled: the next request measures again, and each run's iteration time is the
+    faster of the two measurements; a clear one is kept at once."""
+    monkeypatch.setenv("CLOVER_JAX_CACHE", str(tmp_path))
+    monkeypatch.setattr(choose_mod, "_MEMO", {})
+    tree = f"{CLOVER} fit-5-411aab+lookup-4-table"
+    measured = [{"ar": 10.0, tree: 31.0}, {"ar": 10.5, tree: 22.0}]  # a slow first process: 3.1 decode steps, then 2.1
+
+    def measure(loaded, pairs, *, batch_size=1, compare=choose_mod.ALL, **kw):
+        it = measured.pop(0)
+        row = {"head": CLOVER, "tree": "fit-5-411aab+lookup-4-table", "tau_batch": 2.5, "step_cost": it[tree] / it["ar"],
+               "predicted_speedup": round(2.5 * it["ar"] / it[tree], 3)}
+        return {"best": choose_mod.decide({tree: row}, tree), "default": tree, "candidates": {tree: row},
+                "iteration_ms": it, "rounds": 3, "compared": compare, "prompt_bucket": 32, "cache_size": {},
+                "batch_size": batch_size, "new_tokens": 16, "seconds": 10.0, "version": choose_mod.VERSION}
+
+    monkeypatch.setattr(choose_mod, "measure", measure)
+    first = prepare_generate(smollm, ["hi"], mode="speculative")
+    assert first.mode == "ar" and first.choice["settled"] is False  # 0.806x: plain decoding 1.24x faster, not clear
+    choose_mod._MEMO.clear()  # a new process
+    second = prepare_generate(smollm, ["hi"], mode="speculative")
+    # the tree's fastest 22.0 ms over plain decoding's fastest 10.0: cost 2.2, 2.5 / 2.2 = 1.136x: the default tree
+    assert not measured and second.choice["tree"] == "fit-5-411aab+lookup-4-table"
+    assert second.choice["predicted_speedup"] == 1.136 and second.choice["measurements"] == 2
+    assert second.choice["settled"] is True
+    saved = json.loads((choose_mod.cache_dir() / choose_mod.CHOICES_FILE).read_text())
+    (entry,) = saved.values()
+    assert entry["iteration_ms"] == {"ar": 10.0, tree: 22.0} and entry["rounds_total"] == 6 and entry["merged"]
+    prepare_generate(smollm, ["hi"], mode="speculative")  # settled: nothing measured (measure would fail: none left)
+    # a clear decision is settled at once; one of fewer rounds than `ROUNDS` is not
+    clear = {"best": "ar", "default": tree, "candidates": {tree: {"predicted_speedup": 0.5}}, "rounds": 1,
+             "compared": "request"}
+    assert choose_mod.settled(clear) and not choose_mod.settled(dict(clear, candidates={tree: {
+        "predicted_speedup": 0.9}}))
+    assert not choose_mod.settled(dict(clear, best=tree, candidates={tree: {"predicted_speedup": 1.1}}))
+    assert choose_mod.settled(dict(clear, best=tree, rounds=3, candidates={tree: {"predicted_speedup": 1.1}}))
+    assert choose_mod.settled(dict(clear, measurements=3, candidates={tree: {"predicted_speedup": 0.9}}))
+    assert choose_mod.settled(dict(clear, compared="all", candidates={tree: {"predicted_speedup": 0.9}}))
 
 
 def test_a_comparison_of_every_candidate_is_kept_for_requests(smollm, fake_measure):
@@ -180,7 +227,12 @@ def test_measure_predicts_tokens_per_iteration_over_an_iteration_cost(smollm, mo
     assert row["tau_batch"] == 2.5 and row["tau_source"] == "measured" and row["predicted_speedup"] == 1.25
     # both on the full model: the speed-up seen (10 ms x 20 iterations against 20 ms x 40) and the outputs compared
     assert row["measured_speedup"] == 0.25 and row["differing_outputs"] == 0
-    assert entry["best"] == "lookup-4-table" and entry["default"] == "lookup-4-table"
+    assert entry["best"] == "lookup-4-table" and entry["default"] == "lookup-4-table" and entry["rounds"] == 3
+    # a request's time budget: no round starts that would end past it, one round at least
+    seen.clear()
+    seconds.update({("ar", 30): [(0.05, 0.25)], ("lookup-4-table", 30): [(0.1, 0.9)]})
+    entry = choose_mod.measure(smollm, [(None, "lookup-4-table")], prompts=["x"], budget_s=0.0)
+    assert entry["rounds"] == 1 and len(seen) == 2 and entry["candidates"]["lookup-4-table"]["step_cost"] == 2.0
     # on a backend whose unrolled loops are timed on parts of the model: AR (unrolled) at 2 and 8 layers, three
     # calls a round each; 2 ms on 2 layers, 5 ms on 8 -> 16 ms on 30; the tree (scanned) on the full model
     monkeypatch.setattr(choose_mod, "PROBE_BACKENDS", (choose_mod.jax.default_backend(),))
@@ -286,12 +338,23 @@ def test_measure_times_the_programs_of_the_request(smollm, monkeypatch):
                                    mode == "speculative" else None, head=NoHead() if mode == "speculative" else None)
         assert request.prompt.shape[1] == 32 and kw["cache_size"] == request.cache_size == entry["cache_size"][tree]
         assert kw["prompt_bucket"] == 32 and len(units[0][0]) == 32  # the prompt's token ids, cut to the bucket
+    assert entry["programs_reused"] is True
     # 32 + 736 tokens fill 768 slots, not the tree's too
     assert entry["cache_size"]["ar"] < entry["cache_size"]["lookup-4-table"]
     # a request that names its cache size: that size for every run
     entry = choose_mod.measure(smollm, [(None, "lookup-4-table")], prompts=[long_prompt], prompt_bucket=32,
                                reply_tokens=100, cache_size=1024)
     assert entry["cache_size"] == {"ar": 1024, "lookup-4-table": 1024} and seen["ar"][1]["cache_size"] == 1024
+    # a batch whose prompt tokens pass `REUSE_TOKENS` (8 x 128): the prompts cut to the smallest bucket, their end
+    # kept (the question and the assistant's turn), the request's cache sizes kept
+    entry = choose_mod.measure(smollm, [(None, "lookup-4-table")], prompts=[long_prompt], prompt_bucket=128,
+                               reply_tokens=100, batch_size=8)
+    units, kw = seen["ar"]
+    ids = choose_mod.check_request(smollm, [long_prompt]).ids[0]
+    assert len(ids) > 32 and units[0][0] == ids[-32:] and len(units[0]) == 8
+    assert kw["prompt_bucket"] == entry["prompt_bucket"] == 32 and entry["programs_reused"] is False
+    ar = prepare_generate(smollm, [ids], mode="ar", max_new_tokens=100, prompt_bucket=128)
+    assert kw["cache_size"] == entry["cache_size"]["ar"] == ar.cache_size
     # a request past the model's context: the chat request's shapes
     entry = choose_mod.measure(smollm, [(None, "lookup-4-table")], prompts=[long_prompt], prompt_bucket=32,
                                reply_tokens=10 ** 6)

@@ -71,7 +71,7 @@ from clover_jax import pretrained
 from clover_jax.decoding import acceptance_stats
 from clover_jax.decoding.lookup import NoHead
 from clover_jax.decoding.ngram import resolve_ngram_table
-from clover_jax.decoding.sizes import bucket_length
+from clover_jax.decoding.sizes import MIN_BUCKET, bucket_length
 from clover_jax.generation.api import generate
 from clover_jax.generation.calibration import AR, entry_key, hardware_key
 from clover_jax.generation.plan import prepare_generate
@@ -91,6 +91,27 @@ PROMPTS = (("spec_bench", "qa", 1),)
 NEW_TOKENS = 16
 CACHE_SIZE = 512  # every call of the measurement: one compiled program per run, a chat request's cache
 ROUNDS = 3
+# a request's measurement (`compare="request"`) stops timing rounds where one more would end past this many seconds
+# from its start, compiles included (it times one round at least): on a 2-core CPU its warm-up compiles two programs in
+# about 13 s at batch 1 and a round then takes under 2 s, while at batch 16 a round of three programs takes over 10 s
+REQUEST_BUDGET_S = 25.0
+# a request's measurement is settled (kept without measuring again) when its decision is clear, the speed-up chosen
+# (plain decoding's 1.0 counted) at least this times the next one's, or when it has `ROUNDS` rounds and, where it
+# departs from the default candidate, a second measurement; else the next request (in this process or another)
+# measures again within the budget, and each run's iteration time is the fastest of the measurements (`merge`), up
+# to `MEASUREMENTS` of them. A single measurement on a 2-core CPU once put the default tree at 3.17 decode steps where
+# two other processes measured 2.32 and 2.34 (its choice of plain decoding would otherwise be kept for good), and a
+# budget of one round at a large batch is noisier still
+CLEAR_MARGIN = 1.25
+MEASUREMENTS = 3
+# a request's measurement runs its request's own shapes (the default tree's program is then the one the request runs)
+# while the batch's prompt tokens (rows x prompt bucket) stay within this; above, it cuts the prompts to the smallest
+# bucket and keeps the request's cache sizes: each call prefills, and on a 2-core CPU a batch of 16 prompts prefills
+# in 3.6 s at bucket 128 and in 0.6 s at bucket 16, where compiling the request's own program anew takes 6-11 s
+REUSE_TOKENS = 512
+# the new tokens of a request's long calls above batch 4: at batch 16 on a 2-core CPU, plain decoding's 16 tokens
+# take 2.7 s and the default tree's 5.4 s
+LARGE_BATCH, LARGE_BATCH_NEW_TOKENS = 4, 8
 # on a GPU every loop runs the layers unrolled, whose compile grows faster than the depth: such a loop is timed on the
 # model's first 2 and 8 layers and its iteration time extrapolated to the full depth. On a CPU an unrolled loop
 # compiles in time growing more slowly than the depth (SmolLM2's plain decoding on a 2-core CPU: 6.0 s for its 30
@@ -267,7 +288,8 @@ def _request_cache(loaded, kw: dict, prompt_bucket: int, reply_tokens: int) -> i
 def measure(loaded, pairs: Sequence[tuple[str | None, str]], *, batch_size: int = 1, mesh=None,
             prompts: Sequence[str] | None = None, new_tokens: int = NEW_TOKENS, model_source=None,
             ngram_table=None, prompt_bucket: int | None = None, reply_tokens: int | None = None,
-            cache_size: int | None = None, layers: str = "auto", compare: str = ALL) -> dict[str, Any]:
+            cache_size: int | None = None, layers: str = "auto", compare: str = ALL,
+            budget_s: float | None = None) -> dict[str, Any]:
     """Measures plain decoding and each (head, tree) pair (see the module docstring); returns the entry to save. The
     first pair is the default one (the request's tree were nothing chosen), kept against a candidate that is not
     predicted `TOLERANCE` faster (`decide`). With `prompt_bucket` and `reply_tokens` (a request's: its prompts'
@@ -291,8 +313,13 @@ def measure(loaded, pairs: Sequence[tuple[str | None, str]], *, batch_size: int 
         reply_tokens = max(reply_tokens, new_tokens)  # a cache that holds the measurement's calls too
         caches = {run: _request_cache(loaded, dict(kw, cache_size=cache_size), prompt_bucket, reply_tokens)
                   for run, kw in runs.items()}
+    reused = False  # whether the request runs the programs timed
     if all(caches.values()):
-        prompts = [ids[:prompt_bucket] for ids in check_request(loaded, list(prompts)).ids]  # token ids, cut
+        reused = batch_size * prompt_bucket <= REUSE_TOKENS
+        prompt_bucket = prompt_bucket if reused else MIN_BUCKET
+        # token ids, their end kept (the question and the assistant's turn: cut at the front, a prompt of the
+        # smallest bucket kept the system prompt alone, and the reply ended after 3 tokens)
+        prompts = [ids[-prompt_bucket:] for ids in check_request(loaded, list(prompts)).ids]
         runs = {run: dict(kw, cache_size=caches[run], prompt_bucket=prompt_bucket) for run, kw in runs.items()}
     else:
         prompt_bucket, caches = None, {run: CACHE_SIZE for run in runs}
@@ -302,10 +329,12 @@ def measure(loaded, pairs: Sequence[tuple[str | None, str]], *, batch_size: int 
     # a candidate without a reference takes its tokens per step from these prompts: drafted by the full model
     variants = _variants(loaded, runs, {name for name, ref in refs.items() if ref is None})
     # compile every program first (warm-up calls, not timed), side by side: XLA compiles outside Python's lock, so on a
-    # machine with cores to spare the programs build at once; the timed rounds below run one call at a time
+    # machine with cores to spare the programs build at once; the timed rounds below run one call at a time. A warm-up
+    # call runs the decode loop too: a program's first call through its loop is slower (on a 2-core CPU at batch 8,
+    # plain decoding's by 15%), and the first round would otherwise favour the programs it times last
     warm = [(v, rows) for v in variants for rows in units]
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(len(warm), os.cpu_count() or 1))) as pool:
-        list(pool.map(lambda item: generate(item[0].loaded, item[1], max_new_tokens=1, decode_text=False,
+        list(pool.map(lambda item: generate(item[0].loaded, item[1], max_new_tokens=new_tokens, decode_text=False,
                                             **item[0].kw), warm))
     # ROUNDS rounds, each timing every program once (a part of the model PROBE_REPEATS times: its error is multiplied
     # in the extrapolation, and it is quick), in an order turned by one each round.
@@ -314,7 +343,11 @@ def measure(loaded, pairs: Sequence[tuple[str | None, str]], *, batch_size: int 
     long: dict[str, list[float]] = {v.name: [] for v in variants}
     iterations, outputs, hists, longest = {}, {}, {}, {}
     its_of: dict[str, int] = {}
+    rounds, round_s = 0, 0.0
     for r in range(ROUNDS):
+        if r and budget_s is not None and time.perf_counter() - t0 + round_s > budget_s:
+            break
+        r0, rounds = time.perf_counter(), r + 1
         shift = r % len(variants)
         for v in variants[shift:] + variants[:shift]:
             calls = [_decode(v.loaded, units, new_tokens, **v.kw)
@@ -325,6 +358,7 @@ def measure(loaded, pairs: Sequence[tuple[str | None, str]], *, batch_size: int 
             its_of[v.name] = max(its, 1)  # the same every call: greedy, static shapes
             if v.depth == num_layers:
                 iterations[v.run], outputs[v.run], hists[v.run], longest[v.run] = its, ids, hist, most
+        round_s = time.perf_counter() - r0
 
     # a program's iteration time: its fastest long call less its fastest short call, over the iterations between
     # them (each call's time varies from call to call, on a 2-core CPU by up to 25%, and does not fall below what
@@ -334,7 +368,7 @@ def measure(loaded, pairs: Sequence[tuple[str | None, str]], *, batch_size: int 
                             for v in variants if v.run == run}, num_layers)
 
     iteration = {run: full_depth(run, min) for run in runs}
-    per_round = [{run: full_depth(run, lambda t, r=r: t[r]) for run in runs} for r in range(ROUNDS)]
+    per_round = [{run: full_depth(run, lambda t, r=r: t[r]) for run in runs} for r in range(rounds)]
     table: dict[str, dict] = {}
     for head, tree in pairs:
         name = _label(head, tree)
@@ -366,9 +400,47 @@ def measure(loaded, pairs: Sequence[tuple[str | None, str]], *, batch_size: int 
             "round_costs": {name: [round(r[name] / r[AR], 3) for r in per_round] for name in table},
             "round_ms": {v.name: [round(1e3 * (b - a) / its_of[v.name], 2) for a, b in zip(short[v.name], long[v.name])]
                          for v in variants},
-            "new_tokens": new_tokens, "prompts": len(prompts), "batch_size": batch_size, "rounds": ROUNDS,
-            "compared": compare, "prompt_bucket": prompt_bucket, "cache_size": caches,
+            "new_tokens": new_tokens, "prompts": len(prompts), "batch_size": batch_size, "rounds": rounds,
+            "compared": compare, "prompt_bucket": prompt_bucket, "cache_size": caches, "programs_reused": reused,
             "seconds": round(time.perf_counter() - t0, 1), "version": VERSION, "date": time.strftime("%Y-%m-%d")}
+
+
+def _speedups(entry: dict) -> dict[str, float]:
+    return {AR: 1.0, **{name: row["predicted_speedup"] for name, row in entry["candidates"].items()}}
+
+
+def settled(entry: dict) -> bool:
+    """Whether a saved choice answers without measuring again (`CLEAR_MARGIN`): a comparison of every candidate
+    always (an explicit command), a request's when its decision is clear, when it has `ROUNDS` rounds (and a second
+    measurement where it departs from the default), or after `MEASUREMENTS` measurements."""
+    if entry.get("compared", ALL) == ALL or entry.get("measurements", 1) >= MEASUREMENTS:
+        return True
+    speed = sorted(_speedups(entry).values(), reverse=True)
+    if len(speed) < 2 or speed[0] >= CLEAR_MARGIN * speed[1]:
+        return True
+    departs = entry["best"] != entry.get("default", entry["best"])
+    return entry.get("rounds_total", entry.get("rounds", ROUNDS)) >= ROUNDS and not (
+        departs and entry.get("measurements", 1) < 2)
+
+
+def merge(earlier: dict, entry: dict) -> dict:
+    """`entry`, a new measurement, with `earlier`'s folded in: where both timed the same programs (the same runs,
+    prompt bucket and cache sizes), each run's iteration time is the faster of the two (a call does not run faster
+    than it costs) and the costs, predictions and decision are derived again; else `entry` alone. Either way the
+    measurements and rounds are counted."""
+    out = dict(entry, measurements=earlier.get("measurements", 1) + entry.get("measurements", 1),
+               rounds_total=earlier.get("rounds_total", earlier.get("rounds", 0)) + entry.get("rounds", 0),
+               seconds=round(earlier.get("seconds", 0.0) + entry["seconds"], 1))
+    same = all(earlier.get(k) == entry.get(k) for k in ("prompt_bucket", "cache_size", "batch_size", "new_tokens"))
+    if not same or not entry.get("iteration_ms") or set(earlier.get("iteration_ms", {})) != set(entry["iteration_ms"]):
+        return out
+    iteration = {run: min(t, earlier["iteration_ms"][run]) for run, t in entry["iteration_ms"].items()}
+    table = {}
+    for name, row in entry["candidates"].items():
+        cost = iteration[name] / iteration[AR]
+        table[name] = dict(row, step_cost=round(cost, 3), predicted_speedup=round(row["tau_batch"] / cost, 3))
+    return dict(out, iteration_ms=iteration, ar_iteration_ms=iteration[AR], candidates=table,
+                best=decide(table, entry.get("default")), merged=True)
 
 
 # -------------------------------------------------------------------------------------------- storage
@@ -432,6 +504,9 @@ def choose(loaded, head: HeadBundle | None = None, *, batch_size: int = 1, mesh=
     entry = None if refresh else (_MEMO.get(key) or load_choice(key))
     if entry is not None and compare == ALL and entry.get("compared", ALL) != ALL:
         entry = None  # a choice that compared the default tree only does not answer for every candidate
+    earlier = None  # a request's choice not yet settled: used where nothing may be measured, else measured again
+    if entry is not None and measure_new and not settled(entry):
+        earlier, entry, compare = entry, None, entry.get("compared", compare)
     made = entry is None
     if made and not measure_new:
         return None
@@ -447,12 +522,19 @@ def choose(loaded, head: HeadBundle | None = None, *, batch_size: int = 1, mesh=
                                              batch_size=batch_size) if _draftable(loaded, pair, ngram_table)]
         if not pairs:
             return None
-        if not quiet:
+        if not quiet and earlier is not None:
+            print(f"clover_jax: measuring the draft tree's choice for {where} again (measurement "
+                  f"{earlier.get('measurements', 1) + 1}: the last one was not clear)", file=sys.stderr)
+        elif not quiet:
             print(f"clover_jax: choosing the draft tree for {where} (first use: {len(pairs) + 1} runs compiled "
                   "and timed, 7-9 s a run at batch 1 on a 2-core CPU; the answer is kept)", file=sys.stderr)
+        budget = dict(budget_s=REQUEST_BUDGET_S, new_tokens=NEW_TOKENS if batch_size <= LARGE_BATCH else
+                      LARGE_BATCH_NEW_TOKENS) if compare == REQUEST else {}
         entry = measure(loaded, pairs, batch_size=batch_size, mesh=mesh, model_source=model_source,
                         ngram_table=ngram_table, prompt_bucket=prompt_bucket, reply_tokens=reply_tokens,
-                        cache_size=cache_size, layers=layers, compare=compare)
+                        cache_size=cache_size, layers=layers, compare=compare, **budget)
+        if earlier is not None:
+            entry = merge(earlier, entry)
         save_choice(key, entry)
     _MEMO[key] = entry
     ranked = sorted(entry["candidates"].values(), key=lambda r: -r["predicted_speedup"])
@@ -518,7 +600,9 @@ def decide_fastest(request: Request, *, run_loader: RunLoader | None = None
     if choice is None:  # no candidate passes the request's checks: the default tree's resolution reports why
         return default.replace(head=bundle if bundle is not None else head), (), None
     about = {"head": choice.head, "tree": choice.tree, "predicted_speedup": choice.predicted,
-             "compared": choice.entry.get("compared", ALL)}
+             "compared": choice.entry.get("compared", ALL), "rounds": choice.entry.get("rounds"),
+             "measurements": choice.entry.get("measurements", 1), "settled": settled(choice.entry),
+             "programs_reused": choice.entry.get("programs_reused", False)}
     if choice.tree == AR:
         return request.replace(speculative=False), (choice.note,), about
     if choice.head is None:
@@ -528,4 +612,5 @@ def decide_fastest(request: Request, *, run_loader: RunLoader | None = None
     return request.replace(head=chosen_head, tree=choice.tree, tree_rule=NAMED), (choice.note,), about
 
 
-__all__ = ["Choice", "batch_tau", "candidates", "choose", "decide_fastest", "measure", "reference", "reference_tau"]
+__all__ = ["Choice", "batch_tau", "candidates", "choose", "decide_fastest", "measure", "merge", "reference",
+           "reference_tau", "settled"]
