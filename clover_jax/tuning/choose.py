@@ -21,7 +21,9 @@ batch 1 barely more than one), and not on the text (shapes are static). The choi
    its default tree with plain decoding (two programs; at a batch above 1 the shortest head-less chain too, as
    verifying gets dearer with the batch; a saved comparison of every candidate is used where there is one), on its
    own shapes (prompt bucket, cache size, layers), so that the default tree's program it compiles is the one the
-   request then runs.
+   request then runs; where its batch's prompt tokens pass `REUSE_TOKENS`, on its cache sizes with the prompts cut
+   to the smallest bucket (each call prefills the batch). It times rounds for `REQUEST_BUDGET_S` after its warm-up
+   (one round at least), and above batch `LARGE_BATCH` its calls decode fewer tokens.
 2. For each candidate and our autoregressive loop, on `PROMPTS` (a short held-out Spec-Bench question, repeated to
    the batch size; cut to a request's prompt bucket): the jitted call for 1 new token and for `NEW_TOKENS` new
    tokens, after a warm-up that compiles every program side by side. `ROUNDS` rounds time every program's two calls,
@@ -44,7 +46,9 @@ batch 1 barely more than one), and not on the text (shapes are static). The choi
    plain decoding at 1.0x, is predicted more than `TOLERANCE` (10%) faster; then the fastest. The choice, its
    reason, what was compared and every candidate's numbers are kept in the user's cache
    (`~/.cache/clover_jax/calibration/choices.json`, `CLOVER_JAX_CACHE` overrides), keyed by the heads' weights,
-   the hardware, the dtype and the batch size, and announced on stderr in one line when made.
+   the hardware, the dtype and the batch size, and announced on stderr in one line when made. A request's choice
+   that is not clear (`CLEAR_MARGIN`) and has fewer than `ROUNDS` rounds, or departs from the default on one
+   measurement, is measured again by the next request and merged (`settled`, `merge`).
 
 Measured on a 2-core CPU for SmolLM2-135M at batch 1 (docs/trees.md has the commands): a request's choice in 16-17 s,
 both programs' compiles included (the first request 17-18 s in all, against 8 s with `tree="default"`: the choice
@@ -92,9 +96,9 @@ NEW_TOKENS = 16
 CACHE_SIZE = 512  # every call of the measurement: one compiled program per run, a chat request's cache
 ROUNDS = 3
 # a request's measurement (`compare="request"`) stops timing rounds where one more would end past this many seconds
-# from its start, compiles included (it times one round at least): on a 2-core CPU its warm-up compiles two programs in
-# about 13 s at batch 1 and a round then takes under 2 s, while at batch 16 a round of three programs takes over 10 s
-REQUEST_BUDGET_S = 25.0
+# after its warm-up (it times one round at least): on a 2-core CPU a round of two programs takes 2-3 s at batch 1 (three
+# rounds), of three programs about 10 s at batch 16 (one round), where the warm-up compiles the programs in 13-20 s
+REQUEST_BUDGET_S = 10.0
 # a request's measurement is settled (kept without measuring again) when its decision is clear, the speed-up chosen
 # (plain decoding's 1.0 counted) at least this times the next one's, or when it has `ROUNDS` rounds and, where it
 # departs from the default candidate, a second measurement; else the next request (in this process or another)
@@ -106,8 +110,8 @@ CLEAR_MARGIN = 1.25
 MEASUREMENTS = 3
 # a request's measurement runs its request's own shapes (the default tree's program is then the one the request runs)
 # while the batch's prompt tokens (rows x prompt bucket) stay within this; above, it cuts the prompts to the smallest
-# bucket and keeps the request's cache sizes: each call prefills, and on a 2-core CPU a batch of 16 prompts prefills
-# in 3.6 s at bucket 128 and in 0.6 s at bucket 16, where compiling the request's own program anew takes 6-11 s
+# bucket and keeps the request's cache sizes: each call prefills, and on a 2-core CPU a call for one new token takes
+# 3.6 s for 16 prompts of 128 tokens and 0.5 s for 8 of 32, where compiling the request's own program anew takes 6-11 s
 REUSE_TOKENS = 512
 # the new tokens of a request's long calls above batch 4: at batch 16 on a 2-core CPU, plain decoding's 16 tokens
 # take 2.7 s and the default tree's 5.4 s
@@ -343,9 +347,9 @@ def measure(loaded, pairs: Sequence[tuple[str | None, str]], *, batch_size: int 
     long: dict[str, list[float]] = {v.name: [] for v in variants}
     iterations, outputs, hists, longest = {}, {}, {}, {}
     its_of: dict[str, int] = {}
-    rounds, round_s = 0, 0.0
+    rounds, round_s, t_rounds = 0, 0.0, time.perf_counter()
     for r in range(ROUNDS):
-        if r and budget_s is not None and time.perf_counter() - t0 + round_s > budget_s:
+        if r and budget_s is not None and time.perf_counter() - t_rounds + round_s > budget_s:
             break
         r0, rounds = time.perf_counter(), r + 1
         shift = r % len(variants)
