@@ -50,10 +50,10 @@ batch 1 barely more than one), and not on the text (shapes are static). The choi
    that is not clear (`CLEAR_MARGIN`) and has fewer than `ROUNDS` rounds, or departs from the default on one
    measurement, is measured again by the next request and merged (`settled`, `merge`).
 
-Measured on a 2-core CPU for SmolLM2-135M at batch 1 (docs/trees.md has the commands): a request's choice in 16-17 s,
-both programs' compiles included (the first request 17-18 s in all, against 8 s with `tree="default"`: the choice
-adds about 10 s), predicting 1.20x, 1.21x, 1.22x, 1.15x, 1.17x and 1.03x in six runs (the default tree every time);
-every candidate compared (`calibrate --quick`) in 35 s. A measured choice is reused afterwards. The full calibration
+Measured on a 2-core CPU for SmolLM2-135M (docs/trees.md, docs/results.md): a request's choice in 25-27 s at batch 1
+(16-17 s on a faster day of that VM), both programs' compiles included, 29-38 s at batch 2-16; two runs chose the
+same at every batch size, predicting 1.03x and 1.27x for the default tree at batch 1; every candidate compared
+(`calibrate --quick`) in 48-151 s. A measured choice is reused afterwards. The full calibration
 (`tree="auto"`, `clover_jax.tuning.calibrate`) searches many more trees and fits new ones.
 """
 
