@@ -96,8 +96,8 @@ NEW_TOKENS = 16
 CACHE_SIZE = 512  # every call of the measurement: one compiled program per run, a chat request's cache
 ROUNDS = 3
 # a request's measurement (`compare="request"`) stops timing rounds where one more would end past this many seconds
-# after its warm-up (it times one round at least): on a 2-core CPU a round of two programs takes 2-3 s at batch 1 (three
-# rounds), of three programs about 10 s at batch 16 (one round), where the warm-up compiles the programs in 13-20 s
+# after its warm-up (it times one round at least): on a 2-core CPU a round of two programs takes under 3 s at batch 1
+# (three rounds fit), while from batch 2 on one round of three programs does (docs/trees.md)
 REQUEST_BUDGET_S = 10.0
 # a request's measurement is settled (kept without measuring again) when its decision is clear, the speed-up chosen
 # (plain decoding's 1.0 counted) at least this times the next one's, or when it has `ROUNDS` rounds and, where it
