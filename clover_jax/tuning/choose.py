@@ -340,8 +340,9 @@ def measure(loaded, pairs: Sequence[tuple[str | None, str]], *, batch_size: int 
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(len(warm), os.cpu_count() or 1))) as pool:
         list(pool.map(lambda item: generate(item[0].loaded, item[1], max_new_tokens=new_tokens, decode_text=False,
                                             **item[0].kw), warm))
-    # ROUNDS rounds, each timing every program once (a part of the model PROBE_REPEATS times: its error is multiplied
-    # in the extrapolation, and it is quick), in an order turned by one each round.
+    # up to ROUNDS rounds (within `budget_s` after the warm-up, one at least), each timing every program once (a part of
+    # the model PROBE_REPEATS times: its error is multiplied in the extrapolation, and it is quick), in an order turned
+    # by one each round.
     # [s] per round, of each program's calls for one and for `new_tokens` new tokens (their fastest of the round)
     short: dict[str, list[float]] = {v.name: [] for v in variants}
     long: dict[str, list[float]] = {v.name: [] for v in variants}
