@@ -397,8 +397,7 @@ def measure(loaded, pairs: Sequence[tuple[str | None, str]], *, batch_size: int 
                                                                                  1e-9), 3)
             row["differing_outputs"] = sum(a != b for unit_a, unit_b in zip(outputs[name], outputs[AR])
                                            for a, b in zip(unit_a, unit_b))
-        table[name] = {**row, "step_cost": round(cost, 3), "tau_batch": round(tau_b, 3), "tau_source": source,
-                       "predicted_speedup": round(tau_b / cost, 3)}
+        table[name] = _priced({**row, "tau_batch": round(tau_b, 3), "tau_source": source}, cost)
     default = _label(*pairs[0]) if pairs else None
     return {"best": decide(table, default), "default": default, "candidates": table, "ar_iteration_ms": round(1e3 * iteration[AR], 3),
             "iteration_ms": {run: round(1e3 * t, 3) for run, t in iteration.items()},
@@ -408,6 +407,12 @@ def measure(loaded, pairs: Sequence[tuple[str | None, str]], *, batch_size: int 
             "new_tokens": new_tokens, "prompts": len(prompts), "batch_size": batch_size, "rounds": rounds,
             "compared": compare, "prompt_bucket": prompt_bucket, "cache_size": caches, "programs_reused": reused,
             "seconds": round(time.perf_counter() - t0, 1), "version": VERSION, "date": time.strftime("%Y-%m-%d")}
+
+
+def _priced(row: dict, cost: float) -> dict:
+    """A candidate's row with its iteration's cost in decode iterations and the speed-up predicted from it,
+    `tau_batch / cost` (`measure`, and `merge` with the costs of two measurements)."""
+    return dict(row, step_cost=round(cost, 3), predicted_speedup=round(row["tau_batch"] / cost, 3))
 
 
 def _speedups(entry: dict) -> dict[str, float]:
@@ -440,10 +445,7 @@ def merge(earlier: dict, entry: dict) -> dict:
     if not same or not entry.get("iteration_ms") or set(earlier.get("iteration_ms", {})) != set(entry["iteration_ms"]):
         return out
     iteration = {run: min(t, earlier["iteration_ms"][run]) for run, t in entry["iteration_ms"].items()}
-    table = {}
-    for name, row in entry["candidates"].items():
-        cost = iteration[name] / iteration[AR]
-        table[name] = dict(row, step_cost=round(cost, 3), predicted_speedup=round(row["tau_batch"] / cost, 3))
+    table = {name: _priced(row, iteration[name] / iteration[AR]) for name, row in entry["candidates"].items()}
     return dict(out, iteration_ms=iteration, ar_iteration_ms=iteration[AR], candidates=table,
                 best=decide(table, entry.get("default")), merged=True)
 
