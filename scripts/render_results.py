@@ -241,6 +241,20 @@ def choice_table(d: dict) -> list[str]:
     return lines
 
 
+def first_request_table(d: dict) -> list[str]:
+    """bench/first_request.py: a first speculative request with no tree named (its choice measured) against the same
+    request with the default tree, each in a new process; the difference is what the choice adds."""
+    lines = ["| batch | no tree named: the request (s) | its choice: measured in (s), chose (predicted) | "
+             "`tree=\"default\"`: the request (s) | the choice added (s) |", "|---|---|---|---|---|"]
+    for r in d["rows"]:
+        c = r["no_tree"].get("choice") or {}
+        chose = ("plain decoding" if c.get("tree") == "ar" else f"{short_head(c.get('head'))} `{c.get('tree')}`")
+        lines.append(f"| {r['batch_size']} | {r['no_tree']['seconds']:.1f} | {c.get('measured_s', '-')}, {chose} "
+                     f"({num(c.get('predicted_speedup'), '{:.2f}')}x) | {r['default']['seconds']:.1f} | "
+                     f"{r['added_s']:.1f} |")
+    return lines
+
+
 def short_label(label: str) -> str:
     """A choice's candidate label (`head tree` or `tree`) as a table cell."""
     head, _, tree = label.rpartition(" ")
@@ -311,7 +325,7 @@ def section(d: dict) -> list[str]:
               "```bash", d["command"], "```", ""]
     tables = {"bench_spec": spec_table, "bench_step": step_table, "batch_table": batch_table,
               "choice": choice_table, "bench_rows": rows_table, "train_memory": train_memory_table,
-              "compare_heads": compare_table}
+              "compare_heads": compare_table, "first_request": first_request_table}
     lines += tables[d["benchmark"]](d)
     for note in d.get("notes", []):
         lines += ["", note]

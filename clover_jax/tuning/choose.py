@@ -610,7 +610,8 @@ def decide_fastest(request: Request, *, run_loader: RunLoader | None = None
     about = {"head": choice.head, "tree": choice.tree, "predicted_speedup": choice.predicted,
              "compared": choice.entry.get("compared", ALL), "rounds": choice.entry.get("rounds"),
              "measurements": choice.entry.get("measurements", 1), "settled": settled(choice.entry),
-             "programs_reused": choice.entry.get("programs_reused", False)}
+             "programs_reused": choice.entry.get("programs_reused", False),
+             "measured_s": choice.entry.get("seconds")}  # how long the measurement took (when it was made)
     if choice.tree == AR:
         return request.replace(speculative=False), (choice.note,), about
     if choice.head is None:
