@@ -63,7 +63,7 @@ def test_a_request_measures_the_default_tree_against_plain_decoding_and_keeps_th
     assert isinstance(plan.head, Clover2Head) and plan.drafter.spec.name == "fit-5-411aab+lookup-4-table"
     assert plan.choice == {"head": CLOVER, "tree": "fit-5-411aab+lookup-4-table", "predicted_speedup": 1.2,
                            "compared": "request", "rounds": 3, "measurements": 1, "settled": True,
-                           "programs_reused": True}
+                           "programs_reused": True, "measured_s": 1.0}
     assert any(n.startswith(f"chose {CLOVER} fit-5-411aab") and "calibrate --quick compares every shipped head" in n
                for n in plan.notes)
     err = capsys.readouterr().err
