@@ -230,3 +230,25 @@ def test_calibration_fits_the_tree_the_head_accepts(tmp_path, monkeypatch):
         tree_mod.get_tree(path[0])
     res = clover_jax.generate(base, ids, max_new_tokens=13, mode="speculative", head=str(folder), tree=path[0])
     assert res.token_ids == ar.token_ids and res.stats["tau"] == 4.0
+
+
+def test_the_command_prints_the_trees_its_calibration_fitted(tiny, monkeypatch, capsys):
+    """`python -m clover_jax.cli.calibrate --head RUN`: the table names the trees the calibration fitted just now
+    (which no folder held before it), with their sizes, beside a lookup chain merged with one."""
+    from clover_jax.cli import calibrate as calibrate_cli
+
+    loaded, head = tiny
+    fit = {"choices": [[0], [1], [0, 0]], "top_k": 2}
+    row = {"tau": 1.5, "speedup": 1.1, "tokens_per_second": 10.0}
+    entry = {"prompts": 3, "ar_tokens_per_second": 9.0, "greedy_mismatches": 0, "trees": {"fit-4-abc123": fit},
+             "candidates": {"chain-2": row, "fit-4-abc123": dict(row, fitted=True, predicted_tau=1.4,
+                                                                  predicted_speedup=1.0),
+                            "fit-4-abc123+lookup-4": dict(row, lookup=True)}}
+    monkeypatch.setattr(calibrate_cli, "load_model", lambda *a, **k: loaded)
+    monkeypatch.setattr(calibrate_cli, "load_head", lambda *a, **k: head)
+    monkeypatch.setattr(calibrate_cli, "head_draft_vocab", lambda *a, **k: None)
+    monkeypatch.setattr(calibrate_cli, "resolve_auto", lambda *a, **k: ("fit-4-abc123+lookup-4", entry))
+    assert calibrate_cli.main(["--model", "tiny", "--head", "runs/some-run"]) == 0
+    out = capsys.readouterr().out
+    assert "| fit-4-abc123 | 4 |" in out and "| fit-4-abc123+lookup-4 | 8 |" in out and "| chain-2 | 3 |" in out
+    assert "auto -> fit-4-abc123+lookup-4" in out

@@ -20,6 +20,7 @@ from clover_jax.decoding.tree import get_tree
 from clover_jax.generation.calibration import AR
 from clover_jax.heads.bundle import open_head
 from clover_jax.heads.draft_vocab import head_draft_vocab
+from clover_jax.heads.folder import fitted_trees
 from clover_jax.io.loader import load_model
 from clover_jax.io.prompts import read_prompts
 from clover_jax.parallel import parse_mesh
@@ -81,11 +82,12 @@ def _main(argv=None) -> int:
           "mismatches\n")
     print("| tree | nodes | tau | speedup vs AR | tokens/s | final round: speedup | fitted: predicted tau / speedup |")
     print("|---|---|---|---|---|---|---|")
+    fitted_here = fitted_trees({"entries": {"this": entry}})  # names this calibration fitted (fit-N-<hash>, probe-...)
     for tree, r in sorted(entry["candidates"].items(), key=lambda kv: -kv[1]["speedup"]):
         fitted = f"{r['predicted_tau']:.3f} / {r['predicted_speedup']:.3f}" if r.get("fitted") else ""
         final = r["final_speedup"] if "final_speedup" in r else (r["speedup"] if r.get("fitted") or r.get("lookup")
                                                                   else "")
-        print(f"| {tree} | {get_tree(tree).num_nodes} | {r['tau']:.3f} | {r['speedup']:.3f} | "
+        print(f"| {tree} | {get_tree(tree, fitted_here).num_nodes} | {r['tau']:.3f} | {r['speedup']:.3f} | "
               f"{r['tokens_per_second']:.1f} | {final} | {fitted} |")
     if entry.get("rank_acceptance"):
         print("\nacceptance per depth (rows) and child rank (columns), pooled over the static trees (the fit uses "
