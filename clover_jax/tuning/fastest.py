@@ -45,10 +45,10 @@ def generate(model, prompts: Sequence[Any], **kwargs) -> api.GenerationResult:
       tree: None: the head and tree fastest on this machine, dtype and batch size, or plain decoding where no tree
         pays (`clover_jax.tuning.choose`: measured on first use, then reused, measured again by the next request
         where it was not clear; the choice is in `stats["choice"]`: head, tree, predicted_speedup, compared, rounds,
-        measurements, settled, programs_reused, measured_s, and in `stats["notes"]`): the head's default tree against plain
-        decoding (with no head named, the default head's, and above batch 1 the head-less `lookup-2-table` too), or
-        what `python -m clover_jax.cli.calibrate --quick` chose among every shipped head and head-less prompt-lookup
-        chain. "auto": the tree a calibration of this head on this hardware found fastest
+        measurements, settled, programs_reused, measured_s, and in `stats["notes"]`): the head's default tree
+        against plain decoding (with no head named, the default head's, and above batch 1 the head-less
+        `lookup-2-table` too), or what `python -m clover_jax.cli.calibrate --quick` chose among every shipped head
+        and head-less prompt-lookup chain. "auto": the tree a calibration of this head on this hardware found fastest
         (`clover_jax.tuning.calibrate`; runs one and saves it when none is saved), or plain decoding when no tree
         pays. "default", a name, a JSON file, a policy or a list of paths: that tree, nothing measured.
       head: also a training run directory (its latest Orbax checkpoint).
