@@ -85,13 +85,18 @@ def main(argv=None) -> int:
            "settings": f"{args.model}; every candidate compared (calibrate --quick) and a request's measurement "
                        f"(prompt bucket {args.prompt_bucket}, {args.reply_tokens} new tokens), each in a new process "
                        "with a new choices file and no compile cache", "rows": rows}
+    write_out(out, args.out)
+    return 0
+
+
+def write_out(out: dict, path: str | None) -> None:
+    """The benchmark's JSON object to `path`, or printed where there is none."""
     text = json.dumps(out, indent=1)
-    if args.out:
-        with open(args.out, "w") as f:
+    if path:
+        with open(path, "w") as f:
             f.write(text + "\n")
     else:
         print(text)
-    return 0
 
 
 if __name__ == "__main__":

@@ -22,6 +22,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from choice_by_batch import write_out  # noqa: E402  (the same JSON output)
 
 ONE = """
 import json, sys, time
@@ -76,12 +80,7 @@ def main(argv=None) -> int:
                        f"{args.prompt_bucket}, {args.max_new_tokens} new tokens; each request in a new process with a "
                        "new choices file and no compile cache; the generate call timed (model loading excluded)",
            "rows": rows}
-    text = json.dumps(out, indent=1)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
-    else:
-        print(text)
+    write_out(out, args.out)
     return 0
 
 
