@@ -30,8 +30,9 @@ def load_questions(which: str, limit: int | None, category: str | None):
 
     path = questions_path(which)
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    if category:
-        rows = [r for r in rows if r.get("category") == category]
+    if category:  # one category, or several
+        wanted = {category} if isinstance(category, str) else set(category)
+        rows = [r for r in rows if r.get("category") in wanted]
     if limit:
         # keep every category represented: take the first `limit / n_categories` of each
         cats = sorted({r.get("category", "all") for r in rows})

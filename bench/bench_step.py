@@ -240,7 +240,10 @@ def parts_ms(args, config, base, head, drafter, prompt, lens) -> dict[str, float
 
     @jax.jit
     def commit(bs, hp, hs, f_new, y_new, num):
-        return drafter.commit(nnx.merge(hg, hp), nnx.merge(bg, bs), hs, f_new, y_new, num)
+        new = drafter.commit(nnx.merge(hg, hp), nnx.merge(bg, bs), hs, f_new, y_new, num)
+        # the leaves the commit changed only: returning an unchanged one (a head's projections kept in its state)
+        # would time a copy of it, which the loop, carrying the state, never makes
+        return [n for n, o in zip(jax.tree.leaves(new), jax.tree.leaves(hs)) if n is not o]
 
     f_new = jnp.take_along_axis(hv, acc.accepted_nodes[..., None], axis=1)  # [B, Dmax+1, (n + 1) D]
     y_new = jnp.zeros((b, dmax + 1), jnp.int32)

@@ -3,10 +3,13 @@ in the same evaluation), greedy mismatches, and each head's training cost, on th
 
   python bench/compare_heads.py clover2 eagle medusa --runs runs --prefix compare-   # runs/compare-<head>
   python bench/compare_heads.py runs/a runs/b path/to/exported --trees chain-4 clover2-26 --limit 24
+  python bench/compare_heads.py runs/a smollm2-135m-instruct-eagle@default --trees chain-4 --ar-once
 
 A head is a training run folder, an exported folder or a registered head name. Every head runs the `--trees` its
-type can draft (ReDrafter drafts beam policies only) plus its type's default tree (not with --no-default-tree); a
-head trained on a draft vocabulary drafts from it. `scripts/compare_heads.sh` trains the heads on an equal budget and calls this.
+type can draft (ReDrafter drafts beam policies only) plus its default tree (a shipped head's own, else its type's;
+not with --no-default-tree); HEAD@TREE runs TREE alone on that head (HEAD@default: its default tree). A head
+trained on a draft vocabulary drafts from it. `scripts/compare_heads.sh` trains the heads on an equal budget and
+calls this; `bench/head_types.py` condenses its outputs into one results table.
 Writes compare.json, compare.md and compare.png to --out-dir and prints the markdown table.
 """
 
@@ -61,8 +64,13 @@ def _main(argv=None):
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--trees", nargs="+", default=["chain-4", "clover2-26"])
     ap.add_argument("--no-default-tree", action="store_true",
-                    help="run only --trees (not also each head type's default tree)")
+                    help="run only --trees (not also each head type's default tree; a head that can draft none of "
+                         "them runs its default tree alone)")
+    ap.add_argument("--ar-once", action="store_true",
+                    help="time our autoregressive loop once, in the first head's evaluation, and compare every head "
+                         "with that run (not again beside each head)")
     ap.add_argument("--questions", default="mt_bench")
+    ap.add_argument("--categories", nargs="+", help="only these categories of --questions")
     ap.add_argument("--limit", type=int, default=24, help="prompts (spread over the categories); 0 = all")
     ap.add_argument("--batch-size", type=int, default=1)
     ap.add_argument("--max-new-tokens", type=int, default=128)
@@ -85,30 +93,39 @@ def _main(argv=None):
     from clover_jax.io.loader import load_model
 
     loaded = load_model(args.model)
-    prompts, cats = load_questions(args.questions, args.limit or None, None)
+    prompts, cats = load_questions(args.questions, args.limit or None, args.categories)
     rows, result = [], {"heads": {}, "prompts": len(prompts), "args": vars(args), "date": time.strftime("%Y-%m-%d"),
                         "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.platform()}"}
-    for spec in args.heads:
+    reference = None  # with --ar-once: the first head's autoregressive run
+    out = Path(args.out_dir)
+    for arg in args.heads:
+        spec, _, own = arg.partition("@")  # HEAD@TREE: this head runs TREE alone ("default": its default tree)
         where = Path(args.runs) / f"{args.prefix}{spec}" if args.runs and spec in registry.names() else spec
         head = load_head(str(where), loaded.model)
         ht = registry.of_head(head)
-        known = open_folder(str(where)).trees  # fit-N-<hash>: a tree this head's calibration fitted
-        table = resolve_ngram_table(args.ngram_table, str(where)) if any(t.endswith("-table") for t in args.trees) \
+        folder = open_folder(str(where))
+        known = folder.trees  # fit-N-<hash>: a tree this head's calibration fitted
+        default = folder.default_tree or ht.default_tree  # a shipped head's own default, else its type's
+        asked = [default if own == "default" else own] if own else list(args.trees)
+        table = resolve_ngram_table(args.ngram_table, str(where)) if any(t.endswith("-table") for t in asked) \
             else None
-        why = {t: unsupported(ht, t, table, known) for t in args.trees}
-        trees = [t for t in args.trees if why[t] is None]
-        for t in args.trees:
+        why = {t: unsupported(ht, t, table, known) for t in asked}
+        trees = [t for t in asked if why[t] is None]
+        for t in asked:
             if why[t] is not None:
                 print(f"{spec}: skipping {t}: {why[t]}")
-        trees += [ht.default_tree] if ht.default_tree not in trees and not args.no_default_tree else []
-        if not trees:
-            raise SystemExit(f"{spec}: none of --trees {args.trees} fits a {ht.name} head (and --no-default-tree)")
+        if default not in trees and (not (args.no_default_tree or own) or not trees):
+            trees.append(default)
+            if default.endswith("-table") and table is None:
+                table = resolve_ngram_table(args.ngram_table, str(where))
         vocab = head_draft_vocab(str(where))
         names = [t + DV if vocab is not None else t for t in trees]
         t0 = time.time()
         res = evaluate(loaded, head, prompts, trees=names, batch_size=args.batch_size,
                        max_new_tokens=args.max_new_tokens, categories=cats, draft_vocab=vocab, progress=False,
-                       ngram_table=table, known_trees=known)
+                       ngram_table=table, known_trees=known, reference=reference, keep_reference=args.ar_once)
+        if args.ar_once:
+            reference = res.pop("reference")
         import jax
         from flax import nnx
 
@@ -119,6 +136,8 @@ def _main(argv=None):
                  "ar": res["runs"]["ar"], "trees": {t: res["runs"][n] for t, n in zip(trees, names)},
                  "wall_seconds": round(time.time() - t0, 1)}
         result["heads"][spec] = entry
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "compare.json").write_text(json.dumps(result, indent=1))  # after every head: a crash loses one head
         for t in trees:
             r = entry["trees"][t]
             rates = r.get("accept_rate_per_depth") or []
@@ -135,9 +154,6 @@ def _main(argv=None):
              "train steps | tokens seen | train min | held-out acc (depth 1) |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"] + rows
     lines += ratio_lines(result)
-    out = Path(args.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "compare.json").write_text(json.dumps(result, indent=1))
     (out / "compare.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     plot(result, out / "compare.png")

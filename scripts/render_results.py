@@ -315,6 +315,44 @@ def compare_table(d: dict) -> list[str]:
     return lines
 
 
+SET_NAMES = {"mt_bench": "MT-Bench", "spec_bench": "Spec-Bench"}
+TYPE_NAMES = {"clover2": "Clover-2", "clover1": "Clover-1", "eagle": "EAGLE-1", "medusa": "Medusa-1",
+              "redrafter": "ReDrafter", "block": "block (parallel)"}
+
+
+def head_types_table(d: dict) -> list[str]:
+    """bench/head_types.py: one row per head, every question set's tau and speed-up side by side, the acceptance per
+    depth on the first set, and from bench_step the loop step and the head's draft + commit in autoregressive steps."""
+    sets = list(d["sets"])
+    labels = {k: f"{SET_NAMES.get(v['questions'], v['questions'])} {v['prompts']}" for k, v in d["sets"].items()}
+    cols = "".join(f" {labels[k]}: tau | vs our AR |" for k in sets)
+    lines = [f"| head | training | tree |{cols} accept rate per depth ({labels[sets[0]]}) | loop step "
+             f"(autoregressive steps) | draft + commit (autoregressive steps) | differing |",
+             "|---|---|---|" + "---|---|" * len(sets) + "---|---|---|---|"]
+    for spec, h in d["heads"].items():
+        first = next(iter(h["sets"].values()))
+        tree = first["tree"]
+        steps = f"{h['train_steps']} steps, {h['tokens_seen']:,} tokens" if h.get("tokens_seen") else \
+            h.get("training", "-")
+        cells = ""
+        for k in sets:
+            r = h["sets"].get(k)
+            when = f" ({r['date']})" if r and r.get("date") else ""  # a row measured on another day (`from`)
+            cells += f" {with_ci(r['tau'], r.get('tau_ci95'))} | {num(r['speedup_vs_ar'], '{:.2f}x')}{when} |" if r \
+                else " - | - |"
+        rates = ", ".join(f"{x:.2f}" if x == x else "-"  # NaN: no step reached that depth
+                          for x in first.get("accept_rate_per_depth") or [])
+        cost = d.get("draft", {}).get(f"{h['type']} {tree}")
+        step = f"{cost['speculative_step_ms'] / cost['ar_step_ms']:.2f}" if cost else "-"
+        drafting = f"{(cost['draft_ms'] + cost.get('commit_ms', 0.0)) / cost['ar_step_ms']:.2f}" \
+            if cost and "draft_ms" in cost else "-"
+        differing = sum(r["differing"] for r in h["sets"].values())
+        compared = sum(r["compared"] for r in h["sets"].values())
+        label = h.get("label") or TYPE_NAMES.get(h["type"], h["type"])
+        lines.append(f"| {label} | {steps} | `{tree}` |{cells} {rates} | {step} | {drafting} | {differing} of {compared} |")
+    return lines
+
+
 def section(d: dict) -> list[str]:
     lines = [f"## {d['title']}", "",
              f"- **Date:** {d['date']}",
@@ -325,7 +363,8 @@ def section(d: dict) -> list[str]:
               "```bash", d["command"], "```", ""]
     tables = {"bench_spec": spec_table, "bench_step": step_table, "batch_table": batch_table,
               "choice": choice_table, "bench_rows": rows_table, "train_memory": train_memory_table,
-              "compare_heads": compare_table, "first_request": first_request_table}
+              "compare_heads": compare_table, "first_request": first_request_table,
+              "head_types": head_types_table}
     lines += tables[d["benchmark"]](d)
     for note in d.get("notes", []):
         lines += ["", note]

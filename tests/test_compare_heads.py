@@ -66,3 +66,52 @@ def test_ratio_lines_only_on_shared_trees():
                         "b": {"type": "eagle", "trees": {"chain-4": {"tau": 2.0}, "dynamic-10": {"tau": 2.4}}},
                         "c": {"type": "medusa", "trees": {"clover2-26": {"tau": None}}}}}
     assert mod.ratio_lines(result) == ["", "- Clover-2 / eagle tau on chain-4: 1.100"]
+
+
+def test_head_types_condenses_evaluations_and_step_costs_into_one_rendered_row_per_head(tmp_path):
+    """`bench/head_types.py`: a head evaluated on two question sets is one row with both sets' tau and speed-up;
+    its drafting cost comes from the bench_step report of its type and tree; a head missing from one set shows '-'
+    there; the mismatches of both sets are summed."""
+    spec = importlib.util.spec_from_file_location("head_types", ROOT / "bench" / "head_types.py")
+    ht = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ht)
+
+    def run(tau, speed):
+        return {"tau": tau, "tau_ci95": [tau - 0.1, tau + 0.1], "speedup_vs_ar": speed, "speedup_ci95": None,
+                "accept_rate_per_depth": [0.5, float("nan")], "tokens_per_second": 10.0, "node_hist": [1, 2]}
+
+    def compare(questions, heads):
+        return {"prompts": 3, "args": {"questions": questions, "categories": None},
+                "heads": {name: {"type": kind, "source": f"runs/{name}", "params": 2_000_000,
+                                 "training": {"final_step": 300, "tokens_seen": 1000, "eval_acc": [0.3]},
+                                 "greedy_mismatches": miss, "greedy_compared": 3, "ar": {"tokens_per_second": 20.0},
+                                 "trees": {tree: run(tau, speed)}}
+                          for name, (kind, tree, tau, speed, miss) in heads.items()}}
+
+    mt = compare("mt_bench", {"b": ("block", "chain-4", 1.4, 0.7, 0), "r": ("redrafter", "beam-4x5", 1.3, 0.3, 1)})
+    sb = compare("spec_bench", {"b": ("block", "chain-4", 1.6, 0.8, 0)})
+    paths = []
+    for name, d in (("mt", mt), ("sb", sb)):
+        paths.append(tmp_path / f"{name}.json")
+        paths[-1].write_text(json.dumps(d))
+    step = tmp_path / "step.json"
+    step.write_text(json.dumps({"head_type": "block", "trees": {"chain-4": {
+        "loop: AR step": 30.0, "loop: speculative step": 50.0, "spec: draft": 6.0, "spec: head commit": 3.0}}}))
+    out = tmp_path / "table.json"
+    assert ht.main(["--compare", f"mt_bench={paths[0]}", f"spec_bench={paths[1]}", "--steps", str(step),
+                    "--out", str(out), "--title", "t", "--machine", "m"]) == 0
+    d = json.loads(out.read_text())
+    assert list(d["heads"]) == ["b", "r"] and set(d["heads"]["b"]["sets"]) == {"mt_bench", "spec_bench"}
+    assert d["draft"] == {"block chain-4": {"ar_step_ms": 30.0, "speculative_step_ms": 50.0, "draft_ms": 6.0,
+                                            "commit_ms": 3.0}}
+    assert "node_hist" not in d["heads"]["b"]["sets"]["mt_bench"]  # condensed
+    spec = importlib.util.spec_from_file_location("render_results", ROOT / "scripts" / "render_results.py")
+    render = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(render)
+    d["_file"] = out.name
+    table = render.section(d)
+    rows = [line for line in table if line.startswith("| block") or line.startswith("| ReDrafter")]
+    assert "MT-Bench 3: tau" in "\n".join(table) and "Spec-Bench 3: tau" in "\n".join(table)
+    block, redrafter = rows
+    assert "1.400 (1.300-1.500) | 0.70x | 1.600 (1.500-1.700) | 0.80x | 0.50, - | 1.67 | 0.30 | 0 of 6 |" in block
+    assert "| - | - |" in redrafter and redrafter.endswith("| - | - | 1 of 3 |")

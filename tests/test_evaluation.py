@@ -62,6 +62,37 @@ def test_a_fixed_prompt_bucket_compiles_one_program_per_run_ahead_of_timing():
     assert res["runs"]["chain-3"]["compile_seconds"] > 0
 
 
+def test_a_second_head_is_compared_with_the_first_evaluations_autoregressive_run():
+    """`keep_reference` / `reference`: the second evaluation does not run plain decoding again (no autoregressive
+    program is built), reports the first one's run, and still compares every output with it; a reference made on
+    other settings is refused by name."""
+    from clover_jax.compile_cache import CompileCounter
+    from clover_jax.tuning.evaluation import Reference
+    from clover_jax.validation import InputError
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, eos_token_ids=(2,))
+    base = init_llama(cfg, seed=2)
+    loaded = LoadedModel(cfg, base, WordTokenizer(), "tiny")
+    prompts = ["a b c", "hello there world", "x y"]
+    first = evaluate(loaded, init_from_base(base, Clover2Config()), prompts, trees=["chain-3"], max_new_tokens=8,
+                     progress=False, keep_reference=True)
+    ref = first.pop("reference")
+    assert isinstance(ref, Reference) and len(ref.outputs) == 3 and all(len(o) == 8 for o in ref.outputs)
+    other = init_from_base(base, Clover2Config(), seed=5)  # another head
+    with CompileCounter() as count:
+        second = evaluate(loaded, other, prompts, trees=["chain-3"], max_new_tokens=8, progress=False,
+                          reference=ref)
+    assert count.compiled.get("autoregressive_loop", 0) == 0
+    assert second["runs"]["ar"]["reused"] and second["runs"]["ar"]["seconds"] == first["runs"]["ar"]["seconds"]
+    assert second["greedy_mismatches"] == 0 and second["greedy_compared"] == 3
+    assert len(second["per_batch"]["ar"]) == 3  # not run again beside the second head
+    expect = second["runs"]["chain-3"]["tokens_per_second"] / first["runs"]["ar"]["tokens_per_second"]
+    assert second["runs"]["chain-3"]["speedup_vs_ar"] == pytest.approx(expect, abs=1e-3)
+    with pytest.raises(InputError, match="other prompts or settings"):
+        evaluate(loaded, other, prompts, trees=["chain-3"], max_new_tokens=4, progress=False, reference=ref)
+
+
 def test_bootstrap_ci_of_a_ratio_of_sums():
     """The interval of sum(num) / sum(den) (and of a product of such ratios) resamples rows: it collapses to the
     value where every row has the same ratio, holds the overall value, narrows with more rows, and is reproducible."""

@@ -65,6 +65,15 @@ class RunStats:
                 **({"choice": self.choice} if self.choice is not None else {})}
 
 
+@dataclasses.dataclass
+class Reference:
+    """An evaluation's autoregressive run, kept to serve as the reference of later evaluations of the same prompts
+    with the same settings (`evaluate(..., reference=...)`): its stats and its outputs, one token list per prompt."""
+    run: RunStats
+    outputs: list[list[int]]
+    key: tuple  # what must match: prompts, batch size, new tokens, sampling, prompt bucket
+
+
 DV = "+dv"  # tree-name suffix: run that tree with the draft vocabulary
 CHOSEN = "chosen"  # the run of a request that names no tree: the head and tree chosen here (`tuning.choose`)
 CI_LEVEL = 0.95
@@ -97,7 +106,8 @@ def evaluate(loaded, head, prompts: Sequence[str], *, trees: Sequence[str] = ("c
              max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
              categories: Sequence[str] | None = None, progress: bool = True, draft_vocab=None, mesh=None,
              layers: str = "auto", ngram_table=None, replay: bool = False, chosen_head=None,
-             known_trees=None, prompt_bucket: int | None = None, warmup_threads: int = 1) -> dict[str, Any]:
+             known_trees=None, prompt_bucket: int | None = None, warmup_threads: int = 1,
+             reference: Reference | None = None, keep_reference: bool = False) -> dict[str, Any]:
     """Runs AR and speculative decoding (one run per tree) on the prompts; returns stats and mismatches.
     `mesh`: decode on a device mesh; `layers`: how the decoding loops run the layers; `ngram_table`: for trees
     named `...-table` (all three as in `generate`). A tree named `chosen` runs a request that names no tree
@@ -110,6 +120,10 @@ def evaluate(loaded, head, prompts: Sequence[str], *, trees: Sequence[str] = ("c
     every run's programs are compiled before the first timed call, that many at a time (`compile_seconds` per run:
     the wall time of its compiles, which overlap).
 
+    `keep_reference`: the result's `reference` holds this evaluation's autoregressive run (a `Reference`, not JSON);
+    `reference`: such a run of an earlier evaluation (same prompts and settings, e.g. another head's) is the
+    autoregressive run of this one, not timed again: speed-ups and greedy comparisons are against it.
+
     A tree name ending in `+dv` (e.g. "chain-3+dv") runs that tree with the draft vocabulary `draft_vocab`
     (token ids, `clover_jax.heads.draft_vocab`), so both can be compared in one run.
 
@@ -118,7 +132,12 @@ def evaluate(loaded, head, prompts: Sequence[str], *, trees: Sequence[str] = ("c
     output is also certified on its own by a float32 replay of the base model (`replay`: per tree, the outputs,
     tokens, near-ties and violations)."""
     ids = encode_prompts(loaded.tokenizer, list(prompts))
-    runs = {"ar": RunStats("ar")} | {t: RunStats(t) for t in trees}
+    ref_key = (tuple(map(tuple, ids)), batch_size, max_new_tokens, temperature, top_p, seed, prompt_bucket)
+    if reference is not None and reference.key != ref_key:
+        raise InputError("the reference run was made on other prompts or settings (prompts, batch size, new tokens, "
+                         "sampling, prompt bucket must all match)")
+    runs = {"ar": reference.run if reference is not None else RunStats("ar")} | {t: RunStats(t) for t in trees}
+    ar_outputs: list[list[int]] = []
     if any(t.endswith(DV) for t in trees) and draft_vocab is None:
         raise InputError(f"trees {[t for t in trees if t.endswith(DV)]} ask for a draft vocabulary; pass draft_vocab")
     specs = {t: get_tree(t.removesuffix(DV), known_trees) for t in trees if t != CHOSEN}
@@ -129,7 +148,7 @@ def evaluate(loaded, head, prompts: Sequence[str], *, trees: Sequence[str] = ("c
     differ = {t: [] for t in trees}  # per tree: the indices of prompts whose greedy output differs from AR's
     divergences: list[dict[str, Any]] = []  # the first divergence of each differing output, classified
     replayed = {t: {"outputs": 0, "tokens": 0, "near_ties": 0, "violations": 0} for t in trees}
-    reference = None  # the float32 replay model, made on first need
+    replay_model = None  # the float32 replay model, made on first need
     batches = range(0, len(ids), batch_size)
 
     def call(name: str, chunk) -> tuple[Any, dict]:
@@ -154,6 +173,8 @@ def evaluate(loaded, head, prompts: Sequence[str], *, trees: Sequence[str] = ("c
         for start in batches:
             chunk = ids[start:start + batch_size]
             for name in runs:
+                if name == "ar" and reference is not None:
+                    continue
                 todo.setdefault(shape_key(name, chunk), (name, chunk))
 
         def warm(item):
@@ -174,6 +195,9 @@ def evaluate(loaded, head, prompts: Sequence[str], *, trees: Sequence[str] = ("c
         chunk = ids[start:start + batch_size]
         outs = {}
         for name, run in runs.items():
+            if name == "ar" and reference is not None:
+                outs[name] = reference.outputs[start:start + len(chunk)]
+                continue
             target, kw = call(name, chunk)
             key = shape_key(name, chunk)
             if key not in warmed:
@@ -205,19 +229,20 @@ def evaluate(loaded, head, prompts: Sequence[str], *, trees: Sequence[str] = ("c
                     rec["tau"] = res.stats["row_tau"][i] if "row_tau" in res.stats else 1.0
                 run.per_prompt.append(rec)
             outs[name] = res.token_ids
+        ar_outputs += [list(t) for t in outs["ar"]]
         if temperature == 0.0:
             for name in trees:
                 for i, (a, s) in enumerate(zip(outs["ar"], outs[name])):
                     compared += 1
                     mismatches += int(a != s)
                     if a != s or replay:
-                        reference = reference or float32_copy(loaded.model)
+                        replay_model = replay_model or float32_copy(loaded.model)
                     if a != s:
                         differ[name].append(start + i)
-                        d = audit_divergence(loaded.model, chunk[i], a, s, replay_model=reference)
+                        d = audit_divergence(loaded.model, chunk[i], a, s, replay_model=replay_model)
                         divergences.append({"tree": name, "prompt": start + i, **d.to_dict()})
                     if replay:
-                        check = replay_check(loaded.model, chunk[i], s, replay_model=reference)
+                        check = replay_check(loaded.model, chunk[i], s, replay_model=replay_model)
                         rec = replayed[name]
                         rec["outputs"] += 1
                         rec["tokens"] += check.tokens
@@ -233,6 +258,10 @@ def evaluate(loaded, head, prompts: Sequence[str], *, trees: Sequence[str] = ("c
               "replay": replayed if (replay and temperature == 0.0) else None,
               "per_prompt": {k: v.per_prompt for k, v in runs.items()},
               "per_batch": {k: [[n, round(sec, 4), dt, ds] for n, sec, dt, ds in v.per_batch] for k, v in runs.items()}}
+    if reference is not None:
+        result["runs"]["ar"]["reused"] = True
+    if keep_reference:
+        result["reference"] = reference or Reference(runs["ar"], ar_outputs, ref_key)
     ar_tps = runs["ar"].tokens_per_second
     for t in trees:
         result["runs"][t]["speedup_vs_ar"] = round(runs[t].tokens_per_second / ar_tps, 3)

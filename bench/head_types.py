@@ -1,0 +1,88 @@
+"""One table of head types: the evaluations `bench/compare_heads.py` wrote (one per question set) and the drafting
+cost `bench/bench_step.py --json` measured per head type, condensed into one results file for
+`scripts/render_results.py` (benchmark `head_types`).
+
+  python bench/head_types.py --compare mt_bench=artifacts/mt80/compare.json spec_bench=artifacts/sb40/compare.json \\
+      --steps artifacts/step-*.json --out results/<date>-cpu-head-types.json --title "..." --machine "..."
+
+A head found in several evaluations is one row; its training cost is read from the first. A set may be given
+several times (heads evaluated in separate runs on the same prompts). Drafting cost rows are matched to heads by
+head type and tree.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+KEEP = ("tau", "tau_ci95", "accept_rate_per_depth", "speedup_vs_ar", "speedup_ci95", "tokens_per_second")
+
+
+def condense(compares: list[tuple[str, dict]]) -> dict:
+    """[(set name, compare.json)] -> {"sets": {name: {prompts, ...}}, "heads": {head: row}}; a set may come from
+    several evaluations of the same prompts (each its own autoregressive run: `ar_tokens_per_second` lists them)."""
+    sets, heads = {}, {}
+    for which, result in compares:
+        info = {"prompts": result["prompts"], "questions": result["args"]["questions"],
+                "categories": result["args"].get("categories")}
+        known = sets.setdefault(which, dict(info, ar_tokens_per_second=[]))
+        if {k: known[k] for k in info} != info:
+            raise SystemExit(f"set {which!r}: evaluations on different prompts ({known} and {info})")
+        known["ar_tokens_per_second"] += sorted({e["ar"]["tokens_per_second"] for e in result["heads"].values()})
+        for spec, e in result["heads"].items():
+            cost = e.get("training") or {}
+            row = heads.setdefault(spec, {
+                "type": e["type"], "source": e["source"], "params": e["params"],
+                "train_steps": cost.get("final_step"), "tokens_seen": cost.get("tokens_seen"),
+                "held_out_acc": cost.get("eval_acc"), "sets": {}})
+            for tree, r in e["trees"].items():  # one tree per head and set (compare_heads --no-default-tree)
+                row["sets"][which] = {"tree": tree, **{k: r.get(k) for k in KEEP},
+                                      "differing": e["greedy_mismatches"], "compared": e["greedy_compared"]}
+    return {"sets": sets, "heads": heads}
+
+
+def draft_costs(reports: list[dict]) -> dict:
+    """bench_step --json reports -> {"<head type> <tree>": {draft_ms, commit_ms, ar_step_ms, speculative_step_ms}}."""
+    out = {}
+    for rep in reports:
+        for tree, rows in rep["trees"].items():
+            out[f"{rep['head_type']} {tree}"] = {
+                "ar_step_ms": round(rows["loop: AR step"], 2),
+                "speculative_step_ms": round(rows["loop: speculative step"], 2),
+                **{key: round(rows[part], 2) for key, part in (("draft_ms", "spec: draft"),
+                                                                ("commit_ms", "spec: head commit")) if part in rows}}
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--compare", nargs="+", required=True, metavar="SET=compare.json")
+    ap.add_argument("--steps", nargs="*", default=[], help="bench_step.py --json outputs")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--title", required=True)
+    ap.add_argument("--machine", required=True)
+    ap.add_argument("--machine-short", default="2-core AMD EPYC CPU")
+    ap.add_argument("--settings", default="")
+    ap.add_argument("--command", default="", help="the commands that made the inputs")
+    args = ap.parse_args(argv)
+    compares = []
+    for item in args.compare:
+        which, _, path = item.partition("=")
+        if not path:
+            raise SystemExit(f"--compare {item!r}: expected SET=path/to/compare.json")
+        compares.append((which, json.loads(Path(path).read_text())))
+    out = {"title": args.title, "date": time.strftime("%Y-%m-%d"), "machine": args.machine,
+           "machine_short": args.machine_short, "settings": args.settings, "command": args.command,
+           "source": "condensed by bench/head_types.py from the commands' outputs", "benchmark": "head_types",
+           **condense(compares), "draft": draft_costs([json.loads(Path(p).read_text()) for p in args.steps]),
+           "notes": []}
+    Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
