@@ -2,7 +2,7 @@
 cost `bench/bench_step.py --json` measured per head type, condensed into one results file for
 `scripts/render_results.py` (benchmark `head_types`).
 
-  python bench/head_types.py --compare mt_bench=artifacts/mt80/compare.json spec_bench=artifacts/sb40/compare.json \\
+  python bench/head_types.py --compare mt_bench=artifacts/mt80/compare.json spec_bench=artifacts/sb30/compare.json \\
       --steps artifacts/step-*.json --out results/<date>-cpu-head-types.json --title "..." --machine "..."
 
 A head found in several evaluations is one row; its training cost is read from the first. A set may be given
@@ -38,7 +38,11 @@ def condense(compares: list[tuple[str, dict]]) -> dict:
                 "type": e["type"], "source": e["source"], "params": e["params"],
                 "train_steps": cost.get("final_step"), "tokens_seen": cost.get("tokens_seen"),
                 "held_out_acc": cost.get("eval_acc"), "sets": {}})
-            for tree, r in e["trees"].items():  # one tree per head and set (compare_heads --no-default-tree)
+            if len(e["trees"]) != 1:
+                raise SystemExit(f"{spec} ran {len(e['trees'])} trees on {which} ({', '.join(e['trees'])}): one row "
+                                 "per head needs one tree per head and set (compare_heads.py --no-default-tree with "
+                                 "one --trees, or HEAD@TREE)")
+            for tree, r in e["trees"].items():
                 row["sets"][which] = {"tree": tree, **{k: r.get(k) for k in KEEP},
                                       "differing": e["greedy_mismatches"], "compared": e["greedy_compared"]}
     return {"sets": sets, "heads": heads}
@@ -57,10 +61,19 @@ def draft_costs(reports: list[dict]) -> dict:
     return out
 
 
+def last_json(path: Path) -> dict:
+    """The JSON report in a file of bench_step's output (its last line: the whole stdout of `--json` will do)."""
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    try:
+        return json.loads(lines[-1])
+    except (IndexError, json.JSONDecodeError):
+        raise SystemExit(f"{path}: no bench_step.py --json report on its last line") from None
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--compare", nargs="+", required=True, metavar="SET=compare.json")
-    ap.add_argument("--steps", nargs="*", default=[], help="bench_step.py --json outputs")
+    ap.add_argument("--steps", nargs="*", default=[], help="bench_step.py --json outputs (later files win)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--title", required=True)
     ap.add_argument("--machine", required=True)
@@ -77,7 +90,7 @@ def main(argv=None) -> int:
     out = {"title": args.title, "date": time.strftime("%Y-%m-%d"), "machine": args.machine,
            "machine_short": args.machine_short, "settings": args.settings, "command": args.command,
            "source": "condensed by bench/head_types.py from the commands' outputs", "benchmark": "head_types",
-           **condense(compares), "draft": draft_costs([json.loads(Path(p).read_text()) for p in args.steps]),
+           **condense(compares), "draft": draft_costs([last_json(Path(p)) for p in args.steps]),
            "notes": []}
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
     print(f"wrote {args.out}")

@@ -115,3 +115,21 @@ def test_head_types_condenses_evaluations_and_step_costs_into_one_rendered_row_p
     block, redrafter = rows
     assert "1.400 (1.300-1.500) | 0.70x | 1.600 (1.500-1.700) | 0.80x | 0.50, - | 1.67 | 0.30 | 0 of 6 |" in block
     assert "| - | - |" in redrafter and redrafter.endswith("| - | - | 1 of 3 |")
+
+
+def test_head_types_refuses_a_head_with_several_trees_in_one_set(tmp_path):
+    """One row per head needs one tree per head and set: an evaluation with the default tree added is refused by
+    name, not condensed into whichever tree came last."""
+    import pytest
+
+    spec = importlib.util.spec_from_file_location("head_types", ROOT / "bench" / "head_types.py")
+    ht = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ht)
+    two = {"prompts": 1, "args": {"questions": "mt_bench"}, "heads": {"e": {
+        "type": "eagle", "source": "runs/e", "params": 1, "training": {}, "greedy_mismatches": 0,
+        "greedy_compared": 2, "ar": {"tokens_per_second": 1.0}, "trees": {"chain-4": {}, "clover2-26": {}}}}}
+    with pytest.raises(SystemExit, match="e ran 2 trees on mt_bench"):
+        ht.condense([("mt_bench", two)])
+    (tmp_path / "step.out").write_text("| a markdown table |\n")
+    with pytest.raises(SystemExit, match="no bench_step.py --json report"):
+        ht.last_json(tmp_path / "step.out")
