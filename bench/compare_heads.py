@@ -114,7 +114,8 @@ def _main(argv=None):
         for t in asked:
             if why[t] is not None:
                 print(f"{spec}: skipping {t}: {why[t]}")
-        if default not in trees and (not (args.no_default_tree or own) or not trees):
+        only_asked = args.no_default_tree or own  # no default tree added, unless none of the asked trees fits
+        if default not in trees and (not trees or not only_asked):
             trees.append(default)
             if default.endswith("-table") and table is None:
                 table = resolve_ngram_table(args.ngram_table, str(where))

@@ -349,7 +349,8 @@ def head_types_table(d: dict) -> list[str]:
         differing = sum(r["differing"] for r in h["sets"].values())
         compared = sum(r["compared"] for r in h["sets"].values())
         label = h.get("label") or TYPE_NAMES.get(h["type"], h["type"])
-        lines.append(f"| {label} | {steps} | `{tree}` |{cells} {rates} | {step} | {drafting} | {differing} of {compared} |")
+        lines.append(f"| {label} | {steps} | `{tree}` |{cells} {rates} | {step} | {drafting} | "
+                     f"{differing} of {compared} |")
     return lines
 
 
