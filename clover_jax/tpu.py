@@ -1,0 +1,389 @@
+"""Compiling for a TPU slice on any machine: the real TPU compiler, compile-only devices, per-chip memory and cost.
+
+    sl = tpu.parse_slice("v5e-16")                      # the name a user says -> topology, chips, HBM per chip
+    mesh = tpu.slice_mesh(sl, data=-1, fsdp=4, tp=1)     # a ("data", "fsdp", "tp") mesh of compile-only devices
+    prog = tpu.compile_program("train step", jitted, *abstract_args)   # `jax.ShapeDtypeStruct`s with shardings
+    print(tpu.report(sl, [prog]))                        # arguments, temporaries, outputs, total against the HBM
+
+JAX builds compile-only TPU devices from libtpu's topology descriptions
+(`jax.experimental.topologies.get_topology_desc`); `jax.jit(f).lower(<ShapeDtypeStructs>).compile()` on a mesh of
+them runs the TPU compiler itself, which reports per-chip memory (`Compiled.memory_analysis`: arguments, outputs,
+temporaries) and cost (`Compiled.cost_analysis`: flops, bytes accessed, the compiler's own `optimal_seconds`). No
+TPU, no weights and no download are needed: MaxText's `train_compile.py` works the same way.
+
+libtpu: the version jax's own `tpu` extra pins (`libtpu_requirement`). On a machine without a TPU it must not sit in
+site-packages, where JAX would start it (and print its initialisation warnings) on every run: the set-up installs
+it into a folder of its own (`pip install --no-deps --target <venv>/libtpu "libtpu==..."`), which `find_libtpu` looks
+for; only the compile-only commands load it. On a TPU VM, the installed libtpu is used.
+
+A while loop's cost is its body's counted once (XLA's cost analysis does not know the trip count): a decoding
+loop's per-step cost comes from a program of one step (`clover_jax.generation.compiled`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import importlib.metadata
+import importlib.util
+import os
+import re
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+from jax.experimental import mesh_utils
+from jax.sharding import AxisType, Mesh
+
+from clover_jax import parallel
+from clover_jax.validation import InputError, InsufficientMemoryError
+
+GIB = 1024 ** 3
+LIBTPU_ENV = "CLOVER_JAX_LIBTPU"  # a folder holding libtpu (the `--target` of its install) or libtpu.so itself
+
+
+@dataclasses.dataclass(frozen=True)
+class Generation:
+    """One TPU generation: its name in slice names, libtpu's topology prefix, the JAX device kind, HBM per chip, and
+    how a slice name counts (v4 and v5p names count TensorCores, two per chip; v5e and v6e names count chips)."""
+
+    name: str
+    prefix: str  # libtpu's topology prefix ("v5e:2x4")
+    device_kind: str  # `Device.device_kind` of its compile-only devices
+    hbm: int  # bytes of HBM per chip
+    cores_per_chip: int  # TensorCores a slice name counts per chip
+    dims: int  # the topology's dimensions (2: a torus of chips x chips, 3: x x y x z)
+
+
+# HBM per chip as Cloud TPU's system-architecture pages list it (v5e 16 GiB, v6e 32 GiB, v4 32 GiB, v5p 95 GiB).
+GENERATIONS = {g.name: g for g in (
+    Generation("v5e", "v5e", "TPU v5 lite", 16 * GIB, 1, 2),
+    Generation("v6e", "v6e", "TPU v6 lite", 32 * GIB, 1, 2),
+    Generation("v4", "v4", "TPU v4", 32 * GIB, 2, 3),
+    Generation("v5p", "v5", "TPU v5", 95 * GIB, 2, 3),
+)}
+# chips -> the topology libtpu knows for that many chips (MaxText's accelerator_to_spec_map lists the same)
+_TORI_2D = {1: "1x1", 4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8", 128: "8x16", 256: "16x16"}
+_TORI_3D = {4: "2x2x1", 8: "2x2x2", 16: "2x2x4", 32: "2x4x4", 64: "4x4x4", 128: "4x4x8", 256: "4x8x8",
+            512: "8x8x8"}
+
+
+class LibtpuMissingError(InputError):
+    """libtpu (the TPU compiler) is not installed where it can be found; the message says how to install it."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Slice:
+    """A TPU slice (or several of one shape, joined over the data-center network) by the name a user says."""
+
+    name: str  # as given, normalised: "v5e-16", "2xv5e-16"
+    generation: Generation
+    topology: str  # libtpu's name of one slice: "v5e:4x4"
+    chips: int  # chips per slice (one JAX device each)
+    num_slices: int = 1
+
+    @property
+    def devices(self) -> int:
+        return self.chips * self.num_slices
+
+    @property
+    def hbm(self) -> int:
+        return self.generation.hbm
+
+
+def _usage() -> str:
+    return ("a TPU slice is named <generation>-<size> (v5e-8, v5e-16, v6e-8, v4-8, v5p-8; v4 and v5p sizes count "
+            "TensorCores, two per chip), a libtpu topology (v5e:4x4, v5p:2x2x2), or N slices of one shape as "
+            "Nx<slice> (2xv5e-16); generations: " + ", ".join(GENERATIONS))
+
+
+def parse_slice(name: str) -> Slice:
+    """The slice a name says: `v5e-16` (16 chips, `v5e:4x4`), `v4-8` (4 chips: v4 and v5p names count TensorCores),
+    `v5p:2x2x2` (a libtpu topology), `2xv5e-16` (two slices, joined over the data-center network)."""
+    if not isinstance(name, str) or not name.strip():
+        raise InputError(f"topology: {name!r}: {_usage()}")
+    text = name.strip().lower()
+    num_slices = 1
+    m = re.fullmatch(r"(\d+)x(v\w+[-:].+)", text)
+    if m:
+        num_slices, text = int(m.group(1)), m.group(2)
+        if num_slices < 1:
+            raise InputError(f"topology: {name!r}: the number of slices must be >= 1")
+    m = re.fullmatch(r"(v\d+[a-z]?)-(\d+)", text)
+    if m:
+        gen = _generation(m.group(1), name)
+        size = int(m.group(2))
+        chips, rest = divmod(size, gen.cores_per_chip)
+        tori = _TORI_2D if gen.dims == 2 else _TORI_3D
+        if rest or chips not in tori:
+            sizes = sorted(c * gen.cores_per_chip for c in tori)
+            raise InputError(f"topology: {name!r}: no {gen.name} slice of {size}; known sizes: "
+                             f"{', '.join(map(str, sizes))}, or a libtpu topology such as {gen.prefix}:{tori[8]}")
+        return Slice(_name(num_slices, f"{gen.name}-{size}"), gen, f"{gen.prefix}:{tori[chips]}", chips, num_slices)
+    m = re.fullmatch(r"(v\d+[a-z]?):(\d+(?:x\d+)+)", text)
+    if m:
+        gen = next((g for g in GENERATIONS.values() if g.prefix == m.group(1) or g.name == m.group(1)), None)
+        if gen is None:
+            raise InputError(f"topology: {name!r}: unknown generation {m.group(1)!r}; {_usage()}")
+        dims = [int(x) for x in m.group(2).split("x")]
+        if len(dims) != gen.dims or min(dims) < 1:
+            raise InputError(f"topology: {name!r}: a {gen.name} topology has {gen.dims} dimensions "
+                             f"(e.g. {gen.prefix}:{(_TORI_2D if gen.dims == 2 else _TORI_3D)[4]})")
+        topo = f"{gen.prefix}:{m.group(2)}"
+        return Slice(_name(num_slices, topo), gen, topo, int(np.prod(dims)), num_slices)
+    raise InputError(f"topology: {name!r}: {_usage()}")
+
+
+def _generation(text: str, name: str) -> Generation:
+    gen = GENERATIONS.get(text)
+    if gen is None:
+        raise InputError(f"topology: {name!r}: unknown generation {text!r}; {_usage()}")
+    return gen
+
+
+def _name(num_slices: int, one: str) -> str:
+    return one if num_slices == 1 else f"{num_slices}x{one}"
+
+
+# ---------------------------------------------------------------------------------------------------- libtpu
+def libtpu_requirement() -> str:
+    """The libtpu requirement jax's `tpu` extra names for the installed jax (`libtpu==0.0.42.*` for jax 0.10.2)."""
+    try:
+        for req in importlib.metadata.requires("jax") or ():
+            spec, _, marker = req.partition(";")
+            if spec.strip().startswith("libtpu") and "tpu" in marker:
+                return spec.strip().replace(" ", "")
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    return "libtpu"
+
+
+def _library_in(path: Path) -> Path | None:
+    for candidate in (path, path / "libtpu.so", path / "libtpu" / "libtpu.so"):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def default_libtpu_dir() -> Path:
+    """Where the set-up installs libtpu beside an environment: `<sys.prefix>/libtpu`."""
+    return Path(sys.prefix) / "libtpu"
+
+
+def find_libtpu() -> Path:
+    """The libtpu library to compile with: `$CLOVER_JAX_LIBTPU` (a folder or the .so), `$TPU_LIBRARY_PATH`, the
+    folder the set-up installs it into (`default_libtpu_dir`), else an importable `libtpu` package (a TPU VM's).
+    None of them: a `LibtpuMissingError` naming the command that installs it."""
+    env = os.environ.get(LIBTPU_ENV)
+    if env:
+        found = _library_in(Path(env).expanduser())
+        if found is None:
+            raise LibtpuMissingError(f"{LIBTPU_ENV}={env}: no libtpu.so there; {_install_hint()}")
+        return found
+    for path in (os.environ.get("TPU_LIBRARY_PATH"), default_libtpu_dir()):
+        found = _library_in(Path(path)) if path else None
+        if found is not None:
+            return found
+    spec = importlib.util.find_spec("libtpu")
+    if spec is not None and spec.submodule_search_locations:
+        found = _library_in(Path(list(spec.submodule_search_locations)[0]))
+        if found is not None:
+            return found
+    raise LibtpuMissingError(f"compiling for a TPU needs libtpu, the TPU compiler; {_install_hint()}")
+
+
+def _install_hint() -> str:
+    return (f"install the version this jax pins beside the environment (not into site-packages, where JAX would start "
+            f"it on every run): pip install --no-deps --target {default_libtpu_dir()} '{libtpu_requirement()}' "
+            f"(or set {LIBTPU_ENV} to the folder it is in)")
+
+
+@contextlib.contextmanager
+def _quiet_stderr():
+    """Holds what native code writes to the process's stderr (libtpu's start-up warnings about the machine not being
+    a TPU VM) and yields a callable returning it; shown again only if the block fails."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile(mode="w+b") as sink:
+        os.dup2(sink.fileno(), 2)
+        try:
+            yield lambda: (sink.seek(0), sink.read().decode("utf-8", "replace"))[1]
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+
+
+@functools.lru_cache(maxsize=None)
+def _topology_devices(topology: str, num_slices: int) -> tuple[Any, ...]:
+    from jax.experimental import topologies  # noqa: PLC0415 - touches libtpu: only for compile-only runs
+
+    jax.devices()  # the backends this process runs on start first, so none of them tries the TPU plugin loaded below
+    library = find_libtpu()
+    before = os.environ.get("TPU_LIBRARY_PATH")
+    os.environ["TPU_LIBRARY_PATH"] = str(library)
+    kw = {"num_slices": num_slices} if num_slices > 1 else {}
+    try:
+        with _quiet_stderr() as said:
+            try:
+                desc = topologies.get_topology_desc(platform="tpu", topology_name=topology, **kw)
+            except Exception as e:  # noqa: BLE001 - libtpu's errors are plain runtime errors
+                raise InputError(f"topology {topology!r}: libtpu ({library}) cannot build it: {e}"
+                                 + (f"\n{said().strip()}" if said().strip() else "")) from None
+    finally:
+        if before is None:
+            os.environ.pop("TPU_LIBRARY_PATH", None)
+        else:
+            os.environ["TPU_LIBRARY_PATH"] = before
+    return tuple(desc.devices)
+
+
+def slice_devices(sl: Slice) -> list[Any]:
+    """The compile-only devices of `sl` (every host's, every slice's): one per chip."""
+    devices = list(_topology_devices(sl.topology, sl.num_slices))
+    if devices and devices[0].device_kind != sl.generation.device_kind:
+        raise InputError(f"topology {sl.topology!r}: libtpu made {devices[0].device_kind} devices, not "
+                         f"{sl.generation.device_kind} ({sl.generation.name})")
+    return devices
+
+
+def slice_hosts(sl: Slice) -> int:
+    """The host processes of the slices (libtpu's default chips per host)."""
+    return len({(getattr(d, "slice_index", 0), d.process_index) for d in slice_devices(sl)})
+
+
+def slice_mesh(sl: Slice, data: int = -1, fsdp: int = 1, tp: int = 1) -> Mesh:
+    """A ("data", "fsdp", "tp") mesh over the compile-only devices of `sl` (`AxisType.Auto` axes; one axis may be -1).
+    Several slices split the data axis between them (the data-center network carries only the gradients' or the
+    rows' traffic), fsdp and tp stay inside a slice."""
+    devices = slice_devices(sl)
+    sizes = parallel.mesh_sizes(data, fsdp, tp, len(devices))
+    if sl.num_slices == 1:
+        return parallel.make_mesh(sizes["data"], sizes["fsdp"], sizes["tp"], devices=devices)
+    if sizes["data"] % sl.num_slices:
+        raise parallel.MeshError(f"mesh: data={sizes['data']} must be a multiple of the {sl.num_slices} slices "
+                                 f"(fsdp and tp stay inside a slice)")
+    ici = (sizes["data"] // sl.num_slices, sizes["fsdp"], sizes["tp"])
+    grid = mesh_utils.create_hybrid_device_mesh(ici, (sl.num_slices, 1, 1), devices)
+    return Mesh(grid, parallel.AXES, axis_types=(AxisType.Auto,) * 3)
+
+
+# --------------------------------------------------------------------------------------------------- compiling
+@dataclasses.dataclass(frozen=True)
+class CompiledProgram:
+    """What the TPU compiler reports of one program, per chip (bytes, flops, seconds)."""
+
+    name: str
+    seconds: float  # compile time on this machine
+    arguments: int
+    outputs: int
+    temporaries: int
+    aliased: int  # outputs that reuse a donated argument's buffer (counted once, in the arguments)
+    code: int  # the program's generated code
+    flops: float
+    bytes_accessed: float
+    optimal_seconds: float  # the TPU compiler's own estimate of the program's run time
+
+    @property
+    def total(self) -> int:
+        """Peak bytes per chip: arguments + outputs not aliased to them + temporaries + code."""
+        return int(self.arguments + self.outputs - self.aliased + self.temporaries + self.code)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "total": self.total}
+
+
+def compile_program(name: str, jitted, *args, **kwargs) -> CompiledProgram:
+    """Lowers `jitted` on abstract arguments (`jax.ShapeDtypeStruct`s whose shardings name compile-only devices),
+    compiles it with the TPU compiler and reads what it reports. Nothing is allocated and nothing is written to the
+    persistent compilation cache (compile-only executables cannot be kept)."""
+    t0 = time.perf_counter()
+    with _no_persistent_cache(), _quiet_stderr() as said:
+        try:
+            compiled = jitted.lower(*args, **kwargs).compile()
+        except Exception as e:  # noqa: BLE001 - the compiler's errors: shown with the program they came from
+            text = str(e).strip().splitlines()
+            raise InputError(f"{name}: the TPU compiler failed: {text[0] if text else type(e).__name__}"
+                             + ("\n" + said().strip() if said().strip() else "")) from e
+    seconds = time.perf_counter() - t0
+    mem = compiled.memory_analysis()
+    cost = compiled.cost_analysis() or {}
+    if isinstance(cost, (list, tuple)):  # older jax: one dict per partition
+        cost = cost[0] if cost else {}
+    return CompiledProgram(
+        name=name, seconds=round(seconds, 2), arguments=int(mem.argument_size_in_bytes),
+        outputs=int(mem.output_size_in_bytes), temporaries=int(mem.temp_size_in_bytes),
+        aliased=int(mem.alias_size_in_bytes), code=int(mem.generated_code_size_in_bytes),
+        flops=float(cost.get("flops", 0.0)), bytes_accessed=float(cost.get("bytes accessed", 0.0)),
+        optimal_seconds=float(cost.get("optimal_seconds", 0.0)))
+
+
+@contextlib.contextmanager
+def _no_persistent_cache():
+    before = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_compilation_cache", before)
+
+
+def fits(sl: Slice, programs: Sequence[CompiledProgram]) -> bool:
+    """Whether every program fits one chip's HBM (the programs run one at a time; the largest counts)."""
+    return all(p.total <= sl.hbm for p in programs)
+
+
+def _gib(n: float) -> str:
+    return f"{n / GIB:.2f}"
+
+
+def report(sl: Slice, programs: Sequence[CompiledProgram], mesh: Mesh | None = None) -> str:
+    """A table of the programs' per-chip memory against the chip's HBM, with compile seconds and the verdict."""
+    hosts = slice_hosts(sl)
+    where = (f"{sl.name} ({sl.topology}{f' x {sl.num_slices} slices' if sl.num_slices > 1 else ''}: "
+             f"{sl.devices} chips of {sl.generation.name}, {hosts} host{'s' if hosts > 1 else ''}, "
+             f"{_gib(sl.hbm)} GiB HBM per chip)")
+    if mesh is not None:
+        where += f", mesh data={mesh.shape['data']} fsdp={mesh.shape['fsdp']} tp={mesh.shape['tp']}"
+    lines = [f"compiled for {where}: {len(programs)} program{'s' if len(programs) != 1 else ''} in "
+             f"{sum(p.seconds for p in programs):.1f} s",
+             "| program | arguments GiB | temporaries GiB | outputs GiB | total GiB | of HBM | fits | compile s |",
+             "|---|---:|---:|---:|---:|---:|---|---:|"]
+    for p in programs:
+        lines.append(f"| {p.name} | {_gib(p.arguments)} | {_gib(p.temporaries)} | {_gib(p.outputs - p.aliased)} | "
+                     f"{_gib(p.total)} | {p.total / sl.hbm:.0%} | {'yes' if p.total <= sl.hbm else '**no**'} | "
+                     f"{p.seconds:.1f} |")
+    return "\n".join(lines)
+
+
+def check_fits(sl: Slice, programs: Sequence[CompiledProgram], settings: str) -> None:
+    """An `InsufficientMemoryError` (exit status 2 on the command line) naming the program that does not fit one
+    chip and `settings`, what to change."""
+    over = [p for p in programs if p.total > sl.hbm]
+    if over:
+        worst = max(over, key=lambda p: p.total)
+        raise InsufficientMemoryError(
+            f"{worst.name} does not fit a {sl.generation.name} chip: {_gib(worst.total)} GiB per chip (arguments "
+            f"{_gib(worst.arguments)}, temporaries {_gib(worst.temporaries)}) of {_gib(sl.hbm)} GiB HBM; {settings}")
+
+
+def abstract(tree: Any, shardings: Any) -> Any:
+    """`ShapeDtypeStruct`s of `tree`'s leaves (arrays or structs) with `shardings` (a matching pytree or one
+    sharding for all)."""
+    if not isinstance(shardings, jax.sharding.Sharding):
+        return parallel.abstract_with_shardings(tree, shardings)
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), _dtype(x), sharding=shardings), tree)
+
+
+def _dtype(x):
+    return x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype
+
+
+__all__ = ["CompiledProgram", "GENERATIONS", "Generation", "LibtpuMissingError", "Slice", "abstract", "check_fits",
+           "compile_program", "default_libtpu_dir", "find_libtpu", "fits", "libtpu_requirement", "parse_slice",
+           "report", "slice_devices", "slice_hosts", "slice_mesh"]
