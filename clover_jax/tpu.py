@@ -342,6 +342,11 @@ def _gib(n: float) -> str:
     return f"{n / GIB:.2f}"
 
 
+def fmt(n: float) -> str:
+    """`12.34 GiB`, or MiB below a tenth of a GiB."""
+    return f"{n / GIB:.2f} GiB" if n >= GIB / 10 else f"{n / 2 ** 20:.1f} MiB"
+
+
 def report(sl: Slice, programs: Sequence[CompiledProgram], mesh: Mesh | None = None) -> str:
     """A table of the programs' per-chip memory against the chip's HBM, with compile seconds and the verdict."""
     hosts = slice_hosts(sl)
@@ -352,11 +357,11 @@ def report(sl: Slice, programs: Sequence[CompiledProgram], mesh: Mesh | None = N
         where += f", mesh data={mesh.shape['data']} fsdp={mesh.shape['fsdp']} tp={mesh.shape['tp']}"
     lines = [f"compiled for {where}: {len(programs)} program{'s' if len(programs) != 1 else ''} in "
              f"{sum(p.seconds for p in programs):.1f} s",
-             "| program | arguments GiB | temporaries GiB | outputs GiB | total GiB | of HBM | fits | compile s |",
+             "| program | arguments | temporaries | outputs | total | of HBM | fits | compile s |",
              "|---|---:|---:|---:|---:|---:|---|---:|"]
     for p in programs:
-        lines.append(f"| {p.name} | {_gib(p.arguments)} | {_gib(p.temporaries)} | {_gib(p.outputs - p.aliased)} | "
-                     f"{_gib(p.total)} | {p.total / sl.hbm:.0%} | {'yes' if p.total <= sl.hbm else '**no**'} | "
+        lines.append(f"| {p.name} | {fmt(p.arguments)} | {fmt(p.temporaries)} | {fmt(p.outputs - p.aliased)} | "
+                     f"{fmt(p.total)} | {p.total / sl.hbm:.1%} | {'yes' if p.total <= sl.hbm else '**no**'} | "
                      f"{p.seconds:.1f} |")
     return "\n".join(lines)
 
@@ -368,8 +373,8 @@ def check_fits(sl: Slice, programs: Sequence[CompiledProgram], settings: str) ->
     if over:
         worst = max(over, key=lambda p: p.total)
         raise InsufficientMemoryError(
-            f"{worst.name} does not fit a {sl.generation.name} chip: {_gib(worst.total)} GiB per chip (arguments "
-            f"{_gib(worst.arguments)}, temporaries {_gib(worst.temporaries)}) of {_gib(sl.hbm)} GiB HBM; {settings}")
+            f"{worst.name} does not fit a {sl.generation.name} chip: {fmt(worst.total)} per chip (arguments "
+            f"{fmt(worst.arguments)}, temporaries {fmt(worst.temporaries)}) of {fmt(sl.hbm)} HBM; {settings}")
 
 
 def abstract(tree: Any, shardings: Any) -> Any:
@@ -385,5 +390,5 @@ def _dtype(x):
 
 
 __all__ = ["CompiledProgram", "GENERATIONS", "Generation", "LibtpuMissingError", "Slice", "abstract", "check_fits",
-           "compile_program", "default_libtpu_dir", "find_libtpu", "fits", "libtpu_requirement", "parse_slice",
+           "compile_program", "default_libtpu_dir", "find_libtpu", "fits", "fmt", "libtpu_requirement", "parse_slice",
            "report", "slice_devices", "slice_hosts", "slice_mesh"]

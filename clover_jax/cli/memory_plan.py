@@ -16,16 +16,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
-from pathlib import Path
 
 from clover_jax.cli import add_debug_argument, run_cli
-from clover_jax.io.loader import base_config_of
-from clover_jax.models.config import LlamaConfig, RopeScaling
+from clover_jax.io.shapes import KNOWN_SHAPES, plan_base_config  # noqa: F401 (KNOWN_SHAPES: for scripts)
+from clover_jax.models.config import LlamaConfig
 from clover_jax.parallel import MeshError
 from clover_jax.training.config import add_config_arguments, config_from_args
 from clover_jax.decoding.memory import GIB
 from clover_jax.training.memory import SAFETY, estimate_training_memory, suggestions
-from clover_jax.validation import InputError
 
 GB_PER_DEVICE = {"v5e": 16, "v4": 32, "H100": 80}
 
@@ -44,40 +42,8 @@ TARGETS = {t.name: t for t in (
     Target("8xH100", 8, 80 * GIB, "gpu"),  # 8 GPUs of 80 GiB
 )}
 
-# The shapes of the base models the shipped configs name, from each model's Hugging Face config.json:
-#   meta-llama/Meta-Llama-3-8B-Instruct: vocab_size 128256, hidden_size 4096, intermediate_size 14336,
-#     num_hidden_layers 32, num_attention_heads 32, num_key_value_heads 8, rms_norm_eps 1e-5, rope_theta 500000,
-#     max_position_embeddings 8192, tie_word_embeddings false, bos 128000, eos 128009;
-#   lmsys/vicuna-7b-v1.5: vocab_size 32000, hidden_size 4096, intermediate_size 11008, num_hidden_layers 32,
-#     num_attention_heads 32, num_key_value_heads 32, rms_norm_eps 1e-5, rope_theta 10000,
-#     max_position_embeddings 4096, tie_word_embeddings false, bos 1, eos 2.
-KNOWN_SHAPES = {
-    "meta-llama-3-8b-instruct": LlamaConfig(
-        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-        num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=500000.0,
-        rope_scaling=RopeScaling(), max_position_embeddings=8192, bos_token_id=128000, eos_token_ids=(128009,)),
-    "vicuna-7b-v1.5": LlamaConfig(
-        vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
-        num_key_value_heads=32, head_dim=128, rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=4096,
-        bos_token_id=1, eos_token_ids=(2,)),
-}
 ITEMS = ("frozen base", "gathered weights", "head", "optimizer", "gradients", "base forward", "head activations",
          "logits", "batch")
-
-
-def plan_base_config(name_or_path: str) -> LlamaConfig:
-    """The base's config: read from a local folder, GGUF file or known name, else `KNOWN_SHAPES` by the last part
-    of the path or hub id (`/data/Meta-Llama-3-8B-Instruct`, `meta-llama/Meta-Llama-3-8B-Instruct`)."""
-    key = Path(str(name_or_path).split("@")[0].rstrip("/")).name.lower()
-    if Path(name_or_path).expanduser().exists() or key not in KNOWN_SHAPES:
-        try:
-            return base_config_of(name_or_path)
-        except FileNotFoundError as e:
-            if key not in KNOWN_SHAPES:
-                raise InputError(f"model.name_or_path: {name_or_path!r}: no local config.json to read the shapes "
-                                 f"from ({e}); pass --base with a local model folder, or a model whose shapes are "
-                                 f"known: {', '.join(KNOWN_SHAPES)}") from None
-    return KNOWN_SHAPES[key]
 
 
 def _gib(nbytes: int) -> str:
