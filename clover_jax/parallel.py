@@ -381,13 +381,8 @@ def place_rows(mesh: Mesh | None, *arrays):
     return tuple(jax.device_put(a, batch_sharding(mesh, a.shape[0])) for a in arrays)
 
 
-def parse_mesh(value: Any, devices: Sequence[Any] | None = None) -> Mesh | None:
-    """A decoding mesh from `None` (no mesh), a `Mesh`, a dict or a string like `"data=2,tp=4"`.
-
-    Axes not named have size 1 and the mesh takes the first data*fsdp*tp devices (so `"tp=1"` is one
-    device); one axis may be -1 to take all the remaining devices."""
-    if value is None or isinstance(value, Mesh):
-        return value
+def parse_mesh_sizes(value: Any) -> dict[str, int]:
+    """{"data", "fsdp", "tp"} sizes from a dict or a string like `"data=2,tp=4"` (unnamed axes 1; one may be -1)."""
     if isinstance(value, str):
         sizes = {}
         for part in (p.strip() for p in value.split(",") if p.strip()):
@@ -405,7 +400,17 @@ def parse_mesh(value: Any, devices: Sequence[Any] | None = None) -> Mesh | None:
     unknown = sorted(set(value) - set(AXES))
     if unknown:
         raise MeshError(f"mesh: unknown axes {unknown}; the axes are {AXES}")
-    sizes = {a: int(value.get(a, 1)) for a in AXES}
+    return {a: int(value.get(a, 1)) for a in AXES}
+
+
+def parse_mesh(value: Any, devices: Sequence[Any] | None = None) -> Mesh | None:
+    """A decoding mesh from `None` (no mesh), a `Mesh`, a dict or a string like `"data=2,tp=4"`.
+
+    Axes not named have size 1 and the mesh takes the first data*fsdp*tp devices (so `"tp=1"` is one
+    device); one axis may be -1 to take all the remaining devices."""
+    if value is None or isinstance(value, Mesh):
+        return value
+    sizes = parse_mesh_sizes(value)
     devices = list(jax.devices() if devices is None else devices)
     if -1 not in sizes.values():
         n = int(np.prod(list(sizes.values())))

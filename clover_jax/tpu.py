@@ -280,7 +280,7 @@ class CompiledProgram:
 
     name: str
     seconds: float  # compile time on this machine
-    arguments: int
+    arguments: int  # the arguments the caller holds on each chip (those the program leaves unused included)
     outputs: int
     temporaries: int
     aliased: int  # outputs that reuse a donated argument's buffer (counted once, in the arguments)
@@ -312,15 +312,34 @@ def compile_program(name: str, jitted, *args, **kwargs) -> CompiledProgram:
                              + ("\n" + said().strip() if said().strip() else "")) from e
     seconds = time.perf_counter() - t0
     mem = compiled.memory_analysis()
+    # the program's own count leaves out arguments it does not read (jit prunes them), which the caller still holds
+    held = max(int(mem.argument_size_in_bytes), held_bytes((args, kwargs)))
     cost = compiled.cost_analysis() or {}
     if isinstance(cost, (list, tuple)):  # older jax: one dict per partition
         cost = cost[0] if cost else {}
     return CompiledProgram(
-        name=name, seconds=round(seconds, 2), arguments=int(mem.argument_size_in_bytes),
+        name=name, seconds=round(seconds, 2), arguments=held,
         outputs=int(mem.output_size_in_bytes), temporaries=int(mem.temp_size_in_bytes),
         aliased=int(mem.alias_size_in_bytes), code=int(mem.generated_code_size_in_bytes),
         flops=float(cost.get("flops", 0.0)), bytes_accessed=float(cost.get("bytes accessed", 0.0)),
         optimal_seconds=float(cost.get("optimal_seconds", 0.0)))
+
+
+def held_bytes(tree: Any) -> int:
+    """Bytes of a pytree of arrays or `ShapeDtypeStruct`s on one device (the largest shard of each leaf)."""
+    total = 0
+    for x in jax.tree.leaves(tree):
+        shape = tuple(getattr(x, "shape", ()))
+        sharding = getattr(x, "sharding", None)
+        if sharding is not None:
+            shape = tuple(sharding.shard_shape(shape))
+        dtype = _dtype(x)
+        if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):  # a key: its raw data, two uint32 words
+            itemsize = 8
+        else:
+            itemsize = np.dtype(dtype).itemsize
+        total += int(np.prod(shape, dtype=np.int64)) * itemsize
+    return total
 
 
 @contextlib.contextmanager
@@ -390,5 +409,5 @@ def _dtype(x):
 
 
 __all__ = ["CompiledProgram", "GENERATIONS", "Generation", "LibtpuMissingError", "Slice", "abstract", "check_fits",
-           "compile_program", "default_libtpu_dir", "find_libtpu", "fits", "fmt", "libtpu_requirement", "parse_slice",
+           "compile_program", "default_libtpu_dir", "find_libtpu", "fits", "fmt", "held_bytes", "libtpu_requirement", "parse_slice",
            "report", "slice_devices", "slice_hosts", "slice_mesh"]

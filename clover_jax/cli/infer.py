@@ -7,6 +7,8 @@ and report speed.
   python infer.py --mode speculative --stream --prompt "Tell me a story."   # print the reply as it is generated
   python infer.py --model smollm2-135m-instruct --head runs/smollm2-clover2 --mode speculative --prompt "..."
   python infer.py --model path/to/any-llama --mode speculative --tree lookup-4 --prompt "..."   # no head: prompt lookup
+  python infer.py --model configs/llama3-8b-instruct-clover2.yaml --mode speculative --tree clover2-26 \
+      --compile-only --topology v6e-8 --batch-size 8      # compiled for a TPU slice on this machine: does it fit?
 """
 
 from __future__ import annotations
@@ -16,23 +18,30 @@ import sys
 
 import jax.numpy as jnp
 
-from clover_jax import pretrained
+from clover_jax import pretrained, tpu
 from clover_jax.cli import add_debug_argument, run_cli
+from clover_jax.cli.compile_only import add_topology_arguments, check_topology_arguments, compile_only_process, finish
 from clover_jax.decoding import acceptance_stats
 from clover_jax.decoding.sizes import bucket_length
 from clover_jax.decoding.tree import TreeSpecError, get_tree, is_lookup_only
+from clover_jax.generation import compiled
 from clover_jax.generation.api import run_plan
 from clover_jax.heads.draft_vocab import load_draft_vocab
+from clover_jax.heads import registry
 from clover_jax.io.loader import load_model
+from clover_jax.io.shapes import plan_base_config
 from clover_jax.io.prompts import encode_prompts, read_prompts
-from clover_jax.parallel import parse_mesh
+from clover_jax.parallel import parse_mesh, parse_mesh_sizes
+from clover_jax.training.config import load_config
 from clover_jax.tuning.fastest import prepare_generate, stream_text, warmup
 from clover_jax.validation import InputError, check_float, check_int
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="smollm2-135m-instruct", help="HF folder, .gguf file or known name")
+    p.add_argument("--model", default="smollm2-135m-instruct", help="HF folder, .gguf file or known name (with "
+                   "--compile-only also a training config, whose base and head it takes, or a model whose shapes are "
+                   "known: meta-llama/Meta-Llama-3-8B-Instruct, lmsys/vicuna-7b-v1.5)")
     p.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
     p.add_argument("--prompts-file", help="mt_bench | spec_bench | sharegpt_heldout (shipped), or a JSONL file of questions ('turns') or {'prompt': ...} lines")
     p.add_argument("--category", help="only questions of this category (with --prompts-file)")
@@ -43,7 +52,8 @@ def parse_args(argv=None):
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
+                   help="the model's dtype (default float32; with --compile-only bfloat16)")
     p.add_argument("--cache-size", type=int, default=None, help="KV cache slots (default: from the prompts)")
     p.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     p.add_argument("--system", default=None, help="system prompt for the chat template")
@@ -72,6 +82,12 @@ def parse_args(argv=None):
     p.add_argument("--warmup", action="store_true", help="compile every program the prompts need before the first "
                    "one (in parallel threads; the time is printed); otherwise each new prompt bucket compiles on "
                    "first use")
+    p.add_argument("--head-type", default=None, help=f"with --compile-only: the head type to compile a fresh head of "
+                   f"({', '.join(registry.names())}; default: the --model config's head, else clover2)")
+    p.add_argument("--prompt-length", type=int, default=512,
+                   help="with --compile-only: the prompt tokens per row (its bucket is compiled)")
+    add_topology_arguments(p, what="the decoding loop of --mode, --tree, --batch-size, --prompt-length and "
+                           "--max-new-tokens")
     add_debug_argument(p)
     return p.parse_args(argv)
 
@@ -129,6 +145,10 @@ def main(argv=None) -> int:
 
 def _main(argv=None) -> int:
     args = parse_args(argv)
+    sl = check_topology_arguments(args)
+    if sl is not None:
+        return compile_decoding(args, sl)
+    args.dtype = args.dtype or "float32"
     check_args(args)
     prompts = list(args.prompt)
     if args.prompts_file:
@@ -201,6 +221,50 @@ def _main(argv=None) -> int:
         print(f"tau = {acceptance_stats.tau(hist):.2f} tokens per base forward in the decode phase "
               "(bonus token included)")
     return 0
+
+
+def compile_decoding(args, sl: tpu.Slice) -> int:
+    """`--compile-only`: the decoding loop of the request's shape compiled for the slice `sl` (abstract weights)."""
+    check_int("--batch-size", args.batch_size, minimum=1)
+    check_int("--max-new-tokens", args.max_new_tokens, minimum=1)
+    check_int("--prompt-length", args.prompt_length, minimum=1)
+    for flag, given in (("--prompt", args.prompt), ("--prompts-file", args.prompts_file), ("--head", args.head),
+                        ("--stream", args.stream), ("--warmup", args.warmup)):
+        if given:
+            raise InputError(f"{flag}: --compile-only compiles the loop of --batch-size rows of --prompt-length tokens "
+                             "and reads no prompt, head folder or weights; give the head as --head-type (or a "
+                             "training config as --model)")
+    compile_only_process()
+    head_type, options = args.head_type, None
+    if str(args.model).endswith((".yaml", ".yml")):
+        cfg = load_config(args.model)
+        base_config = plan_base_config(cfg.model.name_or_path)
+        if head_type in (None, cfg.head.type):
+            head_type, options = cfg.head.type, cfg.head
+    else:
+        base_config = plan_base_config(args.model)
+    if args.mode == "speculative" and args.tree is None:
+        raise InputError("--compile-only --mode speculative: name the tree (--tree clover2-26, chain-4, dynamic-26, "
+                         "beam-4x5, lookup-4, ...)")
+    mesh = tpu.slice_mesh(sl, **_decode_mesh(args.mesh, sl))
+    dtype = args.dtype or "bfloat16"
+    print(f"{args.model}: {args.mode} decoding, {dtype}, batch {args.batch_size}, prompts of {args.prompt_length} "
+          f"tokens, {args.max_new_tokens} new tokens" + (f", tree {args.tree}" if args.mode == "speculative" else ""),
+          flush=True)
+    draft_vocab = load_draft_vocab(args.draft_vocab) if args.draft_vocab else None
+    programs = compiled.compile_decoding(
+        base_config, mesh, mode=args.mode, head_type=head_type or "clover2", head_options=options, tree=args.tree,
+        batch=args.batch_size, prompt_length=args.prompt_length, max_new_tokens=args.max_new_tokens, dtype=dtype,
+        greedy=args.temperature == 0, draft_vocab=draft_vocab)
+    return finish(sl, programs, mesh, compiled.SETTINGS)
+
+
+def _decode_mesh(text: str | None, sl: tpu.Slice) -> dict[str, int]:
+    """The decoding mesh's sizes: `--mesh` as given, else the weights split over a slice's chips (tensor parallel)
+    and rows over the slices."""
+    if text:
+        return parse_mesh_sizes(text)
+    return {"data": sl.num_slices, "fsdp": 1, "tp": sl.chips}
 
 
 if __name__ == "__main__":

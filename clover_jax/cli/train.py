@@ -5,6 +5,7 @@
   python train.py --config configs/smollm2-135m-clover2.yaml --resume          # continue after a stop
   python train.py --config configs/smollm2-135m-clover2.yaml --resume --from-step 1000  # from an earlier step
   python train.py --config configs/smollm2-135m-clover2.yaml --output-dir runs/try2
+  python train.py --config configs/llama3-8b-instruct-clover2.yaml --compile-only --topology v5e-16   # fits a slice?
 
 SIGTERM saves a checkpoint at the next step boundary and exits cleanly (0); `--resume` continues from it.
 The logic is in `clover_jax.training` (run.py, trainer.py, checkpoint.py).
@@ -17,7 +18,12 @@ import json
 import logging
 import sys
 
+from clover_jax import tpu
 from clover_jax.cli import add_debug_argument, run_cli
+from clover_jax.cli.compile_only import add_topology_arguments, check_topology_arguments, compile_only_process, finish
+from clover_jax.io.shapes import plan_base_config
+from clover_jax.training import compiled
+from clover_jax.training.memory import estimate_training_memory
 from clover_jax.training.config import add_config_arguments, config_from_args
 from clover_jax.generation.replies import make_generate_fn
 from clover_jax.training.run import run_experiment
@@ -33,6 +39,7 @@ def parse_args(argv=None):
                    "latest is corrupt); later checkpoints are moved aside to <run>/discarded_checkpoints, not deleted")
     p.add_argument("--output-dir", default=None, help="run directory (overrides train.output_dir)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_topology_arguments(p, what="the config's training step (its mesh, batch, sequence length, remat)")
     add_debug_argument(p)
     return p.parse_args(argv)
 
@@ -44,6 +51,9 @@ def main(argv=None) -> int:
 def _main(argv=None) -> int:
 
     args = parse_args(argv)
+    sl = check_topology_arguments(args)
+    if sl is not None:
+        return compile_training(args, sl)
     if args.from_step is not None:
         check_int("--from-step", args.from_step, minimum=0)
         if not args.resume:
@@ -63,6 +73,22 @@ def _main(argv=None) -> int:
         ev = summary["last_eval"]
         print(json.dumps({"eval_loss": ev["loss"], "eval_acc": ev["acc"], "eval_chain_acc": ev["chain_acc"]}))
     return 0
+
+
+def compile_training(args, sl: tpu.Slice) -> int:
+    """`--compile-only`: the config's training step compiled for the slice `sl`, beside the memory plan's estimate."""
+    compile_only_process()
+    cfg = config_from_args(args)
+    base_config = plan_base_config(cfg.model.name_or_path)
+    mesh = tpu.slice_mesh(sl, cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tp)
+    print(f"{args.config or 'defaults'}: data.batch_size={cfg.data.batch_size} x data.max_length={cfg.data.max_length}, "
+          f"train.remat={str(cfg.train.remat).lower()}, optim.grad_accum={cfg.optim.grad_accum}, "
+          f"{cfg.model.param_dtype} base", flush=True)
+    program = compiled.compile_training_step(cfg, base_config, mesh)
+    est = estimate_training_memory(cfg, base_config, mesh, platform="tpu")
+    line = (f"the memory plan's estimate: {tpu.fmt(est.total)} per chip ({est.describe()}); compiled "
+            f"{program.total / max(est.total, 1):.2f}x of it")
+    return finish(sl, [program], mesh, compiled.SETTINGS, [line])
 
 
 if __name__ == "__main__":
