@@ -228,6 +228,8 @@ def _topology_devices(topology: str, num_slices: int) -> tuple[Any, ...]:
     before = os.environ.get("TPU_LIBRARY_PATH")
     os.environ["TPU_LIBRARY_PATH"] = str(library)
     kw = {"num_slices": num_slices} if num_slices > 1 else {}
+    if not topology.startswith(("v5e", "v6e")):  # v4, v5p: one JAX device per chip (megacore), as on their VMs
+        kw["chip_config_name"] = "megacore"
     try:
         with _quiet_stderr() as said:
             try:
@@ -344,12 +346,15 @@ def held_bytes(tree: Any) -> int:
 
 @contextlib.contextmanager
 def _no_persistent_cache():
-    before = jax.config.jax_enable_compilation_cache
-    jax.config.update("jax_enable_compilation_cache", False)
+    """Nothing compiled inside is written to JAX's persistent compilation cache (a program is kept only when it took
+    longer to compile than this threshold, read at each write), so nothing compiled only is ever read back."""
+    name = "jax_persistent_cache_min_compile_time_secs"
+    before = getattr(jax.config, name)
+    jax.config.update(name, float("inf"))
     try:
         yield
     finally:
-        jax.config.update("jax_enable_compilation_cache", before)
+        jax.config.update(name, before)
 
 
 def fits(sl: Slice, programs: Sequence[CompiledProgram]) -> bool:

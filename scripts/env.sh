@@ -19,5 +19,12 @@ if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
   "$VENV/bin/python" -m pip install -q --no-deps -e "$ROOT"
   echo "$WANT" > "$STAMP"
 fi
+# libtpu, the TPU compiler (the version jax's own `tpu` extra pins), beside the environment rather than in its
+# site-packages, where JAX would start it on every CPU run: only compile-only runs load it (clover_jax.tpu).
+if [ ! -f "$VENV/libtpu/libtpu/libtpu.so" ]; then
+  LIBTPU_REQ="$("$VENV/bin/python" -c 'from clover_jax.tpu import libtpu_requirement; print(libtpu_requirement())')"
+  echo "[env] installing $LIBTPU_REQ into $VENV/libtpu (compile-only TPU programs) ..."
+  "$VENV/bin/python" -m pip install -q --no-deps --target "$VENV/libtpu" "$LIBTPU_REQ"
+fi
 export PATH="$VENV/bin:$PATH"
 export CLOVER_PYTHON="$VENV/bin/python"

@@ -4,6 +4,8 @@ slices, by item, and whether it fits, before renting any of them (`clover_jax.tr
     python -m clover_jax.cli.memory_plan --config configs/llama3-8b-instruct-clover2.yaml              # every target
     python -m clover_jax.cli.memory_plan --config configs/vicuna-7b-v1.5-clover2.yaml --target v5e-8 --target v4-32
     python -m clover_jax.cli.memory_plan --config configs/x.yaml --set data.batch_size=32 --base /data/my-model
+    python -m clover_jax.cli.memory_plan --config configs/llama3-8b-instruct-clover2.yaml --topology v5e-16 \
+        --topology v6e-8     # also the step compiled for these TPU slices (clover_jax.tpu), beside the estimate
 
 The config's own mesh, batch, sequence length and loss settings are used on each target's device count. The base
 model's shapes come from `--base` or the config's `model.name_or_path` when that is a local folder, GGUF file or
@@ -17,13 +19,17 @@ import argparse
 import dataclasses
 import sys
 
+from clover_jax import tpu
 from clover_jax.cli import add_debug_argument, run_cli
+from clover_jax.cli.compile_only import compile_only_process
+from clover_jax.decoding.memory import GIB
 from clover_jax.io.shapes import KNOWN_SHAPES, plan_base_config  # noqa: F401 (KNOWN_SHAPES: for scripts)
 from clover_jax.models.config import LlamaConfig
 from clover_jax.parallel import MeshError
+from clover_jax.training.compiled import compile_training_step
 from clover_jax.training.config import add_config_arguments, config_from_args
-from clover_jax.decoding.memory import GIB
 from clover_jax.training.memory import SAFETY, estimate_training_memory, suggestions
+from clover_jax.validation import InputError
 
 GB_PER_DEVICE = {"v5e": 16, "v4": 32, "H100": 80}
 
@@ -89,6 +95,9 @@ def parse_args(argv=None):
     add_config_arguments(p)
     p.add_argument("--target", action="append", choices=sorted(TARGETS), default=None,
                    help="a slice to plan for (repeatable; default: all of them)")
+    p.add_argument("--topology", action="append", default=[], metavar="SLICE",
+                   help="also compile the step for this TPU slice (repeatable: v5e-16, v6e-8, v5p-8, ...) with the TPU "
+                   "compiler on this machine, and show its per-chip memory beside the estimate")
     p.add_argument("--base", default=None, metavar="NAME_OR_PATH",
                    help="read the base model's shapes from here instead of model.name_or_path")
     add_debug_argument(p)
@@ -111,7 +120,30 @@ def _main(argv=None) -> int:
     print(table)
     for note in notes:
         print(f"- {note}")
+    if args.topology:
+        slices = [tpu.parse_slice(name) for name in args.topology]
+        compile_only_process()
+        print()
+        print(compiled_table(cfg, base_config, slices))
     return 0
+
+
+def compiled_table(cfg, base_config: LlamaConfig, slices: list[tpu.Slice]) -> str:
+    """A Markdown table: per slice, the step compiled by the TPU compiler against the estimate, per chip."""
+    rows = ["| per chip | mesh (data x fsdp x tp) | estimate | compiled (arguments + temporaries + outputs) | "
+            "compiled / estimate | HBM | fits | compile s |", "|---|---|---:|---:|---:|---:|---|---:|"]
+    for sl in slices:
+        try:
+            mesh = tpu.slice_mesh(sl, cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tp)
+            est = estimate_training_memory(cfg, base_config, mesh, platform="tpu")
+            prog = compile_training_step(cfg, base_config, mesh)
+        except InputError as e:  # a mesh or batch this slice cannot take: said in its row
+            rows.append(f"| {sl.name} | {e} | - | - | - | {tpu.fmt(sl.hbm)} | - | - |")
+            continue
+        rows.append(f"| {sl.name} | {mesh.shape['data']} x {mesh.shape['fsdp']} x {mesh.shape['tp']} | "
+                    f"{tpu.fmt(est.total)} | {tpu.fmt(prog.total)} | {prog.total / max(est.total, 1):.2f} | "
+                    f"{tpu.fmt(sl.hbm)} | {'yes' if prog.total <= sl.hbm else '**no**'} | {prog.seconds:.0f} |")
+    return "\n".join(rows)
 
 
 if __name__ == "__main__":
