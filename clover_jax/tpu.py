@@ -227,6 +227,10 @@ def _topology_devices(topology: str, num_slices: int) -> tuple[Any, ...]:
     library = find_libtpu()
     before = os.environ.get("TPU_LIBRARY_PATH")
     os.environ["TPU_LIBRARY_PATH"] = str(library)
+    if jax.default_backend() != "tpu":  # no TPU in use here: nothing for libtpu's one-process lock to guard (several
+        # compile-only processes may run at once) and no TPU VM metadata server to ask
+        os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+        os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
     kw = {"num_slices": num_slices} if num_slices > 1 else {}
     if not topology.startswith(("v5e", "v6e")):  # v4, v5p: one JAX device per chip (megacore), as on their VMs
         kw["chip_config_name"] = "megacore"
@@ -283,6 +287,7 @@ class CompiledProgram:
     name: str
     seconds: float  # compile time on this machine
     arguments: int  # the arguments the caller holds on each chip (those the program leaves unused included)
+    read_arguments: int  # the arguments the program reads (the compiler's own count: jit drops unused ones)
     outputs: int
     temporaries: int
     aliased: int  # outputs that reuse a donated argument's buffer (counted once, in the arguments)
@@ -290,11 +295,15 @@ class CompiledProgram:
     flops: float
     bytes_accessed: float
     optimal_seconds: float  # the TPU compiler's own estimate of the program's run time
+    refused: str = ""  # the compiler's out-of-memory error, when it refused the program (temporaries: what it needed)
 
     @property
     def total(self) -> int:
         """Peak bytes per chip: arguments + outputs not aliased to them + temporaries + code."""
         return int(self.arguments + self.outputs - self.aliased + self.temporaries + self.code)
+
+    def fits(self, hbm: int) -> bool:
+        return not self.refused and self.total <= hbm
 
     def as_dict(self) -> dict[str, Any]:
         return {**dataclasses.asdict(self), "total": self.total}
@@ -305,10 +314,17 @@ def compile_program(name: str, jitted, *args, **kwargs) -> CompiledProgram:
     compiles it with the TPU compiler and reads what it reports. Nothing is allocated and nothing is written to the
     persistent compilation cache (compile-only executables cannot be kept)."""
     t0 = time.perf_counter()
+    lowered = jitted.lower(*args, **kwargs)
     with _no_persistent_cache(), _quiet_stderr() as said:
         try:
-            compiled = jitted.lower(*args, **kwargs).compile()
+            compiled = lowered.compile()
         except Exception as e:  # noqa: BLE001 - the compiler's errors: shown with the program they came from
+            over = _out_of_memory(str(e))
+            if over is not None:  # the compiler refuses a program that cannot fit, as the TPU itself would
+                return CompiledProgram(
+                    name=name, seconds=round(time.perf_counter() - t0, 2), arguments=held_bytes((args, kwargs)),
+                    read_arguments=0, outputs=0, temporaries=over, aliased=0, code=0, flops=0.0, bytes_accessed=0.0,
+                    optimal_seconds=0.0, refused=str(e).strip().splitlines()[0])
             text = str(e).strip().splitlines()
             raise InputError(f"{name}: the TPU compiler failed: {text[0] if text else type(e).__name__}"
                              + ("\n" + said().strip() if said().strip() else "")) from e
@@ -320,11 +336,25 @@ def compile_program(name: str, jitted, *args, **kwargs) -> CompiledProgram:
     if isinstance(cost, (list, tuple)):  # older jax: one dict per partition
         cost = cost[0] if cost else {}
     return CompiledProgram(
-        name=name, seconds=round(seconds, 2), arguments=held,
+        name=name, seconds=round(seconds, 2), arguments=held, read_arguments=int(mem.argument_size_in_bytes),
         outputs=int(mem.output_size_in_bytes), temporaries=int(mem.temp_size_in_bytes),
         aliased=int(mem.alias_size_in_bytes), code=int(mem.generated_code_size_in_bytes),
         flops=float(cost.get("flops", 0.0)), bytes_accessed=float(cost.get("bytes accessed", 0.0)),
         optimal_seconds=float(cost.get("optimal_seconds", 0.0)))
+
+
+_UNITS = {"": 1, "K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30, "T": 2 ** 40}
+
+
+def _out_of_memory(message: str) -> int | None:
+    """The bytes of temporaries the TPU compiler says a program needs when it refuses it for HBM ("Ran out of memory
+    in memory space hbm ... required for HLO temporaries (64.16G)"), else None."""
+    if "RESOURCE_EXHAUSTED" not in message or "memory" not in message.lower():
+        return None
+    m = re.search(r"temporaries \(([\d.]+)([KMGT]?)\)", message)
+    if m is None:
+        m = re.search(r"([\d.]+)([KMGT])\b", message)
+    return int(float(m.group(1)) * _UNITS[m.group(2)]) if m else 0
 
 
 def held_bytes(tree: Any) -> int:
@@ -359,7 +389,7 @@ def _no_persistent_cache():
 
 def fits(sl: Slice, programs: Sequence[CompiledProgram]) -> bool:
     """Whether every program fits one chip's HBM (the programs run one at a time; the largest counts)."""
-    return all(p.total <= sl.hbm for p in programs)
+    return all(p.fits(sl.hbm) for p in programs)
 
 
 def _gib(n: float) -> str:
@@ -385,20 +415,27 @@ def report(sl: Slice, programs: Sequence[CompiledProgram], mesh: Mesh | None = N
              "|---|---:|---:|---:|---:|---:|---|---:|"]
     for p in programs:
         lines.append(f"| {p.name} | {fmt(p.arguments)} | {fmt(p.temporaries)} | {fmt(p.outputs - p.aliased)} | "
-                     f"{fmt(p.total)} | {p.total / sl.hbm:.1%} | {'yes' if p.total <= sl.hbm else '**no**'} | "
+                     f"{fmt(p.total)} | {p.total / sl.hbm:.1%} | {_verdict(p, sl)} | "
                      f"{p.seconds:.1f} |")
     return "\n".join(lines)
+
+
+def _verdict(p: CompiledProgram, sl: Slice) -> str:
+    if p.refused:
+        return "**no** (the compiler refused it)"
+    return "yes" if p.fits(sl.hbm) else "**no**"
 
 
 def check_fits(sl: Slice, programs: Sequence[CompiledProgram], settings: str) -> None:
     """An `InsufficientMemoryError` (exit status 2 on the command line) naming the program that does not fit one
     chip and `settings`, what to change."""
-    over = [p for p in programs if p.total > sl.hbm]
+    over = [p for p in programs if not p.fits(sl.hbm)]
     if over:
         worst = max(over, key=lambda p: p.total)
+        said = f" (the TPU compiler: {worst.refused})" if worst.refused else ""
         raise InsufficientMemoryError(
             f"{worst.name} does not fit a {sl.generation.name} chip: {fmt(worst.total)} per chip (arguments "
-            f"{fmt(worst.arguments)}, temporaries {fmt(worst.temporaries)}) of {fmt(sl.hbm)} HBM; {settings}")
+            f"{fmt(worst.arguments)}, temporaries {fmt(worst.temporaries)}) of {fmt(sl.hbm)} HBM{said}; {settings}")
 
 
 def abstract(tree: Any, shardings: Any) -> Any:

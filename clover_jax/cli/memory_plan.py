@@ -142,7 +142,7 @@ def compiled_table(cfg, base_config: LlamaConfig, slices: list[tpu.Slice]) -> st
             continue
         rows.append(f"| {sl.name} | {mesh.shape['data']} x {mesh.shape['fsdp']} x {mesh.shape['tp']} | "
                     f"{tpu.fmt(est.total)} | {tpu.fmt(prog.total)} | {prog.total / max(est.total, 1):.2f} | "
-                    f"{tpu.fmt(sl.hbm)} | {'yes' if prog.total <= sl.hbm else '**no**'} | {prog.seconds:.0f} |")
+                    f"{tpu.fmt(sl.hbm)} | {'yes' if prog.fits(sl.hbm) else '**no**'} | {prog.seconds:.0f} |")
     return "\n".join(rows)
 
 
