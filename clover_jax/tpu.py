@@ -37,7 +37,7 @@ from typing import Any, Sequence
 
 import jax
 import numpy as np
-from jax.experimental import mesh_utils
+from jax.experimental import mesh_utils, topologies
 from jax.sharding import AxisType, Mesh
 
 from clover_jax import parallel
@@ -221,8 +221,6 @@ def _quiet_stderr():
 
 @functools.lru_cache(maxsize=None)
 def _topology_devices(topology: str, num_slices: int) -> tuple[Any, ...]:
-    from jax.experimental import topologies  # noqa: PLC0415 - touches libtpu: only for compile-only runs
-
     jax.devices()  # the backends this process runs on start first, so none of them tries the TPU plugin loaded below
     library = find_libtpu()
     before = os.environ.get("TPU_LIBRARY_PATH")

@@ -4,8 +4,9 @@ the package's own modules are imported at the top of each file, where a reader s
 Layers, lowest first (a module may import its own layer and the ones below):
 
   base        clover_jax.validation, .axes, .sections       input checks and errors, the axis alphabet, configs
-  models      clover_jax.models, clover_jax.parallel,       the base model, meshes, weight files and assets
-              clover_jax.io, clover_jax.pretrained
+  models      clover_jax.models, clover_jax.parallel,       the base model, meshes, weight files and assets,
+              clover_jax.io, clover_jax.pretrained,         compiling for TPU slices
+              clover_jax.tpu
   decoding    clover_jax.decoding                           trees, drafter contract, verification, the loops
   heads       clover_jax.heads                              one package per draft-head type + the registry
   training    clover_jax.training                           configs, data, losses' driver, trainer, checkpoints
@@ -25,7 +26,7 @@ PACKAGE = Path(clover_jax.__file__).parent
 LAYERS = (
     ("base", ("clover_jax.validation", "clover_jax.axes", "clover_jax.sections")),
     ("models", ("clover_jax.models", "clover_jax.parallel", "clover_jax.io", "clover_jax.pretrained",
-                "clover_jax.compile_cache")),
+                "clover_jax.compile_cache", "clover_jax.tpu")),
     ("decoding", ("clover_jax.decoding",)),
     ("heads", ("clover_jax.heads",)),
     ("training", ("clover_jax.training",)),
