@@ -9,7 +9,7 @@ loops' steps, against the bytes a step has to read (the weights it multiplies by
 For each loop (autoregressive, and the speculative loop of each `--trees` tree with a random head of `--head-type`)
 and each form of the base model's layers (`--layers`: unrolled and scan):
 
-* **step**: the loop's step (`_ar_step`, `_spec_step`: the `lax.while_loop` body, nothing else) jitted on its own,
+* **step**: the loop's step (`ar_step`, `spec_step`: the `lax.while_loop` body, nothing else) jitted on its own,
   its state donated as the loop carries it in place, compiled for the loop's shapes: `cost_analysis()`'s `bytes
   accessed` and `flops`, and the program's temporary bytes (`memory_analysis()`); not for scanned layers, whose
   `lax.scan` is a loop XLA's cost analysis counts one layer of. `bytes / floor` divides the bytes
@@ -147,11 +147,11 @@ def loop_rows(args, base, head, tree: str | None, layers: str, batch: int, count
         call_args = (state, prompt, lens, new, eos, sp_arrays, key)
 
         def start(state, prompt, lens, new, eos, sampling, key):
-            return ar._ar_start(nnx.merge(graphdef, state), prompt, lens, new, eos, sampling, key, cache_size=s,
+            return ar.ar_start(nnx.merge(graphdef, state), prompt, lens, new, eos, sampling, key, cache_size=s,
                                 greedy=True, cache_dtype=cache_dtype, layers=layers)
 
         def step(state, lw, st, limit, eos, sampling):
-            return ar._ar_step(nnx.merge(graphdef, state), lw, st, limit, eos, sampling, greedy=True)
+            return ar.ar_step(nnx.merge(graphdef, state), lw, st, limit, eos, sampling, greedy=True)
 
         start_args, step_weights = (state, prompt, lens, new, eos, sp_arrays, key), (state,)
         nodes = 1
@@ -167,11 +167,11 @@ def loop_rows(args, base, head, tree: str | None, layers: str, batch: int, count
         call_args = (state, head_params, arrays, prompt, lens, new, eos, sp_arrays, key)
 
         def start(state, head_params, arrays, prompt, lens, new, eos, sampling, key):
-            return sp._spec_start(loop, nnx.merge(graphdef, state), nnx.merge(head_graph, head_params), arrays, prompt,
+            return sp.spec_start(loop, nnx.merge(graphdef, state), nnx.merge(head_graph, head_params), arrays, prompt,
                                   lens, new, eos, sampling, key)
 
         def step(state, head_params, lw, st, limit, eos, sampling):
-            return sp._spec_step(loop, nnx.merge(graphdef, state), nnx.merge(head_graph, head_params), lw, st, limit,
+            return sp.spec_step(loop, nnx.merge(graphdef, state), nnx.merge(head_graph, head_params), lw, st, limit,
                                  eos, sampling)
 
         start_args, step_weights = call_args, (state, head_params)

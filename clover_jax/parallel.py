@@ -276,6 +276,8 @@ def _fit(rule: tuple, shape: Sequence[int], mesh: Mesh) -> P:
 def state_spec(name: str | None, shape: Sequence[int], mesh: Mesh) -> P | None:
     """The partition spec of a decoding-state leaf (see `_STATE_RULES`), or None when no rule names it."""
     rule = _STATE_RULES.get(name or "")
+    if name in ("k", "v") and rule is not None and len(shape) == len(rule) - 1:
+        rule = rule[1:]  # one layer's slice of a stacked [L, ...] leaf (a per-layer KV cache)
     if rule is None or len(shape) != len(rule):
         return None
     return _fit(rule, shape, mesh)

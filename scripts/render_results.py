@@ -354,6 +354,57 @@ def head_types_table(d: dict) -> list[str]:
     return lines
 
 
+def _gib(x) -> str:
+    return "-" if x is None else f"{x / 1024 ** 3:.2f}"
+
+
+def tpu_compile_table(d: dict) -> list[str]:
+    """bench/tpu_compile.py: training steps and decoding loops compiled for TPU slices, per-chip memory."""
+    lines = ["Training step, per chip (GiB):", "",
+             "| config | slice | mesh (data x fsdp x tp) | estimate | compiled: arguments | temporaries | total | "
+             "compiled / estimate | HBM | fits | compile s |", "|---|---|---|---:|---:|---:|---:|---:|---:|---|---:|"]
+    for r in d["train"]:
+        if r.get("error"):
+            lines.append(f"| {r['config']} | {r['slice']} | {r['error']} | - | - | - | - | - | {_gib(r['hbm'])} | - | - |")
+            continue
+        c, m = r["compiled"], r["mesh"]
+        fits = "yes" if c["total"] <= r["hbm"] and not c.get("refused") else "**no**"
+        lines.append(f"| {r['config']} | {r['slice']} | {m['data']} x {m['fsdp']} x {m['tp']} | {_gib(r['estimate'])} | "
+                     f"{_gib(c['arguments'])} | {_gib(c['temporaries'])} | {_gib(c['total'])} | "
+                     f"{c['total'] / r['estimate']:.2f} | {_gib(r['hbm'])} | {fits} | {c['seconds']:.0f} |")
+    lines += ["", "Decoding loop (prefill and every step), per chip (GiB):", "",
+              "| base | slice | batch | loop | arguments | temporaries | total | HBM | fits | compile s |",
+              "|---|---|---:|---|---:|---:|---:|---:|---|---:|"]
+    for r in d["decode"]:
+        loop = "autoregressive" if r["mode"] == "ar" else f"{TYPE_NAMES.get(r['head'], r['head'])} `{r['tree']}`"
+        if r.get("error"):
+            lines.append(f"| {r['base']} | {r['slice']} | {r['batch']} | {loop} | {r['error']} | - | - | - | - | - |")
+            continue
+        c = r["compiled"]
+        fits = "yes" if c["total"] <= r["hbm"] and not c.get("refused") else "**no**"
+        lines.append(f"| {r['base']} | {r['slice']} | {r['batch']} | {loop} | {_gib(c['arguments'])} | "
+                     f"{_gib(c['temporaries'])} | {_gib(c['total'])} | {_gib(r['hbm'])} | {fits} | {c['seconds']:.0f} |")
+    return lines
+
+
+def tpu_steps_table(d: dict) -> list[str]:
+    """bench/tpu_compile.py --steps: one decoding step per head type as the TPU compiler sees it."""
+    lines = ["| slice | batch | step | tokens verified | HBM traffic (GiB) | floor (GiB) | traffic / floor | "
+             "vs autoregressive step | XLA bytes accessed (GiB) | TFLOP | tau (measured) | predicted speed-up |",
+             "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in d["steps"]:
+        c = r["compiled"]
+        floor = sum(r["floor"].values())
+        label = ("autoregressive" if r["tree"] is None else
+                 f"{TYPE_NAMES.get(r['head'], r['head']) if r['head'] else 'no head'} `{r['tree']}`")
+        tokens = r.get("verified_tokens", "-")
+        lines.append(f"| {r['slice']} | {r['batch']} | {label} | {tokens} | {_gib(c['hbm_bytes'])} | {_gib(floor)} | "
+                     f"{c['hbm_bytes'] / floor:.3f} | {num(r.get('hbm_vs_ar'), '{:.2f}x')} | "
+                     f"{_gib(c['bytes_accessed'])} | {c['flops'] / 1e12:.3f} | {num(r.get('tau'))} | "
+                     f"{num(r.get('predicted_speedup'), '{:.2f}x')} |")
+    return lines
+
+
 def section(d: dict) -> list[str]:
     lines = [f"## {d['title']}", "",
              f"- **Date:** {d['date']}",
@@ -365,7 +416,7 @@ def section(d: dict) -> list[str]:
     tables = {"bench_spec": spec_table, "bench_step": step_table, "batch_table": batch_table,
               "choice": choice_table, "bench_rows": rows_table, "train_memory": train_memory_table,
               "compare_heads": compare_table, "first_request": first_request_table,
-              "head_types": head_types_table}
+              "head_types": head_types_table, "tpu_compile": tpu_compile_table, "tpu_steps": tpu_steps_table}
     lines += tables[d["benchmark"]](d)
     for note in d.get("notes", []):
         lines += ["", note]

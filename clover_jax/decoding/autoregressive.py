@@ -236,7 +236,7 @@ def is_eos(tokens: jax.Array, eos_ids: jax.Array) -> jax.Array:
     return jnp.any(tokens[..., None] == eos_ids, axis=-1)
 
 
-def _ar_start(model: Llama, prompt, prompt_lengths, max_new_tokens, eos_ids, sampling, key, *, cache_size: int,
+def ar_start(model: Llama, prompt, prompt_lengths, max_new_tokens, eos_ids, sampling, key, *, cache_size: int,
               greedy: bool, cache_dtype, mesh=None, layers: str = "scan", stream: bool = False, layer_weights=None):
     """The autoregressive loop up to its first decode step: `(state, per-layer weights or None, limit [B])` after
     the prefill and each row's first token."""
@@ -258,7 +258,7 @@ def _ar_start(model: Llama, prompt, prompt_lengths, max_new_tokens, eos_ids, sam
     return st, lw, limit
 
 
-def _ar_step(model: Llama, lw, s: _ARState, limit, eos_ids, sampling, *, greedy: bool, mesh=None,
+def ar_step(model: Llama, lw, s: _ARState, limit, eos_ids, sampling, *, greedy: bool, mesh=None,
              stream: bool = False) -> _ARState:
     """One decode step of the autoregressive loop (its `lax.while_loop` body): the last token through the stack,
     its K/V appended, the next token drawn. `lw`: the per-layer weights with unrolled layers, else None."""
@@ -284,7 +284,7 @@ def _ar_step(model: Llama, lw, s: _ARState, limit, eos_ids, sampling, *, greedy:
 def _ar_generate(graphdef, state, prompt, prompt_lengths, max_new_tokens, eos_ids, sampling, key, layer_weights=None,
                  *, cache_size: int, greedy: bool, cache_dtype, mesh=None, layers: str = "scan", stream: bool = False):
     model = nnx.merge(graphdef, state)
-    st, lw, limit = _ar_start(model, prompt, prompt_lengths, max_new_tokens, eos_ids, sampling, key,
+    st, lw, limit = ar_start(model, prompt, prompt_lengths, max_new_tokens, eos_ids, sampling, key,
                               cache_size=cache_size, greedy=greedy, cache_dtype=cache_dtype, mesh=mesh, layers=layers,
                               stream=stream, layer_weights=layer_weights)
 
@@ -293,7 +293,7 @@ def _ar_generate(graphdef, state, prompt, prompt_lengths, max_new_tokens, eos_id
         return ~jnp.all(s.done) & jnp.all(s.done | (s.lengths < cache_size))
 
     def body(s: _ARState):
-        return _ar_step(model, lw, s, limit, eos_ids, sampling, greedy=greedy, mesh=mesh, stream=stream)
+        return ar_step(model, lw, s, limit, eos_ids, sampling, greedy=greedy, mesh=mesh, stream=stream)
 
     st = jax.lax.while_loop(cond, body, st)
     return DecodeOutput(tokens=st.tokens, prompt_lengths=prompt_lengths, lengths=st.lengths,

@@ -100,7 +100,7 @@ def _accept(proposal, logits, key, sampling, greedy: bool, sampled_drafts: bool)
     return verify.sample_accept_topk(proposal.tokens, p, proposal.buffers, u_accept, u_sample)
 
 
-def _spec_start(loop: SpeculativeLoop, base, head, drafter_arrays, prompt, prompt_lengths, max_new_tokens, eos_ids,
+def spec_start(loop: SpeculativeLoop, base, head, drafter_arrays, prompt, prompt_lengths, max_new_tokens, eos_ids,
                 sampling, key, layer_weights=None):
     """The speculative loop up to its first step: `(state, the base model's per-layer weights or None, limit [B])`
     after the prefill, the root token and the drafter's start."""
@@ -137,7 +137,7 @@ def _spec_start(loop: SpeculativeLoop, base, head, drafter_arrays, prompt, promp
     return st, lw, limit
 
 
-def _spec_step(loop: SpeculativeLoop, base, head, lw, s: _SpecState, limit, eos_ids, sampling) -> _SpecState:
+def spec_step(loop: SpeculativeLoop, base, head, lw, s: _SpecState, limit, eos_ids, sampling) -> _SpecState:
     """One step of the speculative loop (its `lax.while_loop` body): draft, verify, accept, compact, commit."""
     drafter, cache_size, greedy, mesh, stream = loop.drafter, loop.cache_size, loop.greedy, loop.mesh, loop.stream
     b = s.tokens.shape[0]
@@ -198,7 +198,7 @@ def _spec_generate(loop: SpeculativeLoop, base_graph, base_state, head_graph, he
     base = nnx.merge(base_graph, base_state)
     head = nnx.merge(head_graph, head_state_params)
     u, cache_size = loop.drafter.num_nodes, loop.cache_size
-    st, lw, limit = _spec_start(loop, base, head, drafter_arrays, prompt, prompt_lengths, max_new_tokens, eos_ids,
+    st, lw, limit = spec_start(loop, base, head, drafter_arrays, prompt, prompt_lengths, max_new_tokens, eos_ids,
                                 sampling, key, layer_weights)
 
     def cond(s: _SpecState):
@@ -206,7 +206,7 @@ def _spec_generate(loop: SpeculativeLoop, base_graph, base_state, head_graph, he
         return ~jnp.all(s.done) & jnp.all(s.done | room)
 
     def body(s: _SpecState):
-        return _spec_step(loop, base, head, lw, s, limit, eos_ids, sampling)
+        return spec_step(loop, base, head, lw, s, limit, eos_ids, sampling)
 
     st = jax.lax.while_loop(cond, body, st)
     out = DecodeOutput(tokens=st.tokens, prompt_lengths=prompt_lengths, lengths=st.lengths,

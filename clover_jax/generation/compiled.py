@@ -9,6 +9,14 @@ head options of an experiment config, or the type's defaults) as `ShapeDtypeStru
 `clover_jax.parallel`'s rules, prompts of the bucket that holds `prompt_length`, the cache rung that holds them with
 the new tokens and the tree. On a mesh of compile-only TPU devices (`clover_jax.tpu.slice_mesh`), the TPU compiler
 reports what each holds per chip. A head-less tree (`lookup-K`) needs no head type.
+
+    steps = compile_steps(base_config, mesh, head_type="clover2", trees=["clover2-26"], batch=8, cache_size=1024)
+
+`compile_steps` compiles one step of each loop on its own (the `lax.while_loop` body: an autoregressive step; a
+speculative step's draft, verify, accept and commit), the base model's layers unrolled over per-layer weights and a
+per-layer KV cache, so the compiler's cost analysis counts every layer (it counts a loop's body once, a scan's
+included), beside `floor`: the bytes a step must read per chip (the decoder layers, the output projection, the whole
+KV cache, and the draft head's weights).
 """
 
 from __future__ import annotations
@@ -20,7 +28,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from clover_jax import parallel, tpu
-from clover_jax.decoding import autoregressive
+from clover_jax.decoding import autoregressive, speculative
 from clover_jax.decoding.lookup import NoHead
 from clover_jax.decoding.sampling import SamplingParams
 from clover_jax.decoding.sizes import bucket_length, plan_cache
@@ -113,4 +121,90 @@ def compile_decoding(base_config: LlamaConfig, mesh, *, mode: str = "ar", head_t
                                 *row_args, eos, sampling, key)]
 
 
-__all__ = ["SETTINGS", "abstract_base", "abstract_head", "compile_decoding"]
+def _row_args(mesh, batch: int, length: int):
+    rows = parallel.batch_sharding(mesh, batch)
+    return (jax.ShapeDtypeStruct((batch, length), jnp.int32, sharding=rows),  # prompt [B, T]
+            jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=rows),  # prompt lengths [B]
+            jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=rows))  # max new tokens [B]
+
+
+def _state_args(tree, mesh):
+    """`ShapeDtypeStruct`s of a decoding state with the state rules' shardings (replicated where none applies)."""
+    def one(path, leaf):
+        spec = parallel.state_spec(parallel.leaf_name(path), leaf.shape, mesh)
+        sharding = parallel.replicated(mesh) if spec is None else jax.sharding.NamedSharding(mesh, spec)
+        return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)
+
+    return jax.tree_util.tree_map_with_path(one, tree)
+
+
+def compile_steps(base_config: LlamaConfig, mesh, *, head_type: str | None = None, head_options=None,
+                  trees: tuple[str, ...] | list[str] = (), batch: int = 1, cache_size: int = 1024,
+                  dtype: str = "bfloat16") -> list[tuple[tpu.CompiledProgram, dict[str, int]]]:
+    """One autoregressive step and one speculative step per tree, each compiled alone for `mesh` with the layers
+    unrolled (see the module docstring); returns `(program, floor)` pairs, `floor` the bytes per chip the step must
+    read, by part."""
+    batch = check_int("batch", batch, minimum=1)
+    cache_size = check_int("cache_size", cache_size, minimum=64)
+    base = abstract_base(base_config, DTYPES[dtype])
+    base_graph, base_state = _placed(base, mesh)
+    layers = jax.eval_shape(lambda st: nnx.merge(base_graph, st).layers.per_layer_weights(), base_state)
+    lw = tpu.abstract(layers, parallel.model_shardings(layers, mesh))
+    rep = parallel.replicated(mesh)
+    eos = jax.ShapeDtypeStruct((1,), jnp.int32, sharding=rep)
+    sampling = tpu.abstract(SamplingParams().arrays(), rep)
+    key = jax.eval_shape(lambda: jax.random.key(0))
+    key = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=rep)
+    prompt = _row_args(mesh, batch, cache_size // 2)
+    precision = autoregressive.products_precision(base.dtype)
+    out_proj = base_state["embed"] if base_config.tie_word_embeddings else base_state["lm_head"]
+    weights = {"layers": tpu.held_bytes(lw), "output projection": tpu.held_bytes(out_proj)}
+    cache_dtype = jnp.dtype(DTYPES[dtype])
+    out = []
+
+    def ar_start(state, lw, prompt, lens, new, eos, sampling, key):
+        return autoregressive.ar_start(nnx.merge(base_graph, state), prompt, lens, new, eos, sampling, key,
+                                       cache_size=cache_size, greedy=True, cache_dtype=cache_dtype, mesh=mesh,
+                                       layers="unrolled", layer_weights=lw)
+
+    def ar_step(state, lw, st, limit, eos, sampling):
+        return autoregressive.ar_step(nnx.merge(base_graph, state), lw, st, limit, eos, sampling, greedy=True,
+                                      mesh=mesh)
+
+    st, _, limit = jax.eval_shape(ar_start, base_state, lw, *prompt, eos, sampling, key)
+    st, limit = _state_args(st, mesh), tpu.abstract(limit, parallel.batch_sharding(mesh, batch))
+    step = jax.jit(autoregressive.traced_with(precision, ar_step), donate_argnums=(2,))
+    floor = {**weights, "KV cache": tpu.held_bytes((st.cache.k, st.cache.v))}
+    out.append((tpu.compile_program(f"autoregressive step (batch {batch}, cache {cache_size})", step, base_state, lw,
+                                    st, limit, eos, sampling), floor))
+    for name in trees:
+        spec = get_tree(name)
+        head = NoHead() if is_lookup_only(spec) else abstract_head(head_type, base_config, DTYPES[dtype], head_options)
+        drafter = registry.drafter_for(type(head), spec)
+        loop = speculative.SpeculativeLoop(drafter=drafter, cache_size=cache_size, greedy=True,
+                                           cache_dtype=cache_dtype, mesh=mesh, layers="unrolled", precision=precision)
+        head_graph, head_params = _placed(head, mesh)
+        arrays = tpu.abstract(drafter.arrays(), rep)
+
+        def spec_start(state, head_params, lw, arrays, prompt, lens, new, eos, sampling, key, loop=loop,
+                       head_graph=head_graph):
+            return speculative.spec_start(loop, nnx.merge(base_graph, state), nnx.merge(head_graph, head_params),
+                                          arrays, prompt, lens, new, eos, sampling, key, layer_weights=lw)
+
+        def spec_step(state, head_params, lw, st, limit, eos, sampling, loop=loop, head_graph=head_graph):
+            return speculative.spec_step(loop, nnx.merge(base_graph, state), nnx.merge(head_graph, head_params), lw,
+                                         st, limit, eos, sampling)
+
+        st, _, limit = jax.eval_shape(spec_start, base_state, head_params, lw, arrays, *prompt, eos, sampling, key)
+        st, limit = _state_args(st, mesh), tpu.abstract(limit, parallel.batch_sharding(mesh, batch))
+        step = jax.jit(autoregressive.traced_with(precision, spec_step), donate_argnums=(3,))
+        floor = {**weights, "KV cache": tpu.held_bytes((st.cache.k, st.cache.v)),
+                 "draft head": tpu.held_bytes(head_params)}
+        label = "" if isinstance(head, NoHead) else registry.of_head(head).name + " "
+        out.append((tpu.compile_program(f"speculative step, {label}{spec.name} ({drafter.num_nodes} tokens verified, "
+                                        f"batch {batch}, cache {cache_size})", step, base_state, head_params, lw, st,
+                                        limit, eos, sampling), floor))
+    return out
+
+
+__all__ = ["SETTINGS", "abstract_base", "abstract_head", "compile_decoding", "compile_steps"]
