@@ -387,9 +387,10 @@ def hbm_traffic(hlo: str) -> tuple[int, dict[str, int]]:
     computation, read off its HLO (`Compiled.as_text()`): each instruction reads its operands and writes its result
     where they sit in HBM (memory space 0; the TPU compiler places prefetched weights and small temporaries in VMEM,
     `S(1)`), an asynchronous copy or slice counts the slice it moves once, and a fused computation that only slices
-    an operand (an embedding row) reads the slice, not the whole operand. XLA's own `bytes accessed` counts every
-    memory space and whole operands, so it exceeds this. Loops (`while`) are counted once; the programs measured with
-    it have none."""
+    an operand (an embedding row) reads the slice, not the whole operand. An in-place `dynamic-update-slice` moves its update only. XLA's own `bytes accessed` counts every
+    memory space and whole operands, so it exceeds this. A loop (`while`: the compiler's windowed matmuls, a loop of the
+    program's own) is counted as one read of what it carries: right for a windowed matmul, which reads each
+    carried weight once over its iterations, and a floor for a loop that reads its carry at every iteration."""
     entry = hlo[hlo.index("\nENTRY"):]
     entry = entry[:entry.index("\n}")]
     sliced = _sliced_parameters(hlo)
@@ -404,11 +405,20 @@ def hbm_traffic(hlo: str) -> tuple[int, dict[str, int]]:
         if op in _NO_TRAFFIC or (op == "custom-call" and "ConcatBitcast" in rest):
             continue
         operands = re.findall(r"%([\w.\-]+)", rest.split(")")[0])
-        if op.endswith("-start") and op.split("-")[0] in ("copy", "slice", "dynamic"):
+        if op == "copy-start":  # (destination, source, context)
+            dst, src = _arrays(result)[:2]
+            nbytes = (dst[0] if src[1] == 0 else 0) + (dst[0] if dst[1] == 0 else 0)
+        elif op.endswith("-start") and op.split("-")[0] in ("slice", "dynamic"):  # ((operands), result, context)
             moved = _arrays(result)
             dst = moved[1] if len(moved) > 1 else moved[0]
             src = _arrays(types.get(operands[0], "")) if operands else []
             nbytes = (dst[0] if not src or src[0][1] == 0 else 0) + (dst[0] if dst[1] == 0 else 0)
+        elif op == "while":  # a compiler's windowed matmul or a loop of ours: what it carries, read once
+            nbytes = sum(b for b, space in _arrays(types.get(operands[0], "")) if space == 0) if operands else 0
+        elif op == "dynamic-update-slice":  # in place: the update is read and written, not the whole buffer
+            update = _arrays(types.get(operands[1], ""))
+            nbytes = sum(b for b, space in update if space == 0) + \
+                (sum(b for b, _ in update) if _arrays(result)[0][1] == 0 else 0)
         else:
             calls = re.search(r"calls=%([\w.\-]+)", rest)
             only_sliced = sliced.get(calls.group(1), {}) if calls else {}

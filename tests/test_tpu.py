@@ -3,19 +3,24 @@ scripts/env.sh): slice names, the training step and the decoding loops of a smal
 TPU generations and a multi-host slice, the compiled memory against the memory plan's estimate, the command lines'
 `--compile-only`, and a default run that never starts libtpu."""
 
+import dataclasses
 import json
 import os
 import subprocess
 import sys
 
+import jax
 import jax.numpy as jnp
 import pytest
 from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from clover_jax import parallel, tpu
 from clover_jax.cli import infer as infer_cli
 from clover_jax.cli import train as train_cli
-from clover_jax.generation.compiled import abstract_base, compile_decoding
+from clover_jax.decoding.sampling import top_k_ids, vocab_split_over
+from clover_jax.generation.compiled import abstract_base, compile_decoding, compile_steps
 from clover_jax.models.config import LlamaConfig
 from clover_jax.training.compiled import compile_training_step
 from clover_jax.training.config import load_config
@@ -125,6 +130,41 @@ def test_decoding_loops_compile(name, mesh_sizes, mode, head_type, tree):
     if mode == "ar":
         assert prog.read_arguments >= weights  # it reads every weight, as placed
     assert prog.flops > 0 and prog.total < sl.hbm and not prog.refused
+
+
+# ------------------------------------------------------------------------------------------------ one step's bytes
+def test_draft_top_k_keeps_a_split_output_projection_in_place():
+    """Drafting takes the top k of logits whose vocabulary tp splits (1,000 ids per chip here, not a whole number of
+    the 128-id blocks `top_k_ids` works in). Compiled for a TPU inside `vocab_split_over`, the program reads about
+    its own share of the output projection once (HBM traffic read off the compiled program), gathers no weights and
+    computes its ids (the TPU compiler turns an index-only `lax.top_k` over a split axis into zeros)."""
+    sl = tpu.parse_slice("v5e-8")
+    mesh = tpu.slice_mesh(sl, data=2, tp=4)
+    d, v, rows, k = 512, 8000, 4, 4
+    w = jax.ShapeDtypeStruct((d, v), jnp.bfloat16, sharding=NamedSharding(mesh, P(None, "tp")))
+    h = jax.ShapeDtypeStruct((rows, d), jnp.bfloat16, sharding=NamedSharding(mesh, P("data")))
+
+    def draft(h, w):
+        with vocab_split_over(mesh):
+            return top_k_ids(h @ w, k)
+
+    hlo = jax.jit(draft).lower(h, w).compile().as_text()
+    entry = hlo[hlo.index("\nENTRY"):]
+    share = d * v // 4 * 2
+    assert share <= tpu.hbm_traffic(hlo)[0] < 1.1 * share
+    assert "ROOT %broadcast" not in entry and "bf16[512,8000]" not in entry  # ids computed; no gathered weights
+
+
+def test_autoregressive_step_reads_its_floor():
+    """One autoregressive step of SMALL (bfloat16, tp=4 on v5e-4, layers unrolled) moves about the bytes it must
+    read: its weights and its KV cache, within 5% (a prefetch into on-chip memory counted once, an in-place cache
+    write as the row it writes)."""
+    mesh = tpu.slice_mesh(tpu.parse_slice("v5e-4"), data=1, tp=4)
+    big = dataclasses.replace(SMALL, hidden_size=1024, intermediate_size=2816, num_attention_heads=8, head_dim=128,
+                              num_key_value_heads=4, vocab_size=32768)
+    ((prog, floor),) = compile_steps(big, mesh, batch=1, cache_size=1024)
+    assert "autoregressive" in prog.name
+    assert 0.99 * sum(floor.values()) <= prog.hbm_bytes <= 1.05 * sum(floor.values()), (prog.hbm_bytes, floor)
 
 
 # ------------------------------------------------------------------------------------------------ command lines

@@ -7,10 +7,14 @@ All sampling parameters are traced arrays (a new temperature does not recompile)
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from clover_jax.validation import check_float, check_int
 
@@ -104,8 +108,28 @@ def next_token(key: jax.Array, logits: jax.Array, params: dict[str, jax.Array] |
     return sample_from_probs(key, probs)
 
 
+# the mesh whose "tp" axis splits the vocabulary of the logits drafting takes the top k of (`vocab_split_over`)
+_VOCAB_MESH: contextvars.ContextVar = contextvars.ContextVar("clover_jax_vocab_mesh", default=None)
+
+
+@contextlib.contextmanager
+def vocab_split_over(mesh: Mesh | None):
+    """Traced inside, `top_k_ids` takes the top k of each chip's share of the vocabulary (`mesh`'s "tp" axis splits
+    the output projection's vocabulary, `clover_jax.parallel`), then the top k of the chips' candidates: each chip
+    keeps its share of the projection, and only k candidates per row cross between chips. Without it the compiler
+    partitions the top-k as it sees fit: for the blocks of `top_k_ids` that straddle the chips' shares it gathers
+    the whole projection to every chip, and the TPU compiler (libtpu 0.0.42) compiles a `lax.top_k` whose
+    indices alone are used, over a split axis, into zeros. Identity without a mesh or with tp = 1."""
+    token = _VOCAB_MESH.set(mesh if mesh is not None and dict(mesh.shape).get("tp", 1) > 1 else None)
+    try:
+        yield
+    finally:
+        _VOCAB_MESH.reset(token)
+
+
 def top_k_ids(logits: jax.Array, k: int, block: int = 128) -> jax.Array:
-    """Top-k token ids over the last (vocabulary) axis, exact, without sorting the vocabulary.
+    """Top-k token ids over the last (vocabulary) axis, exact, without sorting the vocabulary (split over chips
+    inside `vocab_split_over`).
 
     XLA:CPU lowers many `lax.top_k` calls over a 49k-128k vocabulary to a full sort, and the top-k calls
     would dominate a draft's cost. Two small steps instead: the k blocks of `block` logits with the
@@ -113,15 +137,46 @@ def top_k_ids(logits: jax.Array, k: int, block: int = 128) -> jax.Array:
     and fewer than k blocks can have a larger max), then top-k inside those k * block candidates.
     """
     *lead, v = logits.shape
-    flat = logits.reshape(-1, v)
+    flat = logits.reshape(-1, v)  # [rows, V]
     if k == 1:
         return argmax_last(flat).reshape(*lead, 1)
+    mesh = _VOCAB_MESH.get()
+    if mesh is not None and v % mesh.shape["tp"] == 0 and v // mesh.shape["tp"] >= k:
+        return _split_top_k(flat, k, block, mesh).reshape(*lead, k)
+    return _top_k(flat, k, block).reshape(*lead, k)
+
+
+def top_k(logits: jax.Array, k: int, block: int = 128) -> tuple[jax.Array, jax.Array]:
+    """`(values, ids)` of the top k over the last (vocabulary) axis, as `top_k_ids` finds them."""
+    ids = top_k_ids(logits, k, block)  # [..., k]
+    return jnp.take_along_axis(logits, ids, axis=-1), ids
+
+
+def _top_k(flat: jax.Array, k: int, block: int) -> jax.Array:
+    """`top_k_ids` of `flat [rows, V]` on one device: [rows, k]."""
+    rows, v = flat.shape
     nblk = -(-v // block)
     if nblk <= k:
-        return jax.lax.top_k(flat, k)[1].astype(jnp.int32).reshape(*lead, k)
+        return jax.lax.top_k(flat, k)[1].astype(jnp.int32)
     x = jnp.pad(flat, ((0, 0), (0, nblk * block - v)), constant_values=-jnp.inf).reshape(-1, nblk, block)
     top_blocks = jax.lax.top_k(x.max(axis=-1), k)[1]  # [rows, k]
     cand = jnp.take_along_axis(x, top_blocks[..., None], axis=1).reshape(-1, k * block)  # [rows, k * block]
     pos = jax.lax.top_k(cand, k)[1]  # [rows, k]
-    ids = top_blocks[jnp.arange(flat.shape[0])[:, None], pos // block] * block + pos % block
-    return ids.astype(jnp.int32).reshape(*lead, k)
+    ids = top_blocks[jnp.arange(rows)[:, None], pos // block] * block + pos % block
+    return ids.astype(jnp.int32)
+
+
+def _split_top_k(flat: jax.Array, k: int, block: int, mesh: Mesh) -> jax.Array:
+    """`top_k_ids` of `flat [rows, V]` with V split over `mesh`'s "tp" axis: [rows, k]. Ties: the lower id first."""
+
+    def per_chip(x):  # [rows, V / tp]: this chip's share
+        ids = _top_k(x, k, block)  # [rows, k] within the share
+        vals = jnp.take_along_axis(x, ids, axis=1)  # [rows, k]
+        ids = ids + jax.lax.axis_index("tp") * x.shape[1]  # vocabulary ids
+        vals = jax.lax.all_gather(vals, "tp", axis=1, tiled=True)  # [rows, tp * k], the chips in order
+        ids = jax.lax.all_gather(ids, "tp", axis=1, tiled=True)  # [rows, tp * k]
+        best = jax.lax.top_k(vals, k)[1]  # [rows, k]
+        return jnp.take_along_axis(ids, best, axis=1)
+
+    return jax.shard_map(per_chip, mesh=mesh, in_specs=P(None, "tp"), out_specs=P(), axis_names={"tp"},
+                         check_vma=False)(flat)

@@ -39,7 +39,7 @@ from clover_jax.decoding.autoregressive import (
     traced_with,
 )
 from clover_jax.decoding.drafter import Drafter, check_drafter, check_proposal, check_state
-from clover_jax.decoding.sampling import SamplingParams, next_token, warp_probs
+from clover_jax.decoding.sampling import SamplingParams, next_token, vocab_split_over, warp_probs
 from clover_jax.decoding.sizes import plan_cache
 from clover_jax.models.cache import KVCache
 
@@ -146,7 +146,8 @@ def spec_step(loop: SpeculativeLoop, base, head, lw, s: _SpecState, limit, eos_i
     shard = functools.partial(parallel.constrain_state, mesh=mesh)  # identity without a mesh
     key, k_draft, k_acc = jax.random.split(s.key, 3)
     root = jnp.take_along_axis(s.tokens, (s.lengths - 1)[:, None], axis=1)[:, 0]  # [B]
-    prop = drafter.propose(head, base, s.head_state, root, k_draft)
+    with vocab_split_over(mesh):  # a vocabulary split over tp: each chip's top k, then the chips'
+        prop = drafter.propose(head, base, s.head_state, root, k_draft)
     # trace time: a clear error for a drafter that breaks the contract
     check_proposal(drafter, prop, b, base.config.vocab_size)
     buf = prop.buffers

@@ -16,7 +16,7 @@ from clover_jax.decoding import memory
 from clover_jax.generation import api
 from clover_jax.decoding import autoregressive, speculative
 from clover_jax.decoding.ngram import build_ngram_table
-from clover_jax.decoding.sampling import SamplingParams
+from clover_jax.decoding.sampling import SamplingParams, top_k_ids, vocab_split_over
 from clover_jax.heads import registry
 from clover_jax.heads.clover2.model import Clover2Config, init_from_base
 from clover_jax.heads.clover1.head import Clover1Config, init_from_base as clover1_from_base
@@ -101,6 +101,26 @@ def test_state_rules_split_caches_and_rows():
 # ----------------------------------------------------------------------------------- exactness, tiny
 TINY_RUNS = [(1, "clover2-26"), (1, "dynamic-10"), (2, "chain-3"), (3, "beam-3x4"), (4, "dynamic-8-d3-k3-p0.8"),
              (5, "dynamic-10"), (1, "chain-3+lookup-4"), (None, "lookup-3"), (1, "chain-2+lookup-3-table")]
+
+
+@pytest.mark.parametrize("v", [8000, 49152, 8003])  # split 4 ways; the last cannot be and is not
+def test_top_k_over_a_vocabulary_split_over_tp(v):
+    """Drafting's top k over logits whose vocabulary tp splits: each chip's top k, then the top k of their
+    candidates, equal to `lax.top_k` (ties: the lower ids first), with rows split over data too."""
+    _need_devices()
+    mesh = parallel.make_mesh(data=2, fsdp=1, tp=4)
+    x = jax.random.normal(jax.random.key(v), (6, 3, v)).at[0, 0, v - 1].set(50.0)
+    x = x.at[1, 1, :].set(1.0)  # all tied
+    xs = jax.device_put(x, NamedSharding(mesh, P("data", None, "tp" if v % 4 == 0 else None)))
+
+    @jax.jit
+    def split(x):
+        with vocab_split_over(mesh):
+            return top_k_ids(x, 5)
+
+    got = np.asarray(split(xs))
+    np.testing.assert_array_equal(got, np.asarray(jax.lax.top_k(x, 5)[1]))
+    assert got[1, 1].tolist() == [0, 1, 2, 3, 4] and got[0, 0, 0] == v - 1
 
 
 @pytest.fixture(scope="module")

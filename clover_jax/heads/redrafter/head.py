@@ -50,6 +50,7 @@ from safetensors import safe_open
 from clover_jax.decoding.drafter import Proposal, TreeDrafterBase, cached_arrays, vocab_ids
 from clover_jax.decoding.trees.topology import topology_from_parents
 from clover_jax.decoding.tree import BeamTree
+from clover_jax.decoding.sampling import top_k
 from clover_jax.heads.losses import kd_loss, kd_loss_packed, next_token_labels, output_projection
 from clover_jax.io.export import ExportError
 from clover_jax.models.config import LlamaConfig
@@ -193,11 +194,14 @@ def beam_search(head: ReDrafterHead, base, h: jax.Array, root: jax.Array, width:
         logits = jnp.einsum("BWI,IQ->BWQ", head.features(ctx, s).astype(proj.dtype), proj,
                             preferred_element_type=jnp.float32)  # [B, W, Q]
         logits = logits - jnp.max(logits, axis=-1, keepdims=True)
-        kth = jax.lax.top_k(logits, k)[0][..., -1:]  # [B, W, 1]
+        kth = top_k(logits, k)[0][..., -1:]  # [B, W, 1]
         logits = jnp.where(logits < kth, LOG_0, logits)
         total = jax.nn.log_softmax(logits, axis=-1) + log_p[..., None]  # [B, W, Q]
-        log_p, flat = jax.lax.top_k(total.reshape(b, width * n), width)  # [B, W]
-        src, tok = flat // n, flat % n
+        # the best W of all W * Q continuations are among each beam's best W (ties: the lower beam, then the lower
+        # id, as one top-k over the flattened [W * Q] would take them); the vocabulary axis stays where it is
+        cand_p, cand = top_k(total, width)  # [B, W, W]
+        log_p, pos = jax.lax.top_k(cand_p.reshape(b, width * width), width)  # [B, W]
+        src, tok = pos // width, jnp.take_along_axis(cand.reshape(b, width * width), pos, axis=1)
         tok = tok if vocab_ids is None else vocab_ids[tok]
         beams = jnp.concatenate([beams[rows, src], tok[..., None].astype(jnp.int32)], axis=-1)
         s = s[rows, src]
