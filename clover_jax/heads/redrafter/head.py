@@ -48,9 +48,9 @@ from flax import nnx, struct
 from safetensors import safe_open
 
 from clover_jax.decoding.drafter import Proposal, TreeDrafterBase, cached_arrays, vocab_ids
+from clover_jax.decoding.sampling import top_k
 from clover_jax.decoding.trees.topology import topology_from_parents
 from clover_jax.decoding.tree import BeamTree
-from clover_jax.decoding.sampling import top_k
 from clover_jax.heads.losses import kd_loss, kd_loss_packed, next_token_labels, output_projection
 from clover_jax.io.export import ExportError
 from clover_jax.models.config import LlamaConfig
