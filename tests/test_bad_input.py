@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from clover_jax.decoding.ngram import build_ngram_table, save_ngram_table
 from clover_jax.generation.api import generate
 from clover_jax.generation.plan import prepare_generate
 from clover_jax.validation import PromptError
@@ -64,6 +65,20 @@ def files(tmp_path_factory):
     (d / "broken_tree.json").write_text('{"choices": [[0], [1]')
     (d / "bad_prompts.jsonl").write_text('{"prompt": "hi"}\n{not json\n')
     (d / "bad_vocab.json").write_text(json.dumps({"ids": [1, 2, 10 ** 6]}))
+    (d / "latin1_prompts.jsonl").write_bytes('{"prompt": "hi"}\n{"prompt": "caf\u00e9"}\n'.encode("latin-1"))
+    (d / "binary_prompts.jsonl").write_bytes(bytes(np.random.default_rng(0).integers(128, 256, 400, dtype=np.uint8)))
+    (d / "list_prompts.jsonl").write_text('{"prompt": "hi"}\n[1, 2, 3]\n')
+    (d / "number_prompts.jsonl").write_text('5\n')
+    (d / "string_turns.jsonl").write_text('{"turns": "abc"}\n')
+    # a head folder whose n-gram table is cut short, and one without its config.json
+    import shutil
+    shutil.copytree(d / "head", d / "head_cut_table")
+    save_ngram_table(build_ngram_table([list(range(2, 60)) * 3], vocab_size=base.config.vocab_size),
+                     d / "head_cut_table")
+    table = d / "head_cut_table" / "ngram_table.npz"
+    table.write_bytes(table.read_bytes()[: table.stat().st_size // 2])
+    shutil.copytree(d / "head", d / "head_no_config")
+    (d / "head_no_config" / "config.json").unlink()
     return {"dir": d, "model": d / "model", "head": d / "head", "other_head": d / "other_head",
             "base": base, "head_module": head, "tokenizer": tok}
 
@@ -96,6 +111,14 @@ INFER_CASES = [  # (args, what the error names); {model} {head} ... are filled f
     (["--prompt", "hi", "--model", "{dir}/no-such-model"], "no-such-model"),
     (["--prompts-file", "{dir}/missing.jsonl"], "prompts file not found"),
     (["--prompts-file", "{dir}/bad_prompts.jsonl"], "bad_prompts.jsonl:2"),
+    (["--prompts-file", "{dir}/latin1_prompts.jsonl"], "latin1_prompts.jsonl:2: not UTF-8"),
+    (["--prompts-file", "{dir}/binary_prompts.jsonl"], "binary_prompts.jsonl:1: not UTF-8"),
+    (["--prompts-file", "{dir}/list_prompts.jsonl"], "list_prompts.jsonl:2: expected a JSON object"),
+    (["--prompts-file", "{dir}/number_prompts.jsonl"], "number_prompts.jsonl:1: expected a JSON object"),
+    (["--prompts-file", "{dir}/string_turns.jsonl"], "string_turns.jsonl:1: 'turns' must be a list of strings"),
+    (["--prompt", "hi", "--mode", "speculative", "--head", "{dir}/head_cut_table", "--tree", "chain-3+lookup-4-table"],
+     "ngram_table.npz: unreadable"),
+    (["--prompt", "hi", "--mode", "speculative", "--head", "{dir}/head_no_config"], "has no config.json"),
     (["--prompt", "hi", "--model", "{dir}/truncated"], "model.safetensors"),
     (["--prompt", "hi", "--model", "{dir}/truncated.gguf"], "truncated.gguf"),
     (["--prompt", "hi", "--mode", "speculative", "--head", "{dir}/no-such-head"], "--head"),

@@ -30,6 +30,8 @@ import dataclasses
 import functools
 import io
 import os
+import zipfile
+import zlib
 from pathlib import Path
 from typing import Iterable, Sequence
 
@@ -185,8 +187,9 @@ def _load(path: str, mtime: float) -> NgramTable:
         with np.load(path) as z:
             return NgramTable(np.asarray(z["keys"], np.uint32), np.asarray(z["tokens"], np.int32),
                               int(z["max_order"]), int(z["vocab_size"]), str(z["source"]))
-    except (OSError, KeyError, ValueError) as e:
-        raise InputError(f"n-gram table {path}: not a table written by save_ngram_table ({e})") from None
+    except (OSError, KeyError, ValueError, EOFError, zipfile.BadZipFile, zlib.error) as e:  # missing, cut, garbled
+        raise InputError(f"n-gram table {path}: unreadable, not a whole table written by save_ngram_table "
+                         f"({type(e).__name__}: {e})") from None
 
 
 def load_ngram_table(path: str | os.PathLike) -> NgramTable:

@@ -129,6 +129,12 @@ def is_run_dir(folder: HeadFolder) -> bool:
 def _load_module(folder: HeadFolder, base, step: int | None, run_loader: RunLoader | None):
     if not is_run_dir(folder):
         return import_head(folder.path, base)
+    path = folder.path
+    if path.is_dir() and not (path / "checkpoints").is_dir() and not any(p.name.isdigit() for p in path.iterdir()):
+        held = sorted(p.name for p in path.iterdir())
+        raise InputError(f"head: {path} has no config.json (an exported head folder holds one) and no checkpoints "
+                         f"(a training run directory holds checkpoints/ or numbered step folders); it holds: "
+                         f"{', '.join(held[:12]) or 'nothing'}" + (", ..." if len(held) > 12 else ""))
     if run_loader is None:
         raise InputError(f"head: {folder.path} is a training run directory; load it with clover_jax.load_head(path, "
                          "base) and pass the module, or use clover_jax.generate, which reads run directories")

@@ -20,22 +20,47 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import gzip
 import json
 import os
 import secrets
 import shutil
+import socket
 import time
+import zlib
 from pathlib import Path
 from typing import Any, Callable, Iterator
+
+from clover_jax.validation import InputError
 
 LOCK_TIMEOUT_S = 60.0  # a lock is held for one read-modify-write (milliseconds) or one tokenizer conversion
 _NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
 STALE_TEMP_S = 3600.0  # a temporary file or folder this old is a killed writer's: removed by the next writer
 
 
+def _writer() -> str:
+    """This process as a temporary name spells it: `<host>-<pid>` (dots in the host name as underscores)."""
+    return f"{socket.gethostname().replace('.', '_')}-{os.getpid()}"
+
+
 def temporary_name(path: Path) -> Path:
-    """A name beside `path` that no other writer uses (`.<name>.<pid>.<random>.tmp`)."""
-    return path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    """A name beside `path` that no other writer uses (`.<name>.<host>-<pid>.<random>.tmp`)."""
+    return path.with_name(f".{path.name}.{_writer()}.{secrets.token_hex(4)}.tmp")
+
+
+def _dead_writer(path: Path, tmp: Path) -> bool:
+    """Whether `tmp` (a `temporary_name` of `path`) was made by a process of this host that no longer runs."""
+    writer = tmp.name[len(path.name) + 2:-len(".tmp")].rsplit(".", 1)[0]  # <host>-<pid>
+    host, _, pid = writer.rpartition("-")
+    if host != _writer().rpartition("-")[0] or not pid.isdigit():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # it runs, under another user
+        return False
+    return False
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
@@ -116,6 +141,36 @@ def read_json_object(path: str | os.PathLike) -> dict[str, Any]:
     return data if isinstance(data, dict) else {}
 
 
+def _not_utf8(path, line: int, raw: bytes, e: UnicodeDecodeError) -> InputError:
+    return InputError(f"{path}:{line}: not UTF-8 text (byte {e.start + 1} of the line is {raw[e.start:e.start + 1]!r}); "
+                      "save the file as UTF-8")
+
+
+def text_lines(path: str | os.PathLike, *, gz: bool = False) -> Iterator[tuple[int, str]]:
+    """`(line number, line)` of a UTF-8 text file (gzip-compressed when `gz`), read as it goes; an `InputError`
+    naming the file and the line where the bytes are not UTF-8 or the compressed stream is cut or garbled."""
+    try:
+        with (gzip.open(path, "rb") if gz else open(path, "rb")) as f:
+            for n, raw in enumerate(f, 1):
+                try:
+                    yield n, raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise _not_utf8(path, n, raw, e) from None
+    except (EOFError, gzip.BadGzipFile, zlib.error) as e:
+        raise InputError(f"{path}: not a whole gzip file ({type(e).__name__}: {e})") from None
+
+
+def read_text(path: str | os.PathLike) -> str:
+    """A UTF-8 text file's contents; an `InputError` naming the file and the line where the bytes are not UTF-8."""
+    raw = Path(path).read_bytes()
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line_start = raw.rfind(b"\n", 0, e.start) + 1
+        err = UnicodeDecodeError(e.encoding, e.object, e.start - line_start, e.end - line_start, e.reason)
+        raise _not_utf8(path, raw.count(b"\n", 0, e.start) + 1, raw[line_start:], err) from None
+
+
 def update_json(path: str | os.PathLike, change: Callable[[dict[str, Any]], dict[str, Any]]) -> dict[str, Any]:
     """Reads the JSON object file `path` ({} if missing or unreadable), applies `change` and writes the result
     whole, all under `path`'s lock: two processes updating the same file at once both keep their change. Returns
@@ -127,12 +182,12 @@ def update_json(path: str | os.PathLike, change: Callable[[dict[str, Any]], dict
 
 
 def remove_stale_temporaries(path: Path, age: float = STALE_TEMP_S) -> None:
-    """Removes the temporary files and folders of `path` (`temporary_name`) older than `age` s: a writer killed
-    before its rename left them."""
+    """Removes the temporary files and folders of `path` (`temporary_name`) that a writer killed before its rename
+    left: those of a process of this host that no longer runs, and any older than `age` s (another host's)."""
     now = time.time()
     for p in path.parent.glob(f".{path.name}.*.tmp"):
         with contextlib.suppress(OSError):
-            if now - p.lstat().st_mtime > age:
+            if _dead_writer(path, p) or now - p.lstat().st_mtime > age:
                 shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
 
 
@@ -158,4 +213,4 @@ def building_dir(target: str | os.PathLike) -> Iterator[Path]:
 
 
 __all__ = ["atomic_write_bytes", "atomic_write_text", "building_dir", "lock_path", "locked", "read_json_object",
-           "remove_stale_temporaries", "temporary_name", "update_json"]
+           "read_text", "remove_stale_temporaries", "temporary_name", "text_lines", "update_json"]

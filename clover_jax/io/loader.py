@@ -15,7 +15,7 @@ from flax import nnx
 from clover_jax import parallel
 from clover_jax.io import gguf as gguf_io
 from clover_jax.io import hub
-from clover_jax.io.files import building_dir, locked
+from clover_jax.io.files import building_dir, locked, remove_stale_temporaries
 from clover_jax.io.hf import hf_to_params, load_hf_dir, model_from_params
 from clover_jax.models.config import LlamaConfig
 from clover_jax.models.llama import Llama
@@ -84,6 +84,7 @@ def _gguf_tokenizer_cached(reader, path: Path):
     try:
         where = cache_dir() / "tokenizers" / tag
         if (where / "tokenizer.json").is_file():
+            remove_stale_temporaries(where)  # a first use killed while converting left its folder
             return PreTrainedTokenizerFast.from_pretrained(str(where))
         with locked(where):  # a second first use at the same time waits, then reads the folder this one wrote
             if (where / "tokenizer.json").is_file():

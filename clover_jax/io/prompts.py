@@ -13,6 +13,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from clover_jax.io.files import text_lines
 from clover_jax.validation import InputError, PromptError, check_token_ids
 
 DATA_DIR = Path(__file__).resolve().parents[1] / "data"
@@ -34,21 +35,29 @@ def read_prompts(path: str | Path, category: str | None = None, limit: int | Non
     if not path.is_file():
         raise FileNotFoundError(f"prompts file not found: {path} (shipped question sets: {', '.join(QUESTION_SETS)})")
     out = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
+    for n, line in text_lines(path):
         if not line.strip():
             continue
         try:
             rec = json.loads(line)
         except json.JSONDecodeError as e:
             raise InputError(f"{path}:{n}: not valid JSON ({e})") from None
+        if not isinstance(rec, dict):
+            raise InputError(f"{path}:{n}: expected a JSON object with 'turns' (a list of strings), 'prompt' or "
+                             f"'text', got {type(rec).__name__} {line.strip()[:60]!r}")
         if category and rec.get("category") != category:
             continue
         if "turns" in rec:
-            text = rec["turns"][turn] if turn < len(rec["turns"]) else None
+            turns = rec["turns"]
+            if not isinstance(turns, list) or not all(isinstance(t, str) for t in turns):
+                raise InputError(f"{path}:{n}: 'turns' must be a list of strings, got {turns!r:.60}")
+            text = turns[turn] if turn < len(turns) else None
         else:
             text = rec.get("prompt") or rec.get("text")
-        if not text:
-            raise InputError(f"{path}:{n}: no 'turns'[{turn}] / 'prompt' / 'text' field")
+        if text is not None and not isinstance(text, str):
+            raise InputError(f"{path}:{n}: the prompt must be a string, got {type(text).__name__} {text!r:.60}")
+        if not text or not text.strip():
+            raise InputError(f"{path}:{n}: no 'turns'[{turn}] / 'prompt' / 'text' field, or it is empty")
         out.append(text)
         if limit and len(out) >= limit:
             break

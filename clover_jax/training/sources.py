@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import gzip
 import importlib.metadata
 import json
 import logging
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
+from clover_jax.io.files import read_text, text_lines
 from clover_jax.training.config import DataConfig, source_kind
 from clover_jax.validation import InputError
 
@@ -49,7 +49,8 @@ def normalise_messages(turns: Any, conv_id: str = "?") -> tuple[Conversation | N
 
     Roles map through `ROLES`; assistant turns before the first user turn and trailing non-assistant
     turns (no loss on them, nothing after them) are removed; a conversation without an assistant turn,
-    with an unknown role or with non-text content is dropped.
+    with an unknown role or with non-text content is dropped; `load_conversations` counts the dropped ones by
+    reason and warns, and warns of the kept ones that hold a turn with no text.
     """
     if not isinstance(turns, (list, tuple)) or not turns:
         return None, "empty"
@@ -98,7 +99,7 @@ def iter_json_array(path: str | Path) -> Iterator[Any]:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"data file not found: {path}")
-    text = path.read_text(encoding="utf-8")
+    text = read_text(path)
     decoder = json.JSONDecoder()
     i = len(text) - len(text.lstrip())
     if not text.startswith("[", i):
@@ -148,6 +149,8 @@ def _conversations(records: Iterable[Any], source: str, limit: int | None,
             dropped[why] += 1
         else:
             out.append(conv)
+            if any(not m["content"].strip() for m in conv.messages):
+                dropped["kept, with a turn holding no text"] += 1
     return out
 
 
@@ -168,13 +171,12 @@ def read_chat_file(path: str | Path, limit: int | None = None,
     gz = path.name.lower().endswith(".jsonl.gz")
     if path.suffix.lower() == ".jsonl" or gz:
         def records():
-            with (gzip.open(path, "rt", encoding="utf-8") if gz else path.open(encoding="utf-8")) as f:
-                for line_no, line in enumerate(f, 1):
-                    if line.strip():
-                        try:
-                            yield json.loads(line)
-                        except json.JSONDecodeError as e:
-                            raise DataError(f"{path}:{line_no}: not valid JSON ({e})") from None
+            for line_no, line in text_lines(path, gz=gz):
+                if line.strip():
+                    try:
+                        yield json.loads(line)
+                    except json.JSONDecodeError as e:
+                        raise DataError(f"{path}:{line_no}: not valid JSON ({e})") from None
         return _conversations(records(), str(path), limit, dropped)
     if path.suffix.lower() == ".json":
         return _conversations(iter_json_array(path), str(path), limit, dropped)
@@ -203,16 +205,20 @@ def read_questions(path: str | Path, category: str | None = None) -> list[dict[s
     if not path.is_file():
         raise FileNotFoundError(f"question file not found: {path}")
     out = []
-    with path.open(encoding="utf-8") as f:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
+    for line_no, line in text_lines(path):
+        if not line.strip():
+            continue
+        try:
             q = json.loads(line)
-            if "turns" not in q:
-                raise DataError(f"{path}:{line_no}: unknown format, no 'turns'")
-            if category is None or q.get("category") == category:
-                out.append({"question_id": q.get("question_id"), "category": q.get("category"),
-                            "turns": list(q["turns"])})
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path}:{line_no}: not valid JSON ({e})") from None
+        if not isinstance(q, dict) or "turns" not in q:
+            raise DataError(f"{path}:{line_no}: unknown format, expected an object with 'turns'")
+        if not isinstance(q["turns"], list) or not all(isinstance(t, str) for t in q["turns"]):
+            raise DataError(f"{path}:{line_no}: 'turns' must be a list of strings, got {q['turns']!r:.60}")
+        if category is None or q.get("category") == category:
+            out.append({"question_id": q.get("question_id"), "category": q.get("category"),
+                        "turns": list(q["turns"])})
     if not out:
         raise DataError(f"{path}: no questions" + (f" in category {category!r}" if category else ""))
     return out
@@ -261,6 +267,10 @@ def load_conversations(cfg: DataConfig) -> list[Conversation]:
                     raise DataError(f"data.source: conversation id {c.id!r} is in both {seen[c.id]!r} and "
                                     f"{source!r}; list each conversation once")
                 seen[c.id] = source
-        log.info("read %d conversations from %s (dropped %s)", len(part), source, dict(dropped))
+        if dropped:
+            log.warning("%s: read %d conversations; %s", source, len(part),
+                        ", ".join(f"{why}: {n}" for why, n in dropped.most_common()))
+        else:
+            log.info("read %d conversations from %s", len(part), source)
         convs.extend(part)
     return with_system_prompt(convs, cfg.system_prompt)

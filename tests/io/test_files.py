@@ -111,6 +111,28 @@ def test_atomic_write_keeps_the_old_file_when_writing_fails(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["x.json"]
 
 
+def test_a_killed_writers_temporaries_are_removed_at_once(tmp_path):
+    """A temporary of a writer of this host that no longer runs goes at the next write, however young; one of a
+    running writer (this process) or of another host stays until it is old."""
+    import subprocess
+    import sys
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                          check=True)
+    pid = int(dead.stdout)
+    path = tmp_path / "x.json"
+    mine = files.temporary_name(path)
+    killed = mine.with_name(mine.name.replace(f"-{os.getpid()}.", f"-{pid}."))
+    other_host = tmp_path / f".x.json.elsewhere-{pid}.0123abcd.tmp"
+    for p in (mine, killed, other_host):
+        p.mkdir()
+    files.atomic_write_text(path, "{}")
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["x.json", mine.name, other_host.name])
+    with pytest.raises(ValueError, match=r"x\.txt:2: not UTF-8 text \(byte 4 of the line is b'\\xe9'\)"):
+        (tmp_path / "x.txt").write_bytes(b"ok\ncaf\xe9\n")
+        files.read_text(tmp_path / "x.txt")
+
+
 def test_a_held_lock_makes_others_wait_and_names_itself_on_timeout(tmp_path):
     path = tmp_path / "f.json"
     order = []

@@ -61,7 +61,6 @@ def test_sharegpt_truncated_file_walk():
 
 
 def test_read_sharegpt_prefix(sharegpt):
-    assert len(sharegpt) == 300
     for c in sharegpt:
         roles = [m["role"] for m in c.messages]
         assert set(roles) <= {"system", "user", "assistant"}
@@ -72,6 +71,7 @@ def test_read_sharegpt_prefix(sharegpt):
     dropped = collections.Counter()
     again = D.read_sharegpt(limit=300, dropped=dropped)
     assert again == sharegpt and sum(dropped.values()) > 0  # some records have no turns at all
+    assert len(sharegpt) == 300 and dropped["kept, with a turn holding no text"] > 0  # kept, counted
 
 
 def test_role_normalisation(tmp_path):
@@ -193,6 +193,36 @@ def test_sharegpt_heldout_questions_were_never_trained_or_self_distilled_on():
     kept = Path(D.__file__).resolve().parents[2] / "data" / "self_distill" / "smollm2-135m-instruct-sharegpt.jsonl.gz"
     with gzip.open(kept, "rt") as f:
         assert not ids & {json.loads(line)["id"] for line in f}
+
+
+def test_bad_bytes_and_empty_turns_in_training_files(tmp_path, caplog):
+    """A line that is not UTF-8 names its file and line (plain, gzip-compressed and JSON-array files); a gzip file cut
+    short is named; a conversation with a turn holding no text is kept, counted and warned about."""
+    import gzip
+
+    good = json.dumps({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "r"}]})
+    path = tmp_path / "chats.jsonl"
+    path.write_bytes((good + "\n" + good + "\n").encode() + b'{"messages": "caf\xe9"}\n')
+    with pytest.raises(ValueError, match=r"chats\.jsonl:3: not UTF-8") as e:
+        D.read_chat_file(path)
+    assert isinstance(e.value, ValueError) and "Traceback" not in str(e.value)
+    gz = tmp_path / "chats.jsonl.gz"
+    gz.write_bytes(gzip.compress(path.read_bytes()))
+    with pytest.raises(ValueError, match=r"chats\.jsonl\.gz:3: not UTF-8"):
+        D.read_chat_file(gz)
+    whole = gzip.compress("".join(f'{{"id": "{i}", "messages": []}}\n' for i in range(400)).encode())
+    gz.write_bytes(whole[: len(whole) // 2])
+    with pytest.raises(ValueError, match=r"chats\.jsonl\.gz: not a whole gzip file"):
+        D.read_chat_file(gz)
+    arr = tmp_path / "chats.json"
+    arr.write_bytes(b"[\n" + good.encode() + b",\n" + b'{"id": "\xff"}]')
+    with pytest.raises(ValueError, match=r"chats\.json:3: not UTF-8"):
+        D.read_chat_file(arr)
+    empty = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "  \n"}]
+    path.write_text("\n".join([good, json.dumps({"messages": empty}), good]) + "\n")
+    with caplog.at_level("WARNING"):
+        convs = D.load_conversations(DataConfig(source=str(path)))
+    assert len(convs) == 3 and "kept, with a turn holding no text: 1" in caplog.text
 
 
 def test_missing_and_unknown_files(tmp_path):
