@@ -16,7 +16,9 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
+import threading
 
 from clover_jax import tpu
 from clover_jax.cli import add_debug_argument, run_cli
@@ -45,7 +47,21 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> int:
-    return run_cli(_main, argv)
+    code = run_cli(_main, argv)
+    if code != 0 and argv is None:  # the process's own command line: end it even where a writer thread is stuck
+        _end_process(code)
+    return code
+
+
+def _end_process(code: int) -> None:
+    """Exits now when threads other than daemons are still alive after an error: Orbax's writer threads of a
+    checkpoint save that failed (a read-only folder, a full disk) wait for a signal that never comes, and Python's
+    exit would wait for them for ever. The error line is printed already; the last good checkpoint is untouched."""
+    if any(t.is_alive() and not t.daemon for t in threading.enumerate() if t is not threading.main_thread()):
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 def _main(argv=None) -> int:

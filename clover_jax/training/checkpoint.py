@@ -19,7 +19,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import logging
+import os
 import re
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -94,6 +97,13 @@ def _fp_leaf(x: jax.Array) -> jax.Array:
 
 
 _fp_jit = jax.jit(lambda tree: jax.tree.map(_fp_leaf, tree))
+
+
+def _nbytes(tree: Any) -> int:
+    """Bytes of a pytree of arrays (all shards)."""
+    return sum(int(np.prod(np.shape(x), dtype=np.int64)) * np.dtype(getattr(x, "dtype", np.float32)).itemsize
+               if not jax.dtypes.issubdtype(getattr(x, "dtype", np.float32), jax.dtypes.prng_key) else 8
+               for x in jax.tree.leaves(tree))
 
 
 def _path_str(path) -> str:
@@ -213,6 +223,12 @@ def _rel(path: Path, step_dir: Path) -> str:
         return str(path)
 
 
+def _not_orbax_error(record: logging.LogRecord) -> bool:
+    """Drops Orbax's own error records (a failed save's tracebacks, logged from its writer threads): the save's
+    `CheckpointError` reports the failure in one line."""
+    return not (record.levelno >= logging.ERROR and "orbax" in record.pathname.replace("\\", "/"))
+
+
 # ----------------------------------------------------------------------------------------------- manager
 class Checkpointer:
     """An Orbax `CheckpointManager` for (params, optimizer state, RNG, data position, config, head metadata)."""
@@ -236,6 +252,9 @@ class Checkpointer:
         )
         if read_only and not self.directory.is_dir():
             raise CheckpointError(f"{self.directory}: checkpoint directory not found")
+        absl_log = logging.getLogger("absl")
+        if _not_orbax_error not in absl_log.filters:
+            absl_log.addFilter(_not_orbax_error)
         self.manager = ocp.CheckpointManager(self.directory, options=options,
                                              item_names=("params", "train_state", "meta", "config"))
 
@@ -278,17 +297,67 @@ class Checkpointer:
         if not force and not self.manager.should_save(step):
             return False
         train_state = {"opt_state": opt_state, "rng": rng}
+        self._check_room(step, _nbytes((params, train_state)))
         meta = {"step": step, "data": data_state, "head": head_meta,
                 "fingerprints": {"params": fingerprints(params), "train_state": fingerprints(train_state)}}
-        return bool(self.manager.save(step, force=True, args=ocp.args.Composite(
-            params=ocp.args.StandardSave(params), train_state=ocp.args.StandardSave(train_state),
-            meta=ocp.args.JsonSave(meta), config=ocp.args.JsonSave(config))))
+        self._pending = step
+        try:
+            return bool(self.manager.save(step, force=True, args=ocp.args.Composite(
+                params=ocp.args.StandardSave(params), train_state=ocp.args.StandardSave(train_state),
+                meta=ocp.args.JsonSave(meta), config=ocp.args.JsonSave(config))))
+        except Exception as e:  # noqa: BLE001 - a failed earlier (asynchronous) save surfaces here too
+            raise self._save_failed(e) from None
+
+    def _last_good(self) -> str:
+        try:  # on disk: a step folder is renamed into place whole when its save commits
+            steps = sorted(int(p.name) for p in self.directory.iterdir() if p.name.isdigit() and p.is_dir())
+        except OSError:
+            steps = []
+        return (f"the last good checkpoint is {self.step_dir(steps[-1])}" if steps
+                else "no checkpoint of this run was saved")
+
+    def _check_room(self, step: int, nbytes: int) -> None:
+        """Before a save (process 0): the folder takes a new file, and its filesystem has room for the
+        checkpoint (its arrays plus a tenth); else a `CheckpointError` naming the folder and the cause, before
+        Orbax's writer starts."""
+        if jax.process_index() != 0:
+            return
+        probe = self.directory / f".write-probe.{os.getpid()}"
+        try:
+            probe.write_bytes(b"")
+            probe.unlink()
+            free = shutil.disk_usage(self.directory).free
+        except OSError as e:
+            raise CheckpointError(f"{self.directory}: cannot save checkpoint {step}: {e.strerror or e}; "
+                                  f"{self._last_good()}") from None
+        need = int(nbytes * 1.1) + (1 << 20)
+        if free < need:
+            raise CheckpointError(f"{self.directory}: cannot save checkpoint {step}: {free / 2 ** 20:.1f} MiB free "
+                                  f"on its filesystem, a checkpoint takes about {need / 2 ** 20:.1f} MiB; free space "
+                                  f"or point checkpoint.dir elsewhere; {self._last_good()}")
+
+    def _save_failed(self, e: BaseException) -> CheckpointError:
+        if isinstance(e, CheckpointError):
+            return e
+        step = getattr(self, "_pending", None)
+        cause = next((x for x in _chain(e) if isinstance(x, OSError)), e)
+        why = (f"{cause.filename}: {cause.strerror}" if isinstance(cause, OSError) and cause.strerror
+               else _first_line(cause))
+        m = re.search(r"(\d+)\.orbax-checkpoint-tmp", why)  # the step whose folder failed, maybe an earlier one
+        return CheckpointError(f"{self.directory}: saving checkpoint {m.group(1) if m else step} failed: {why}; "
+                               f"{self._last_good()}")
 
     def wait_until_finished(self) -> None:
-        self.manager.wait_until_finished()
+        try:
+            self.manager.wait_until_finished()
+        except Exception as e:  # noqa: BLE001 - the asynchronous save's own error
+            raise self._save_failed(e) from None
 
     def close(self) -> None:
-        self.manager.close()
+        try:
+            self.manager.close()
+        except Exception as e:  # noqa: BLE001 - the asynchronous save's own error
+            raise self._save_failed(e) from None
 
     # ---- restore
     def _restore(self, step: int, what: str, **items) -> Any:

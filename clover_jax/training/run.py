@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import sys
 from pathlib import Path
 from typing import Any, Callable
 
@@ -276,9 +277,14 @@ def run_experiment(cfg: ExperimentConfig, *, resume: bool = False, progress: boo
         summary["config"] = config_to_dict(cfg)
         return summary
     finally:
+        failing = sys.exc_info()[1] is not None
         try:
             if ckpt is not None:
-                ckpt.close()  # waits for the last asynchronous save
+                try:
+                    ckpt.close()  # waits for the last asynchronous save
+                except CheckpointError:
+                    if not failing:  # a save that failed at the end of a run; after another error, that one stands
+                        raise
         finally:
             lock.release()
             if not started:
