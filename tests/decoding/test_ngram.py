@@ -112,7 +112,7 @@ def test_file_round_trip_and_errors(tmp_path):
     assert (again.max_order, again.vocab_size, again.source) == (4, 10, "x.jsonl")
     assert load_ngram_table(path) is again  # cached: one drafter (and one compiled loop) per table
     (tmp_path / "bad.npz").write_bytes(b"not a zip")
-    with pytest.raises(InputError, match="not a table"):
+    with pytest.raises(InputError, match="unreadable, not a whole table"):
         load_ngram_table(tmp_path / "bad.npz")
     with pytest.raises(InputError, match="no file"):
         load_ngram_table(tmp_path / "missing.npz")
