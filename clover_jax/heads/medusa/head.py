@@ -145,13 +145,14 @@ def loss_from_features(head: MedusaHead, base: Llama, f, tokens, loss_mask, vali
 
 
 # ------------------------------------------------------------------------------------------------ drafting
-parallel.add_rules({"h": (parallel.BATCH_AXES, None)}, state=True)  # MedusaState.h [B, D]
+parallel.add_rules({"h": (parallel.BATCH_AXES, None), "heads_proj": (None, None, "tp")},
+                   state=True)  # MedusaState.h [B, D], .heads_proj [n, D, Q]
 
 
 @struct.dataclass
 class MedusaState:
     h: jax.Array  # [B, D] normed base hidden state of the last accepted token (the root's predecessor)
-    proj: jax.Array  # [n, D, Q] the drafting heads' projections (draft-vocabulary columns, or all V)
+    heads_proj: jax.Array  # [n, D, Q] the drafting heads' projections (draft-vocabulary columns, or all V)
     vocab_ids: jax.Array | None  # [Q] int32 the draft vocabulary's ids (None: all V)
     buffers: TreeTopology  # the tree's topology (Medusa needs no per-parent expansion plan)
     node_index: jax.Array  # [U] int32 index of each node's token in cat([root], top-k of heads 0.. flat)
@@ -184,7 +185,7 @@ class MedusaDrafter(TreeDrafterBase):
                    ) -> MedusaState:
         arrays = self.arrays() if arrays is None else arrays
         return MedusaState(h=jnp.zeros((batch, base.config.hidden_size), head.cfg.dtype),
-                           proj=head.projection(arrays["vocab_ids"], num=self.max_depth),
+                           heads_proj=head.projection(arrays["vocab_ids"], num=self.max_depth),
                            vocab_ids=arrays["vocab_ids"], buffers=arrays["buffers"],
                            node_index=arrays["node_index"])
 
@@ -203,7 +204,7 @@ class MedusaDrafter(TreeDrafterBase):
     def propose(self, head: MedusaHead, base, state: MedusaState, root: jax.Array, key) -> Proposal:
         b, k = root.shape[0], self.spec.top_k
         x = head.features(state.h, num=self.max_depth)  # [n, B, D]
-        logits = jnp.einsum("nBD,nDQ->nBQ", x.astype(state.proj.dtype), state.proj,
+        logits = jnp.einsum("nBD,nDQ->nBQ", x.astype(state.heads_proj.dtype), state.heads_proj,
                             preferred_element_type=jnp.float32)
         top = top_k_ids(logits, k)  # [n, B, k]
         if state.vocab_ids is not None:

@@ -47,6 +47,7 @@ import numpy as np
 from flax import nnx, struct
 from safetensors import safe_open
 
+from clover_jax import parallel
 from clover_jax.decoding.drafter import Proposal, TreeDrafterBase, cached_arrays, vocab_ids
 from clover_jax.decoding.sampling import top_k
 from clover_jax.decoding.trees.topology import topology_from_parents
@@ -238,10 +239,13 @@ def beams_to_tree(beams: jax.Array, budget: int) -> tuple[jax.Array, jax.Array]:
     return tokens, parent
 
 
+parallel.add_rules({"beam_proj": (None, "tp")}, state=True)  # ReDrafterState.beam_proj [I, Q]
+
+
 @struct.dataclass
 class ReDrafterState:
     h: jax.Array  # [B, D] the base's normed hidden state of the last accepted token (the root's predecessor)
-    proj: jax.Array  # [I, Q] the drafting projection (draft-vocabulary columns, or all V)
+    beam_proj: jax.Array  # [I, Q] the drafting projection (draft-vocabulary columns, or all V), Q split over tp
     vocab_ids: jax.Array | None  # [Q] int32 the draft vocabulary's ids (None: all V)
 
 
@@ -264,7 +268,7 @@ class BeamDrafter(TreeDrafterBase):
                    ) -> ReDrafterState:
         arrays = self.arrays() if arrays is None else arrays
         return ReDrafterState(h=jnp.zeros((batch, base.config.hidden_size), head.cfg.dtype),
-                              proj=head.projection(arrays["vocab_ids"]), vocab_ids=arrays["vocab_ids"])
+                              beam_proj=head.projection(arrays["vocab_ids"]), vocab_ids=arrays["vocab_ids"])
 
     def _last_hidden(self, base, f, last) -> jax.Array:
         """Normed hidden `[B, D]` at index `last [B]` of pre-norm features `f [B, A, D]`."""
@@ -279,7 +283,7 @@ class BeamDrafter(TreeDrafterBase):
         return state.replace(h=jnp.where((num_new > 0)[:, None], h, state.h))
 
     def propose(self, head: ReDrafterHead, base, state: ReDrafterState, root: jax.Array, key) -> Proposal:
-        beams, _ = beam_search(head, base, state.h, root, self.spec.width, self.spec.length, state.proj,
+        beams, _ = beam_search(head, base, state.h, root, self.spec.width, self.spec.length, state.beam_proj,
                                state.vocab_ids)
         tokens, parent = beams_to_tree(beams, self.num_nodes)
         rank = jnp.broadcast_to(jnp.arange(self.num_nodes, dtype=jnp.int32), parent.shape)  # best beams first
