@@ -16,7 +16,6 @@ refuses to start, so the manager never runs its clean-up).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import logging
@@ -24,6 +23,7 @@ import os
 import re
 import shutil
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -136,21 +136,42 @@ def _check_fingerprints(tree: Any, saved: dict[str, list[int]], what: str, where
                                   "checksum written when it was saved")
 
 
-@contextlib.contextmanager
-def _quiet_failed_reads():
-    """Drops the "Event loop is closed" tracebacks TensorStore callbacks print after a failed Orbax read."""
-    previous = sys.unraisablehook
+def _is_read_noise(exc: BaseException | None) -> bool:
+    """An error Orbax's read coroutines or TensorStore's callbacks raise after a read failed (and its event loop
+    closed): the failure itself is reported once, as a CheckpointError."""
+    text = str(exc)
+    return ((isinstance(exc, RuntimeError) and "Event loop is closed" in text)
+            or text.startswith("Encountered error while reading array index")
+            or (isinstance(exc, ValueError) and "in OCDBT database at" in text))
 
-    def hook(u):
-        if isinstance(u.exc_value, RuntimeError) and "Event loop is closed" in str(u.exc_value):
-            return
-        previous(u)
 
-    sys.unraisablehook = hook
-    try:
-        yield
-    finally:
-        sys.unraisablehook = previous
+class _ReadNoiseFilter(logging.Filter):
+    """Drops `_is_read_noise` errors from sys.excepthook, threading.excepthook, sys.unraisablehook and the
+    `asyncio` logger ("Task exception was never retrieved", logged when the failed read's futures are freed).
+
+    Installed for a restore; left in place once a restore failed, since the failed read's pending callbacks,
+    coroutines and futures keep raising until they are freed, often at the process's end."""
+
+    def __init__(self):
+        super().__init__()
+        self.saved = (sys.excepthook, threading.excepthook, sys.unraisablehook)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.exc_info and _is_read_noise(record.exc_info[1]))
+
+    def __enter__(self):
+        excepthook, thread_hook, unraisable = self.saved
+        sys.excepthook = lambda t, v, tb: None if _is_read_noise(v) else excepthook(t, v, tb)
+        threading.excepthook = lambda a: None if _is_read_noise(a.exc_value) else thread_hook(a)
+        sys.unraisablehook = lambda u: None if _is_read_noise(u.exc_value) else unraisable(u)
+        logging.getLogger("asyncio").addFilter(self)
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc is None:
+            sys.excepthook, threading.excepthook, sys.unraisablehook = self.saved
+            logging.getLogger("asyncio").removeFilter(self)
+        return False
 
 
 _REPR = re.compile(r"<[^<>]*(?: object at 0x[0-9a-fA-F]+|bound method)[^>]*>?|See full TensorStore details:.*",
@@ -363,7 +384,7 @@ class Checkpointer:
     def _restore(self, step: int, what: str, **items) -> Any:
         """`manager.restore` of some items; any failure is reported as a corrupt checkpoint."""
         try:
-            with _quiet_failed_reads():
+            with _ReadNoiseFilter():
                 return self.manager.restore(step, args=ocp.args.Composite(**items))
         except Exception as e:  # noqa: BLE001 - any read failure means the files are not what we wrote
             raise CheckpointError(f"{self.step_dir(step)}: corrupt checkpoint: {what}: "
