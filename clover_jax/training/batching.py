@@ -85,6 +85,10 @@ class BucketedBatcher:
         self._plan_epoch, self._plan = epoch, plan
         return plan
 
+    def longest_length(self) -> int:
+        """The length of the longest bucket that holds rows: the step's largest shape."""
+        return int(self.boundaries[int(self.bucket_of.max())]) if len(self.bucket_of) else int(self.boundaries[0])
+
     @property
     def batches_per_epoch(self) -> int:
         return len(self.epoch_plan(0))

@@ -18,7 +18,6 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from clover_jax import parallel, tpu
 from clover_jax.heads import registry
@@ -63,20 +62,28 @@ def abstract_training(cfg, base_config: LlamaConfig, mesh) -> tuple[Any, tuple[A
         head_graph, base_graph, tx, cfg.loss, cfg.head.num_heads, grad_accum=cfg.optim.grad_accum,
         schedule=schedule, mesh=mesh, param_shardings=param_sh, opt_shardings=opt_sh, base_shardings=base_sh,
         vocab_ids=vocab_ids, noise_seed=cfg.train.seed, taps=taps)
-    b, t = cfg.data.batch_size, cfg.data.max_length
-    rows = NamedSharding(mesh, P(parallel.BATCH_AXES))
-    batch = {"tokens": jax.ShapeDtypeStruct((b, t), jnp.int32, sharding=rows),  # [B, T]
-             "loss_mask": jax.ShapeDtypeStruct((b, t), jnp.int32, sharding=rows),  # [B, T]
-             "valid": jax.ShapeDtypeStruct((b, t), jnp.bool_, sharding=rows)}  # [B, T]
-    if cfg.loss.vocab_positions_per_row:
-        batch["loss_index"] = jax.ShapeDtypeStruct((b, cfg.loss.vocab_positions_per_row), jnp.int32, sharding=rows)
-    if cfg.train.cache_features:  # the base's cached features, stored in bfloat16: [B, T, (n + 1) D]
-        width = (len(taps) + 1) * base_config.hidden_size
-        batch["features"] = jax.ShapeDtypeStruct((b, t, width), jnp.bfloat16, sharding=rows)
+    batch = abstract_batch(cfg, base_config, parallel.batch_sharding(mesh), len(taps))
     step = jax.ShapeDtypeStruct((), jnp.int32, sharding=parallel.replicated(mesh))
     args = (tpu.abstract(params, param_sh), tpu.abstract(opt_state, opt_sh), tpu.abstract(base_state, base_sh),
             batch, step)
     return train_step, args
+
+
+def abstract_batch(cfg, base_config: LlamaConfig, rows: NamedSharding, taps: int,
+                   length: int | None = None) -> dict[str, Any]:
+    """The step's batch of `data.batch_size` rows of `length` tokens (default `data.max_length`, the longest
+    bucket) as `ShapeDtypeStruct`s on the batch sharding `rows`, as `Trainer.device_batch` makes it from the data's
+    rows. `taps`: the base layers whose features the head reads (for `train.cache_features`)."""
+    b, t = cfg.data.batch_size, length or cfg.data.max_length
+    batch = {"tokens": jax.ShapeDtypeStruct((b, t), jnp.int32, sharding=rows),  # [B, T]
+             "loss_mask": jax.ShapeDtypeStruct((b, t), jnp.int32, sharding=rows),  # [B, T]
+             "valid": jax.ShapeDtypeStruct((b, t), jnp.bool_, sharding=rows)}  # [B, T]
+    if cfg.loss.vocab_positions_per_row:  # [B, K]
+        batch["loss_index"] = jax.ShapeDtypeStruct((b, cfg.loss.vocab_positions_per_row), jnp.int32, sharding=rows)
+    if cfg.train.cache_features:  # the base's cached features, stored in bfloat16: [B, T, (n + 1) D]
+        width = (taps + 1) * base_config.hidden_size
+        batch["features"] = jax.ShapeDtypeStruct((b, t, width), jnp.bfloat16, sharding=rows)
+    return batch
 
 
 def lower_training_step(cfg, base_config: LlamaConfig, mesh):
@@ -92,4 +99,4 @@ def compile_training_step(cfg, base_config: LlamaConfig, mesh) -> tpu.CompiledPr
     return tpu.compile_program("training step", train_step, *args)
 
 
-__all__ = ["SETTINGS", "abstract_training", "compile_training_step", "lower_training_step"]
+__all__ = ["SETTINGS", "abstract_batch", "abstract_training", "compile_training_step", "lower_training_step"]

@@ -375,5 +375,102 @@ def check_training_memory(cfg, base_config: LlamaConfig, mesh, *, base_loaded: b
         + ", or set train.check_memory=false to skip this check")
 
 
-__all__ = ["TrainingMemory", "abstract_head_state", "base_state_shapes", "bytes_per_device", "check_sequence_length",
-           "check_training_memory", "estimate_training_memory", "resident_bytes", "suggestions"]
+# ---------------------------------------------------------------------------------------- the compiled step
+@dataclasses.dataclass(frozen=True)
+class CompiledTrainingMemory:
+    """One training step's memory as XLA's buffer assignment of the compiled step says it (bytes per device), and
+    what running it adds to what the process holds already (the base, the head, its optimizer state)."""
+
+    arguments: int  # everything the step reads: the frozen base, the head, its optimizer state, the batch
+    outputs: int  # the new head and optimizer state, the metrics
+    aliased: int  # outputs written over donated arguments (the head, the optimizer state)
+    temporaries: int  # the step's working set: activations, logits, gradients
+    batch: int  # the batch's arguments (made for each step; the other arguments are held already)
+    devices: int  # devices sharing this memory (a host's CPU devices share its memory; an accelerator has its own)
+    host: int  # what a CPU step holds outside XLA's buffers (the attention backward's scratch), all devices
+    resident: int  # this process's resident memory when the step was compiled (0 on an accelerator)
+    peak_so_far: int  # this process's peak resident memory then (the base's pass over the data included)
+
+    @property
+    def step(self) -> int:
+        """Bytes per device while the step runs: arguments + outputs not aliased to them + temporaries."""
+        return self.arguments + self.outputs - self.aliased + self.temporaries
+
+    @property
+    def added(self) -> int:
+        """What running the step adds, on all `devices`: the batch, new outputs, temporaries, the host's scratch."""
+        return self.devices * (self.batch + self.outputs - self.aliased + self.temporaries) + self.host
+
+    @property
+    def peak(self) -> int:
+        """The process's predicted peak resident memory (CPU): what it holds now plus what the step adds, or its
+        peak so far where that was higher."""
+        return max(self.peak_so_far, self.resident + self.added)
+
+    def as_dict(self) -> dict[str, int]:
+        return {**dataclasses.asdict(self), "step": self.step, "added": self.added, "peak": self.peak}
+
+
+def peak_resident_bytes() -> int:
+    """This process's peak resident memory so far (VmHWM of /proc/self/status), 0 where unknown."""
+    try:
+        with open("/proc/self/status") as f:
+            return next((int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:")), 0)
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def compiled_training_memory(cfg, base_config: LlamaConfig, mesh, compiled, batch: Any) -> CompiledTrainingMemory:
+    """`CompiledTrainingMemory` of the train step `compiled` (a jax `Compiled`, `Trainer.compile_step`) of `cfg` on
+    `mesh`, whose `batch` arguments (arrays or `ShapeDtypeStruct`s) are made for each step. On CPU devices, which
+    share the host, the devices add up, and the attention backward's scratch (outside XLA's buffers, measured: see
+    the module docstring) and this process's resident memory are counted."""
+    m = compiled.memory_analysis()
+    devices = list(mesh.local_devices) if hasattr(mesh, "local_devices") else jax.local_devices()
+    cpu = devices[0].platform == "cpu"
+    est = estimate_training_memory(cfg, base_config, mesh, platform=devices[0].platform)
+    batch_bytes = 0
+    for x in jax.tree.leaves(batch):
+        shape = x.sharding.shard_shape(x.shape) if getattr(x, "sharding", None) is not None else x.shape
+        batch_bytes += int(np.prod(shape, dtype=np.int64)) * np.dtype(x.dtype).itemsize
+    return CompiledTrainingMemory(
+        arguments=int(m.argument_size_in_bytes), outputs=int(m.output_size_in_bytes),
+        aliased=int(m.alias_size_in_bytes), temporaries=int(m.temp_size_in_bytes), batch=batch_bytes,
+        devices=len(devices) if cpu else 1, host=est.items["attention scratch"] * len(devices) if cpu else 0,
+        resident=resident_bytes() if cpu else 0, peak_so_far=peak_resident_bytes() if cpu else 0)
+
+
+def check_compiled_training_memory(cfg, base_config: LlamaConfig, mesh, mem: CompiledTrainingMemory, *,
+                                   available: tuple[int | None, str] | None = None) -> None:
+    """Stops a run whose compiled step cannot fit in what the devices have free now (the head, its optimizer
+    state and the base are placed already, so only what the step adds is asked for): an `InsufficientMemoryError`
+    with XLA's figures and the settings the estimate says would fit. Skipped with `train.check_memory: false`."""
+    if not cfg.train.check_memory:
+        return
+    devices = list(mesh.local_devices) if hasattr(mesh, "local_devices") else jax.local_devices()
+    free, where = available if available is not None else available_memory(devices[0])
+    if free is None:
+        return
+    budget = free * SAFETY
+    if mem.added <= budget:
+        return
+    platform = devices[0].platform
+    est = estimate_training_memory(cfg, base_config, mesh, platform=platform)
+    share = mem.devices
+    fixes = suggestions(cfg, base_config, est, est.total * budget / mem.added, platform)
+    on = (f"each {platform} device" if platform != "cpu" else
+          f"the host's {share} CPU devices" if share > 1 else "the host")
+    raise InsufficientMemoryError(
+        f"training memory: the compiled step of data.batch_size={cfg.data.batch_size} x data.max_length="
+        f"{cfg.data.max_length} tokens (loss.vocab_chunk={cfg.loss.vocab_chunk}, mesh data={est.sizes['data']} "
+        f"fsdp={est.sizes['fsdp']} tp={est.sizes['tp']}) needs {fmt_bytes(mem.added)} more on {on} (XLA: "
+        f"{fmt_bytes(mem.temporaries)} of temporaries per device"
+        + (f", {fmt_bytes(mem.host)} of CPU scratch" if mem.host else "")
+        + f"), but {where} has {fmt_bytes(free)} free ({SAFETY:.0%} of it: {fmt_bytes(budget)}); {SETTINGS}"
+        + (f" (the estimate's guesses: {'; '.join(fixes)})" if fixes else "")
+        + ", or set train.check_memory=false to skip this check")
+
+
+__all__ = ["CompiledTrainingMemory", "TrainingMemory", "abstract_head_state", "base_state_shapes", "bytes_per_device",
+           "check_compiled_training_memory", "check_sequence_length", "check_training_memory", "compiled_training_memory",
+           "estimate_training_memory", "peak_resident_bytes", "resident_bytes", "suggestions"]

@@ -29,12 +29,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding
 
 from clover_jax import parallel
 from clover_jax.heads import registry
 from clover_jax.heads.losses import pack_positions
 from clover_jax.training import steps as steps_lib
 from clover_jax.training.checkpoint import Checkpointer, CheckpointError, head_metadata, to_jsonable
+from clover_jax.training.compiled import abstract_batch
 from clover_jax.training.config import ConfigError, config_to_dict
 from clover_jax.training.loading import load_head
 from tqdm import tqdm
@@ -156,7 +158,12 @@ def _window_record(window: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _same_sharding(x, sharding) -> bool:
+    """`x` is placed as `sharding` says, on the same mesh: an array on one device equivalent to a one-device mesh's
+    sharding is not, since its type has no mesh and the step's outputs do (the step would compile twice)."""
     current = getattr(x, "sharding", None)
+    if isinstance(sharding, NamedSharding) and not (isinstance(current, NamedSharding)
+                                                    and current.mesh == sharding.mesh):
+        return False
     try:
         return current is not None and current.is_equivalent_to(sharding, x.ndim)
     except Exception:  # noqa: BLE001 - shardings of different kinds that cannot be compared
@@ -300,6 +307,18 @@ class Trainer:
             params, opt_state, metrics = self._train_step(*args)
         self.state = TrainState(s.step + 1, params, opt_state, s.rng)
         return (metrics, grads) if return_grads else metrics
+
+    def compile_step(self, length: int | None = None):
+        """The train step compiled for `data.batch_size` rows of `length` tokens (default `data.max_length`) on
+        this trainer's state: (a jax `Compiled`, whose `memory_analysis()` is XLA's buffer assignment per device, and
+        the batch's `ShapeDtypeStruct`s). It is the executable the first step of that shape runs: the arguments are the state's own shapes, dtypes and
+        shardings, so the step does not compile again."""
+        s = self.state
+        held = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                            (s.params, s.opt_state, self.base_state))
+        taps = len(registry.get(self.cfg.head.type).base_feature_layers(self.head_cfg))
+        batch = abstract_batch(self.cfg, self.base_config, self.batch_sharding, taps, length)
+        return self._train_step.lower(*held, batch, jax.ShapeDtypeStruct((), jnp.int32)).compile(), batch
 
     def evaluate(self, batches: Iterable[dict[str, np.ndarray]]) -> dict[str, Any]:
         """Held-out loss, per-head accuracy and chained accuracy over `batches` (exact batch-level sums)."""

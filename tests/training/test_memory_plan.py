@@ -197,3 +197,57 @@ def test_estimate_within_15_percent_of_the_measured_peaks():
             cpu = est.items["runtime"] + est.items["attention scratch"]
             peak = max(row["xla_step"], row.get("xla_features") or 0) + cpu
         assert est.total == pytest.approx(peak, rel=0.15), (row["base"], row["batch"], row["length"], est.total, peak)
+
+
+def test_the_compiled_check_reads_the_step_that_then_runs(tmp_path):
+    """The check's compile of the longest bucket is the executable the steps run: one compile for three steps
+    (the head's first state is placed as the step's outputs are, so step 2 does not compile again either)."""
+    cfg = make_cfg("train.steps=3", "checkpoint.save_every=100", "data.max_length=16", output_dir=str(tmp_path / "run"))
+    compiles = []
+    summary = run_experiment(cfg, progress=False, mesh=_mesh(), loaded=tiny_base(), batcher=SyntheticBatcher(),
+                             on_step=lambda step, trainer: compiles.append(trainer._train_step._cache_size()))
+    assert compiles == [1, 1, 1]
+    m = summary["memory"]
+    assert m["temporaries"] > 0 and m["aliased"] > 0 and m["devices"] == 1
+    assert m["step"] == m["arguments"] + m["outputs"] - m["aliased"] + m["temporaries"]
+    assert m["batch"] == 8 * 16 * (4 + 4 + 1)  # tokens, loss mask (int32), valid (bool)
+    assert m["resident"] > 0 and m["peak"] >= m["resident"] + m["added"] - 1
+
+
+def test_a_compiled_step_that_cannot_fit_is_refused_before_step_1(tmp_path, monkeypatch):
+    """Where the estimate says a step fits and XLA's buffers say it does not, the compiled check stops the run
+    before its first step, naming XLA's figures and the way out."""
+    import clover_jax.training.run as run_lib
+
+    monkeypatch.setattr(run_lib, "check_training_memory", lambda *a, **k: None)  # an estimate that is too low
+    _limit(monkeypatch, 64 * 1024)  # 64 KiB free: less than the tiny step's temporaries
+    cfg = make_cfg("train.steps=2", "data.max_length=16", output_dir=str(tmp_path / "run"))
+    steps = []
+    with pytest.raises(InsufficientMemoryError) as err:
+        run_experiment(cfg, progress=False, mesh=_mesh(), loaded=tiny_base(), batcher=SyntheticBatcher(),
+                       on_step=lambda step, trainer: steps.append(step))
+    msg = str(err.value)
+    assert not steps and not list((tmp_path / "run").rglob("metrics.jsonl"))
+    for text in ("the compiled step of data.batch_size=8 x data.max_length=16", "of temporaries per device",
+                 "0.1 MiB free", "train.check_memory=false"):
+        assert text in msg, msg
+    assert isinstance(err.value, user_error_types())
+    monkeypatch.setattr(run_lib, "check_training_memory", memory.check_training_memory)
+    forced = cfg.replace("train.check_memory=false", f"train.output_dir={tmp_path / 'forced'}")
+    assert run_experiment(forced, progress=False, mesh=_mesh(), loaded=tiny_base(),
+                          batcher=SyntheticBatcher())["final_step"] == 2
+
+
+def test_cpu_devices_add_up_and_the_longest_bucket_is_compiled():
+    from clover_jax.training.batching import BucketedBatcher
+    from clover_jax.training.dataset import Example, TokenizedDataset
+
+    cfg = make_cfg("data.max_length=128")
+    two = parallel.make_mesh(2, 1, 1, devices=jax.devices("cpu")[:2])
+    trainer = Trainer(cfg, tiny_base(), mesh=two)
+    mem = memory.compiled_training_memory(cfg, TINY, two, *trainer.compile_step(32))
+    assert mem.devices == 2 and mem.batch == 4 * 32 * 9  # 4 of the 8 rows on each device
+    assert mem.added == 2 * (mem.batch + mem.outputs - mem.aliased + mem.temporaries) + mem.host
+    rows = [Example(str(i), np.ones(n, np.int32), np.ones(n, np.int32)) for i, n in enumerate((5, 20, 40))]
+    batcher = BucketedBatcher(TokenizedDataset(rows, pad_id=0, max_length=128), 1, [16, 64, 128])
+    assert batcher.longest_length() == 64

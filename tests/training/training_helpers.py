@@ -48,6 +48,9 @@ class SyntheticBatcher:
         loss_mask = (valid & (np.arange(t)[None] >= 3)).astype(np.int32)
         return {"tokens": np.where(valid, tokens, 0).astype(np.int32), "loss_mask": loss_mask, "valid": valid}
 
+    def longest_length(self) -> int:
+        return self.length
+
     def __iter__(self):
         return self
 
