@@ -1,12 +1,15 @@
-"""Training memory: the estimate (`clover_jax.training.memory`) against the peak resident memory of real runs.
+"""Training memory: the estimate and the compiled step's check (`clover_jax.training.memory`) against the peak
+resident memory of real runs.
 
 Each point is a real run of `run_experiment` in a child process: `configs/smollm2-135m-clover2.yaml` with the point's
 `--set` overrides, `--steps` optimizer steps on synthetic rows of exactly `data.max_length` tokens (every row full,
 the longest bucket), through the data path of `train.py` from the tokenized data set on (a `TokenizedDataset`, the
 `BucketedBatcher`, the base features with `train.cache_features`), and its peak resident memory: `ru_maxrss` of the
-child (`os.wait4`). A second child compiles the same training step without running it and reads XLA's buffer
-assignment (`Compiled.memory_analysis()`: arguments + outputs + temporaries). A point whose estimate passes
-`--limit-gib` is not run (its compiled buffers only); a run that passes the limit anyway is stopped there (its peak
+child (`os.wait4`). The run's own check before step 1 says what it predicts (`compiled_peak`: the process's resident
+memory then, plus XLA's buffers of the compiled step and the CPU's scratch, `CompiledTrainingMemory.peak`). A second
+child compiles the same training step without running it and reads XLA's buffer assignment
+(`Compiled.memory_analysis()`: arguments + outputs + temporaries), and what the check would predict there. A point whose estimate passes
+`--limit-gib` (or whose compiled check's prediction does) is not run (its compiled buffers only); a run that passes the limit anyway is stopped there (its peak
 then reads ">= limit"). One child at a time.
 
   python bench/bench_train_memory.py --limit-gib 14 --out results/2026-11-29-cpu-train-memory.json   # every point
@@ -53,6 +56,9 @@ POINTS = {
     "short": ("random", [(4, 128, WHOLE_VOCAB), (16, 128, WHOLE_VOCAB),
                          (32, 128, WHOLE_VOCAB + ["loss.vocab_chunk=32"])],
               "the whole vocabulary in the cross-entropy, base run in every step"),
+    "long-whole-vocab": ("random", [(1, t, WHOLE_VOCAB + ["loss.vocab_chunk=0", "head.num_heads=3"])
+                                    for t in (512, 1024, 2048, 3072, 4096)],
+                         "three heads, the whole vocabulary at every position of long rows (no chunking)"),
     "smollm2-short": ("smollm2", [(8, 128, WHOLE_VOCAB), (16, 256, WHOLE_VOCAB + ["loss.vocab_chunk=64"])],
                       "the whole vocabulary in the cross-entropy, base run in every step"),
 }
@@ -137,23 +143,18 @@ def child(spec: dict) -> dict:
             cfg = cfg.replace(f"train.draft_vocab_from={vocab_file}")
         t0 = time.perf_counter()
         summary = run_experiment(cfg, progress=False, mesh=mesh, loaded=loaded, batcher=batcher, eval_batches=[])
-        out.update(steps=summary["final_step"], seconds=round(time.perf_counter() - t0, 1))
+        out.update(steps=summary["final_step"], seconds=round(time.perf_counter() - t0, 1), compiled=summary["memory"])
         return out
     from clover_jax.training.features import feature_program, feature_rows
     from clover_jax.training.trainer import Trainer
 
     batcher, ids = _pipeline(cfg.replace("train.cache_features=false"), base, vocab_file)
     trainer = Trainer(cfg, base, mesh=mesh, vocab_ids=ids)
-    batch = next(batcher)
-    if cfg.train.cache_features:
-        batch["features"] = np.zeros((*batch["tokens"].shape, base.config.hidden_size), jax.numpy.bfloat16)
-    batch = trainer.with_loss_index(batch, 0)
-    s = trainer.state
-    m = trainer._train_step.lower(s.params, s.opt_state, trainer.base_state, trainer.device_batch(batch),
-                                  np.int32(0)).compile().memory_analysis()
-    out["xla"] = {"arguments": m.argument_size_in_bytes, "outputs": m.output_size_in_bytes,
-                  "aliased": m.alias_size_in_bytes, "temporaries": m.temp_size_in_bytes}
-    out["xla_step"] = m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
+    mem = memory.compiled_training_memory(cfg, base.config, mesh, *trainer.compile_step())
+    out["compiled"] = mem.as_dict()
+    out["xla"] = {"arguments": mem.arguments, "outputs": mem.outputs, "aliased": mem.aliased,
+                  "temporaries": mem.temporaries}
+    out["xla_step"] = mem.step
     if cfg.train.cache_features:  # the base's pass over the data before training: its own program
         rows, t = feature_rows(cfg.data.max_length), cfg.data.max_length
         forward, state = feature_program(base)
@@ -287,25 +288,32 @@ def main(argv=None) -> int:
                 if compiled is None:
                     raise SystemExit(f"{name} {batch}x{length}: compiling the step {why}")
                 row.update(estimate=compiled["estimate"], items=compiled["items"], xla_step=compiled["xla_step"],
-                           xla=compiled["xla"], xla_features=compiled.get("xla_features"))
-            if row.get("estimate", 0) > limit:
-                row["measured"], row["note"] = None, f"not run: the estimate passes the {args.limit_gib:.0f} GiB limit"
-            elif not wait_for_memory(1.15 * row.get("estimate", 0), args.timeout):
+                           xla=compiled["xla"], xla_features=compiled.get("xla_features"),
+                           compiled_peak=compiled["compiled"]["peak"])
+            expected = max(row.get("estimate", 0), row.get("compiled_peak", 0))
+            if expected > limit:
+                row["measured"], row["note"] = None, (f"not run: the compiled check's prediction passes the "
+                                                      f"{args.limit_gib:.0f} GiB limit")
+            elif not wait_for_memory(1.15 * expected, args.timeout):
                 row["measured"], row["note"] = None, "not run: the host did not have the memory free"
             else:
                 report, peak, why = run_child({**spec, "mode": "run"}, limit, args.timeout)
                 row["measured"] = peak
                 if report:
-                    row.update(estimate=report["estimate"], items=report["items"], seconds=report["seconds"])
+                    row.update(estimate=report["estimate"], items=report["items"], seconds=report["seconds"],
+                               compiled_peak=report["compiled"]["peak"], compiled=report["compiled"])
                 if why:
                     row["note"] = why
-            m, e = row.get("measured"), row.get("estimate")
+            m, e, c = row.get("measured"), row.get("estimate"), row.get("compiled_peak")
             row["error"] = (e - m) / m if m and e and not row.get("note") else None
+            row["compiled_error"] = (c - m) / m if m and c and not row.get("note") else None
             rows.append(row)
             print(f"{name:15s} batch {batch:2d} x {length:5d}: estimate {e / GIB:6.2f} GiB"
                   + (f", XLA step {row['xla_step'] / GIB:6.2f} GiB" if row.get("xla_step") else "")
                   + (f", measured {m / GIB:6.2f} GiB" if m else "")
                   + (f" ({row['error']:+.0%})" if row["error"] is not None else "")
+                  + (f", compiled check {c / GIB:6.2f} GiB" if c else "")
+                  + (f" ({row['compiled_error']:+.0%})" if row["compiled_error"] is not None else "")
                   + (f"  [{row['note']}]" if row.get("note") else ""), flush=True)
     if args.out:
         import jax

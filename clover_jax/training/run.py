@@ -17,7 +17,6 @@ from typing import Any, Callable
 import jax
 
 from clover_jax import parallel
-from clover_jax.decoding.memory import fmt_bytes
 from clover_jax.heads import registry
 from clover_jax.heads.draft_vocab import coverage, frequent_tokens, head_draft_vocab, load_draft_vocab, save_draft_vocab
 from clover_jax.io.loader import base_config_of, load_model_on_mesh
@@ -26,8 +25,7 @@ from clover_jax.training import steps as steps_lib
 from clover_jax.training.checkpoint import Checkpointer, CheckpointError, head_metadata
 from clover_jax.training.config import ConfigError, ExperimentConfig, config_to_dict, save_config
 from clover_jax.training.features import attach_features
-from clover_jax.training.memory import (abstract_head_state, check_compiled_training_memory, check_training_memory,
-                                        compiled_training_memory)
+from clover_jax.training.memory import abstract_head_state, check_training_memory
 from clover_jax.training.run_lock import take_run_lock
 from clover_jax.training.self_distill import self_distilled_conversations
 from clover_jax.training.trainer import Trainer, checkpoint_targets
@@ -264,13 +262,6 @@ def run_experiment(cfg: ExperimentConfig, *, resume: bool = False, progress: boo
             changed = config_changes(trainer.restored_config or {}, config_to_dict(cfg))
             if changed:
                 log.warning("the config differs from the checkpoint's: %s", "; ".join(changed))
-        # the step compiled for the longest bucket holding rows (the executable its first batch runs): XLA's figures
-        # against what is free
-        longest = batcher.longest_length() if hasattr(batcher, "longest_length") else cfg.data.max_length
-        memory = compiled_training_memory(cfg, base.config, mesh, *trainer.compile_step(longest))
-        log.info("training memory (the compiled step): %s per device while it runs, %s added to this process's %s",
-                 fmt_bytes(memory.step), fmt_bytes(memory.added), fmt_bytes(memory.resident))
-        check_compiled_training_memory(cfg, base.config, mesh, memory)
         started = True
         if jax.process_index() == 0:
             run_dir.mkdir(parents=True, exist_ok=True)
@@ -283,7 +274,6 @@ def run_experiment(cfg: ExperimentConfig, *, resume: bool = False, progress: boo
         summary = trainer.fit(batcher, eval_batches=eval_batches, checkpointer=ckpt, progress=progress,
                               on_step=on_step)
         summary["run_dir"] = str(run_dir)
-        summary["memory"] = memory.as_dict()
         summary["config"] = config_to_dict(cfg)
         return summary
     finally:

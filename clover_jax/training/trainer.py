@@ -32,12 +32,14 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from clover_jax import parallel
+from clover_jax.decoding.memory import fmt_bytes
 from clover_jax.heads import registry
 from clover_jax.heads.losses import pack_positions
 from clover_jax.training import steps as steps_lib
 from clover_jax.training.checkpoint import Checkpointer, CheckpointError, head_metadata, to_jsonable
 from clover_jax.training.compiled import abstract_batch
 from clover_jax.training.config import ConfigError, config_to_dict
+from clover_jax.training.memory import CompiledTrainingMemory, check_compiled_training_memory, compiled_training_memory
 from clover_jax.training.loading import load_head
 from tqdm import tqdm
 
@@ -320,6 +322,18 @@ class Trainer:
         batch = abstract_batch(self.cfg, self.base_config, self.batch_sharding, taps, length)
         return self._train_step.lower(*held, batch, jax.ShapeDtypeStruct((), jnp.int32)).compile(), batch
 
+    def check_step_memory(self, batcher) -> CompiledTrainingMemory:
+        """Compiles the step of the longest bucket holding rows (`batcher.longest_length()`, else `data.max_length`),
+        the executable its first batch then runs, and stops training that cannot fit before its first step
+        (`check_compiled_training_memory`, skipped with `train.check_memory: false`). Returns XLA's figures."""
+        longest = batcher.longest_length() if hasattr(batcher, "longest_length") else self.cfg.data.max_length
+        mem = compiled_training_memory(self.cfg, self.base_config, self.mesh, *self.compile_step(longest))
+        log.info("training memory, the compiled step of %d x %d tokens: %s per device while it runs, %s added to the "
+                 "%s this process holds", self.cfg.data.batch_size, longest, fmt_bytes(mem.step),
+                 fmt_bytes(mem.added), fmt_bytes(mem.resident))
+        check_compiled_training_memory(self.cfg, self.base_config, self.mesh, mem)
+        return mem
+
     def evaluate(self, batches: Iterable[dict[str, np.ndarray]]) -> dict[str, Any]:
         """Held-out loss, per-head accuracy and chained accuracy over `batches` (exact batch-level sums)."""
         sums = [self._eval_step(self.state.params, self.base_state, self.device_batch(b)) for b in batches]
@@ -360,6 +374,12 @@ class Trainer:
         main = jax.process_index() == 0
         start = self.state.step
         logger = MetricsLogger(self.run_dir, start_step=start) if (self.run_dir is not None and main) else None
+        try:
+            step_memory = self.check_step_memory(batcher)
+        except BaseException:
+            if logger:
+                logger.close()
+            raise
         window: list[dict[str, Any]] = []
         history: list[dict[str, Any]] = []
         evals: list[dict[str, Any]] = []
@@ -447,6 +467,7 @@ class Trainer:
             "first_log": history[0] if history else None, "last_log": history[-1] if history else None,
             "last_eval": evals[-1] if evals else None, "evals": evals,
             "checkpoint_step": checkpointer.latest_step() if checkpointer is not None else None,
+            "memory": step_memory.as_dict(),
         }
         if logger:
             (self.run_dir / "summary.json").write_text(json.dumps(to_jsonable(summary), indent=1))

@@ -227,7 +227,7 @@ def test_a_compiled_step_that_cannot_fit_is_refused_before_step_1(tmp_path, monk
         run_experiment(cfg, progress=False, mesh=_mesh(), loaded=tiny_base(), batcher=SyntheticBatcher(),
                        on_step=lambda step, trainer: steps.append(step))
     msg = str(err.value)
-    assert not steps and not list((tmp_path / "run").rglob("metrics.jsonl"))
+    assert not steps and not list((tmp_path / "run").rglob("_CHECKPOINT_METADATA"))
     for text in ("the compiled step of data.batch_size=8 x data.max_length=16", "of temporaries per device",
                  "0.1 MiB free", "train.check_memory=false"):
         assert text in msg, msg
