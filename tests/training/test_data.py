@@ -219,10 +219,11 @@ def test_bad_bytes_and_empty_turns_in_training_files(tmp_path, caplog):
     with pytest.raises(ValueError, match=r"chats\.json:3: not UTF-8"):
         D.read_chat_file(arr)
     empty = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "  \n"}]
-    path.write_text("\n".join([good, json.dumps({"messages": empty}), good]) + "\n")
+    special = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "<|endoftext|> "}]
+    path.write_text("\n".join([good, json.dumps({"messages": empty}), good, json.dumps({"messages": special})]) + "\n")
     with caplog.at_level("WARNING"):
         convs = D.load_conversations(DataConfig(source=str(path)))
-    assert len(convs) == 3 and "kept, with a turn holding no text: 1" in caplog.text
+    assert len(convs) == 4 and "kept, with a turn holding no text: 2" in caplog.text
 
 
 def test_missing_and_unknown_files(tmp_path):
