@@ -38,6 +38,16 @@ from clover_jax.parallel import BATCH_AXES
 from clover_jax.training.config import LossConfig
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+# XLA:CPU's YNNPACK fusions hold buffers outside XLA's buffer assignment (which `Compiled.memory_analysis`, and so the
+# memory check, cannot see) and ran the training step slower on the CPUs measured (docs/training.md): on CPU devices
+# the training programs compile without them.
+CPU_COMPILER_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": ""}
+
+
+def compiler_options(mesh=None) -> dict[str, str] | None:
+    """The XLA options the training programs compile with on `mesh`'s devices (default: JAX's first device)."""
+    device = mesh.devices.flat[0] if mesh is not None else jax.devices()[0]
+    return dict(CPU_COMPILER_OPTIONS) if device.platform == "cpu" else None
 SUM_KEYS = ("v_sum", "p_sum", "correct", "chain_correct", "count", "p_count", "chain_count")
 
 
@@ -230,15 +240,18 @@ def build_steps(head_graphdef, base_graphdef, tx: optax.GradientTransformation, 
         sums["tokens"] = jnp.sum(batch["valid"].astype(jnp.float32))
         return sums
 
+    options = compiler_options(mesh)
     if mesh is None:
-        return (jax.jit(train_step, donate_argnums=(0, 1) if donate else ()), jax.jit(eval_step))
+        return (jax.jit(train_step, donate_argnums=(0, 1) if donate else (), compiler_options=options),
+                jax.jit(eval_step, compiler_options=options))
     rep = NamedSharding(mesh, P())
     bsh = NamedSharding(mesh, P(BATCH_AXES))
     batch_sh = bsh  # a prefix: every batch array (tokens, masks, an optional loss_index) is split by rows
     train_jit = jax.jit(train_step, in_shardings=(param_shardings, opt_shardings, base_shardings, batch_sh, rep),
                         out_shardings=(param_shardings, opt_shardings, rep) + ((param_shardings,) if return_grads else ()),
-                        donate_argnums=(0, 1) if donate else ())
-    eval_jit = jax.jit(eval_step, in_shardings=(param_shardings, base_shardings, batch_sh), out_shardings=rep)
+                        donate_argnums=(0, 1) if donate else (), compiler_options=options)
+    eval_jit = jax.jit(eval_step, in_shardings=(param_shardings, base_shardings, batch_sh), out_shardings=rep,
+                       compiler_options=options)
     return train_jit, eval_jit
 
 
