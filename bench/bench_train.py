@@ -8,6 +8,10 @@ template), compile excluded:
   features    + the base's hidden states computed once, before training (train.cache_features)
 
   python bench/bench_train.py --config configs/smollm2-135m-clover2.yaml --steps 6 [--json out.json]
+
+`--xla training xla-default` times each variant twice in the same process, with the XLA options the training steps
+compile with on a CPU (`clover_jax.training.steps.CPU_COMPILER_OPTIONS`) and with XLA's defaults (its YNNPACK
+fusions on).
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ def _main(argv=None):
     from clover_jax.training import data as data_lib
     from clover_jax.training.features import attach_features
     from clover_jax.training.run import draft_vocab_of, load_base
+    from clover_jax.training import steps as steps_lib
     from clover_jax.training.trainer import Trainer
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -45,6 +50,8 @@ def _main(argv=None):
     ap.add_argument("--positions", type=int, default=64, help="packed cross-entropy positions per row")
     ap.add_argument("--draft-vocab", type=int, default=8192)
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    ap.add_argument("--xla", nargs="+", default=["training"], choices=["training", "xla-default"],
+                    help="the XLA options of the steps: the training's (CPU_COMPILER_OPTIONS) or XLA's defaults")
     ap.add_argument("--json")
     from clover_jax.cli import add_debug_argument
 
@@ -67,34 +74,39 @@ def _main(argv=None):
     ids, _ = draft_vocab_of(batcher.dataset, args.draft_vocab, loaded.config.eos_token_ids)
 
     rows = []
+    training_options = dict(steps_lib.CPU_COMPILER_OPTIONS)
     for name in args.variants:
-        v = VARIANTS[name]
-        cfg = base_cfg.replace(f"loss.vocab_positions_per_row={args.positions if v['positions'] else 0}",
-                               f"loss.draft_vocab={str(v['dv']).lower()}", f"train.draft_vocab_size={args.draft_vocab}")
-        trainer = Trainer(cfg, loaded.model, mesh=mesh, vocab_ids=ids if v["dv"] else None)
-        strip = (lambda b: b) if v["features"] else (lambda b: {k: x for k, x in b.items() if k != "features"})
-        t0 = time.perf_counter()
-        jax.block_until_ready(trainer.train_step(strip(batches[0])))
-        compile_s = time.perf_counter() - t0
-        times = []
-        for b in batches[1:]:
+        for xla in args.xla:
+            v = VARIANTS[name]
+            cfg = base_cfg.replace(f"loss.vocab_positions_per_row={args.positions if v['positions'] else 0}",
+                                   f"loss.draft_vocab={str(v['dv']).lower()}",
+                                   f"train.draft_vocab_size={args.draft_vocab}")
+            steps_lib.CPU_COMPILER_OPTIONS = training_options if xla == "training" else {}
+            trainer = Trainer(cfg, loaded.model, mesh=mesh, vocab_ids=ids if v["dv"] else None)
+            strip = (lambda b: b) if v["features"] else (lambda b: {k: x for k, x in b.items() if k != "features"})
             t0 = time.perf_counter()
-            jax.block_until_ready(trainer.train_step(strip(b)))
-            times.append(time.perf_counter() - t0)
-        tokens = float(np.mean([b["valid"].sum() for b in batches[1:]]))
-        step = float(np.median(times))
-        rows.append({"variant": name, "step_s": round(step, 3), "tokens_per_step": tokens,
-                     "tokens_per_s": round(tokens / step, 1), "compile_s": round(compile_s, 1)})
-        del trainer
+            jax.block_until_ready(trainer.train_step(strip(batches[0])))
+            compile_s = time.perf_counter() - t0
+            times = []
+            for b in batches[1:]:
+                t0 = time.perf_counter()
+                jax.block_until_ready(trainer.train_step(strip(b)))
+                times.append(time.perf_counter() - t0)
+            tokens = float(np.mean([b["valid"].sum() for b in batches[1:]]))
+            step = float(np.median(times))
+            rows.append({"variant": name, "xla": xla, "step_s": round(step, 3), "tokens_per_step": tokens,
+                         "tokens_per_s": round(tokens / step, 1), "compile_s": round(compile_s, 1)})
+            del trainer
+    steps_lib.CPU_COMPILER_OPTIONS = training_options
     ref = rows[0]["step_s"]
     print(f"\n{platform.machine()}, {jax.device_count()} device(s) ({jax.devices()[0].platform}), jax {jax.__version__}; "
           f"batch {base_cfg.data.batch_size} x {args.length}, median of {args.steps} steps")
     print(f"base features for {len(train)} examples: {feat_s:.1f} s, computed once "
           f"({float(batcher.dataset.lengths.sum()) / feat_s:.0f} tokens/s)")
-    print("| variant | step s | real tokens / step | tokens/s | speed vs first | compile s |")
-    print("|---|---|---|---|---|---|")
+    print("| variant | XLA options | step s | real tokens / step | tokens/s | speed vs first | compile s |")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['variant']} | {r['step_s']} | {r['tokens_per_step']:.0f} | {r['tokens_per_s']} | "
+        print(f"| {r['variant']} | {r['xla']} | {r['step_s']} | {r['tokens_per_step']:.0f} | {r['tokens_per_s']} | "
               f"{ref / r['step_s']:.2f}x | {r['compile_s']} |")
     if args.json:
         with open(args.json, "w") as f:

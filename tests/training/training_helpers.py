@@ -13,6 +13,9 @@ TINY = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidd
 # 3 query heads / 3 kv heads, D=24, F=36: tp=2 divides neither the heads nor the head dim axis used.
 ODD = LlamaConfig(vocab_size=66, hidden_size=24, intermediate_size=36, num_hidden_layers=2,
                   num_attention_heads=3, num_key_value_heads=3, head_dim=8)
+# a tiny base with SmolLM2's vocabulary: the logits are what grows with the batch
+WIDE_VOCAB = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16)
 
 
 def tiny_base(config: LlamaConfig = TINY, seed: int = 0):
