@@ -15,6 +15,7 @@ then reads ">= limit"). One child at a time.
   python bench/bench_train_memory.py --limit-gib 14 --out results/2026-11-29-cpu-train-memory.json   # every point
   python bench/bench_train_memory.py --points smollm2 --lengths 256 1024 --out /tmp/m.json
   python bench/bench_train_memory.py --reestimate results/2026-11-29-cpu-train-memory.json   # after a formula change
+                                                    # (and the compiled check's prediction from its recorded parts)
   python scripts/render_results.py                                  # the table in docs/training.md
 
 Every point takes about an hour and a half on 2 cores (the longest rows most of it); the limit keeps a run below what
@@ -248,6 +249,12 @@ def reestimate(path: Path) -> None:
         row["estimate"], row["items"] = est.total, est.items
         m = row.get("measured")
         row["error"] = (est.total - m) / m if m and not row.get("note") else None
+        c = row.get("compiled")
+        if c and c.pop("host", 0):  # the compiled check's prediction from its recorded parts, as the code adds them
+            fields = {k: v for k, v in c.items() if k not in ("step", "added", "peak")}
+            c.update(memory.CompiledTrainingMemory(**fields).as_dict())
+            row["compiled_peak"] = c["peak"]
+            row["compiled_error"] = (c["peak"] - m) / m if m and not row.get("note") else None
     path.write_text(json.dumps(result, indent=1) + "\n")
     print(f"rewrote the estimates of {path}")
 
@@ -289,7 +296,7 @@ def main(argv=None) -> int:
                     raise SystemExit(f"{name} {batch}x{length}: compiling the step {why}")
                 row.update(estimate=compiled["estimate"], items=compiled["items"], xla_step=compiled["xla_step"],
                            xla=compiled["xla"], xla_features=compiled.get("xla_features"),
-                           compiled_peak=compiled["compiled"]["peak"])
+                           compiled_peak=compiled["compiled"]["peak"], compiled=compiled["compiled"])
             expected = max(row.get("estimate", 0), row.get("compiled_peak", 0))
             if expected > limit:
                 row["measured"], row["note"] = None, (f"not run: the compiled check's prediction passes the "

@@ -5,6 +5,15 @@ against what the devices have.
     est.items   # {"frozen base": ..., "head": ..., "optimizer": ..., "gradients": ..., ...} bytes per device
     check_training_memory(cfg, base_config, mesh)   # InsufficientMemoryError naming the settings to change
 
+    mem = compiled_training_memory(cfg, base_config, mesh, *trainer.compile_step(length))  # XLA's own figures
+    check_compiled_training_memory(cfg, base_config, mesh, mem)   # the second check, before step 1
+
+The estimate is the quick first answer, before the data set-up and any compile (and `clover-memory-plan`'s figure);
+the trainer then compiles the step for the longest bucket holding rows and checks XLA's buffer assignment of it
+(`Trainer.check_step_memory`), which is what a step holds: on a CPU its peak resident memory is the process's
+resident memory before the step plus XLA's temporaries (the training programs compile without XLA:CPU's YNNPACK
+fusions, whose buffers sat outside that assignment: `clover_jax.training.steps.CPU_COMPILER_OPTIONS`).
+
 The items, per device (B rows per device in a micro-batch: `data.batch_size / optim.grad_accum / (data * fsdp)`,
 T = `data.max_length`, the longest bucket):
   frozen base      the base weights in `model.param_dtype`, sharded by `clover_jax.parallel`'s rules;
@@ -16,7 +25,7 @@ T = `data.max_length`, the longest bucket):
   head activations what the head's backward keeps: per Augmenting-Block layer its residuals, MLP and two float32
                    `[B, N, T, T]` attention arrays (one layer's input only with `train.remat`), per drafted depth
                    its float32 states and outputs `[B, T, D]`; and what the backward through those layers makes
-                   beyond the logits' memory, which it reuses (3.4 attention arrays; 4.5 for one layer or with
+                   beyond the logits' memory, which it reuses (3 attention arrays; 4 for one layer or with
                    remat);
   base forward     the online base forward: its `[B, T, D]` features, and its working set (one layer at a time,
                    no gradient: residuals, MLP, three `[B, N, T, T]` float32 attention arrays) where the head's
@@ -26,14 +35,13 @@ T = `data.max_length`, the longest bucket):
                    logits, probabilities and their gradient, C = `loss.vocab_chunk` positions (T without
                    chunking, `loss.vocab_positions_per_row` with packing) and V the draft vocabulary with
                    `loss.draft_vocab`;
-  attention scratch (CPU) what the CPU runtime holds outside XLA's buffers for the attention's backward;
   runtime          (CPU) the process itself: Python, JAX, XLA's compiler (measured, not derived).
 
 What grows with T (the `[B, N, T, T]` arrays) is counted as XLA's buffer assignment of the compiled step holds it
 (`Compiled.memory_analysis`, 1-3 head layers, 1,024-4,096 tokens); the rest, the logits' copies and the CPU terms are
 fitted to the peak resident memory (ru_maxrss) of real runs of `run_experiment` on a 2-core CPU host:
 `bench/bench_train_memory.py`, whose table (SmolLM2-135M and a random 2-layer base, rows of 128 to 9,000 tokens,
-batch 1 to 32: within 10% where measured) is in docs/training.md. The logits dominate short rows with the whole
+batch 1 to 32) is in docs/training.md. The logits dominate short rows with the whole
 vocabulary, the attention arrays long rows (at 9,000 tokens, 9 heads: 2.7 GiB each). On an accelerator, whose
 allocator holds just XLA's buffers, the CPU terms are not counted. Host-side data (the tokenized data set, cached
 features with `train.cache_features`) is not counted.
@@ -73,13 +81,10 @@ RNN_STATE_COPIES = 12  # float32 [B, T, D] arrays a drafted depth keeps for its 
 # float32 [B, N, T, T] attention arrays (what grows with T^2) live at once, counted in XLA's buffer assignment of
 # the compiled step (`Compiled.memory_analysis`, bench/bench_train_memory.py) at 1,024-4,096 tokens, 1-3 layers:
 ATTENTION_KEPT = 2  # per head decoder layer, kept for the backward (stacked by the layers' scan)
-ATTENTION_BACKWARD = 3.4  # besides those, in the backward through two or more layers
-ONE_LAYER_ATTENTION = 4.5  # one layer's, kept or recomputed (one layer, or train.remat), with its backward
+ATTENTION_BACKWARD = 3.0  # besides those, in the backward through two or more layers
+ONE_LAYER_ATTENTION = 4.0  # one layer's, kept or recomputed (one layer, or train.remat), with its backward
 BASE_ATTENTION = 3  # one layer of the base's forward (no gradient): scores, masked scores, probabilities
 ONLINE_ATTENTION = 0.75  # of the base's forward in the step, still live at the peak of a backward through layers
-# on a CPU, the runtime's own buffer for an attention product in the backward, outside XLA's buffer assignment
-# (measured on the resident memory: one to two such arrays)
-CPU_ATTENTION_SCRATCH = 1.5
 SETTINGS = "lower data.batch_size, data.max_length or loss.vocab_chunk, or raise mesh.fsdp"
 
 
@@ -261,7 +266,6 @@ def estimate_training_memory(cfg, base_config: LlamaConfig, mesh: Any, *, platfo
     items["head activations"] = head
     items["logits"] = logits
     items["batch"] = b * t * (4 * 3 + (2 * d if cfg.train.cache_features else 0))
-    items["attention scratch"] = CPU_ATTENTION_SCRATCH * attention if platform == "cpu" and aug else 0
     items["runtime"] = RUNTIME_BYTES if platform == "cpu" else 0
     return TrainingMemory({k: int(x) for k, x in items.items()}, sizes, b, t)
 
@@ -387,7 +391,6 @@ class CompiledTrainingMemory:
     temporaries: int  # the step's working set: activations, logits, gradients
     batch: int  # the batch's arguments (made for each step; the other arguments are held already)
     devices: int  # devices sharing this memory (a host's CPU devices share its memory; an accelerator has its own)
-    host: int  # what a CPU step holds outside XLA's buffers (the attention backward's scratch), all devices
     resident: int  # this process's resident memory when the step was compiled (0 on an accelerator)
     peak_so_far: int  # this process's peak resident memory then (the base's pass over the data included)
 
@@ -398,8 +401,8 @@ class CompiledTrainingMemory:
 
     @property
     def added(self) -> int:
-        """What running the step adds, on all `devices`: the batch, new outputs, temporaries, the host's scratch."""
-        return self.devices * (self.batch + self.outputs - self.aliased + self.temporaries) + self.host
+        """What running the step adds, on all `devices`: the batch, new outputs, temporaries."""
+        return self.devices * (self.batch + self.outputs - self.aliased + self.temporaries)
 
     @property
     def peak(self) -> int:
@@ -423,12 +426,10 @@ def peak_resident_bytes() -> int:
 def compiled_training_memory(cfg, base_config: LlamaConfig, mesh, compiled, batch: Any) -> CompiledTrainingMemory:
     """`CompiledTrainingMemory` of the train step `compiled` (a jax `Compiled`, `Trainer.compile_step`) of `cfg` on
     `mesh`, whose `batch` arguments (arrays or `ShapeDtypeStruct`s) are made for each step. On CPU devices, which
-    share the host, the devices add up, and the attention backward's scratch (outside XLA's buffers, measured: see
-    the module docstring) and this process's resident memory are counted."""
+    share the host, the devices add up and this process's resident memory is counted."""
     m = compiled.memory_analysis()
     devices = list(mesh.local_devices) if hasattr(mesh, "local_devices") else jax.local_devices()
     cpu = devices[0].platform == "cpu"
-    est = estimate_training_memory(cfg, base_config, mesh, platform=devices[0].platform)
     batch_bytes = 0
     for x in jax.tree.leaves(batch):
         shape = x.sharding.shard_shape(x.shape) if getattr(x, "sharding", None) is not None else x.shape
@@ -436,8 +437,7 @@ def compiled_training_memory(cfg, base_config: LlamaConfig, mesh, compiled, batc
     return CompiledTrainingMemory(
         arguments=int(m.argument_size_in_bytes), outputs=int(m.output_size_in_bytes),
         aliased=int(m.alias_size_in_bytes), temporaries=int(m.temp_size_in_bytes), batch=batch_bytes,
-        devices=len(devices) if cpu else 1, host=est.items["attention scratch"] * len(devices) if cpu else 0,
-        resident=resident_bytes() if cpu else 0, peak_so_far=peak_resident_bytes() if cpu else 0)
+        devices=len(devices) if cpu else 1, resident=resident_bytes() if cpu else 0, peak_so_far=peak_resident_bytes() if cpu else 0)
 
 
 def check_compiled_training_memory(cfg, base_config: LlamaConfig, mesh, mem: CompiledTrainingMemory, *,
@@ -464,10 +464,8 @@ def check_compiled_training_memory(cfg, base_config: LlamaConfig, mesh, mem: Com
         f"training memory: the compiled step of data.batch_size={cfg.data.batch_size} x data.max_length="
         f"{cfg.data.max_length} tokens (loss.vocab_chunk={cfg.loss.vocab_chunk}, mesh data={est.sizes['data']} "
         f"fsdp={est.sizes['fsdp']} tp={est.sizes['tp']}) needs {fmt_bytes(mem.added)} more on {on} (XLA: "
-        f"{fmt_bytes(mem.temporaries)} of temporaries per device"
-        + (f", {fmt_bytes(mem.host)} of CPU scratch" if mem.host else "")
-        + f"), but {where} has {fmt_bytes(free)} free ({SAFETY:.0%} of it: {fmt_bytes(budget)}); {SETTINGS}"
-        + (f" (the estimate's guesses: {'; '.join(fixes)})" if fixes else "")
+        f"{fmt_bytes(mem.temporaries)} of temporaries per device), but {where} has {fmt_bytes(free)} free ({SAFETY:.0%} of it: {fmt_bytes(budget)}); {SETTINGS}"
+        + (f" (by the estimate: {'; '.join(fixes)})" if fixes else "")
         + ", or set train.check_memory=false to skip this check")
 
 

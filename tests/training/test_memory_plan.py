@@ -160,8 +160,7 @@ def test_long_rows_estimate_holds_the_compiled_step(settings):
     est = memory.estimate_training_memory(cfg, LONG, 1)
     attention = 4 * t * t * 4  # one [1, N, T, T] float32 array
     assert compiled > 4 * attention  # what this checks: the sequence-squared terms
-    cpu = est.items["runtime"] + est.items["attention scratch"]  # what the CPU process holds outside XLA's buffers
-    assert est.items["attention scratch"] > 0
+    cpu = est.items["runtime"]  # what the CPU process holds besides XLA's buffers
     assert est.total - cpu == pytest.approx(compiled, rel=0.15), (est.items, compiled)
 
 
@@ -191,9 +190,20 @@ def test_estimate_within_15_percent_of_the_measured_peaks():
         if row in measured:
             peak = row["measured"]
         else:  # not run here: XLA's buffers of the compiled step (or of the feature pass), with the CPU terms
-            cpu = est.items["runtime"] + est.items["attention scratch"]
+            cpu = est.items["runtime"]
             peak = max(row["xla_step"], row.get("xla_features") or 0) + cpu
         assert est.total == pytest.approx(peak, rel=0.15), (row["base"], row["batch"], row["length"], est.total, peak)
+
+
+def test_the_compiled_check_within_10_percent_of_the_measured_peaks():
+    """Every measured point of the table in docs/training.md (the newest results/*-train-memory.json): what the
+    run's own compiled check predicted before step 1 (`CompiledTrainingMemory.peak`) within 10% of the peak resident
+    memory measured after it."""
+    result = json.loads(sorted((ROOT / "results").glob("*-train-memory.json"))[-1].read_text())
+    measured = [r for r in result["rows"] if r.get("measured") and not r.get("note")]
+    assert len(measured) >= 10 and {r["batch"] for r in measured} >= {1, 4, 16}
+    for r in measured:
+        assert r["compiled_peak"] == pytest.approx(r["measured"], rel=0.10), (r["points"], r["batch"], r["length"])
 
 
 def test_the_compiled_check_reads_the_step_that_then_runs(tmp_path):
@@ -244,7 +254,7 @@ def test_cpu_devices_add_up_and_the_longest_bucket_is_compiled():
     trainer = Trainer(cfg, tiny_base(), mesh=two)
     mem = memory.compiled_training_memory(cfg, TINY, two, *trainer.compile_step(32))
     assert mem.devices == 2 and mem.batch == 4 * 32 * 9  # 4 of the 8 rows on each device
-    assert mem.added == 2 * (mem.batch + mem.outputs - mem.aliased + mem.temporaries) + mem.host
+    assert mem.added == 2 * (mem.batch + mem.outputs - mem.aliased + mem.temporaries)
     rows = [Example(str(i), np.ones(n, np.int32), np.ones(n, np.int32)) for i, n in enumerate((5, 20, 40))]
     batcher = BucketedBatcher(TokenizedDataset(rows, pad_id=0, max_length=128), 1, [16, 64, 128])
     assert batcher.longest_length() == 64
