@@ -108,9 +108,21 @@ def _main(argv=None):
     for r in rows:
         print(f"| {r['variant']} | {r['xla']} | {r['step_s']} | {r['tokens_per_step']:.0f} | {r['tokens_per_s']} | "
               f"{ref / r['step_s']:.2f}x | {r['compile_s']} |")
-    if args.json:
+    if args.json:  # a results/*.json file (scripts/render_results.py)
+        import datetime
+        import os
+
+        result = {"title": "Training step on this machine: the step's variants and XLA options",
+                  "date": datetime.date.today().isoformat(),
+                  "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, jax {jax.__version__}",
+                  "machine_short": "CPU", "benchmark": "train_step",
+                  "command": "python bench/bench_train.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+                  "source": "recorded by the command",
+                  "settings": f"batch {base_cfg.data.batch_size} x {args.length} tokens, median of {args.steps} steps",
+                  "rows": rows, "feature_seconds": round(feat_s, 1)}
         with open(args.json, "w") as f:
-            json.dump({"rows": rows, "feature_seconds": feat_s, "args": vars(args)}, f, indent=1)
+            json.dump(result, f, indent=1)
+            f.write("\n")
 
 
 def main(argv=None) -> int:

@@ -6,19 +6,19 @@ Each point is a real run of `run_experiment` in a child process: `configs/smollm
 the longest bucket), through the data path of `train.py` from the tokenized data set on (a `TokenizedDataset`, the
 `BucketedBatcher`, the base features with `train.cache_features`), and its peak resident memory: `ru_maxrss` of the
 child (`os.wait4`). The run's own check before step 1 says what it predicts (`compiled_peak`: the process's resident
-memory then, plus XLA's buffers of the compiled step and the CPU's scratch, `CompiledTrainingMemory.peak`). A second
-child compiles the same training step without running it and reads XLA's buffer assignment
-(`Compiled.memory_analysis()`: arguments + outputs + temporaries), and what the check would predict there. A point whose estimate passes
-`--limit-gib` (or whose compiled check's prediction does) is not run (its compiled buffers only); a run that passes the limit anyway is stopped there (its peak
-then reads ">= limit"). One child at a time.
+memory then, plus what XLA's buffers of the compiled step add, `CompiledTrainingMemory.peak`). A second child
+compiles the same training step without running it and reads XLA's buffer assignment (`Compiled.memory_analysis()`:
+arguments + outputs + temporaries) and what the check would predict there. A point whose estimate passes
+`--limit-gib` (or whose compiled check's prediction does) is not run (its compiled buffers only); a run that passes
+the limit anyway is stopped there (its peak then reads ">= limit"). One child at a time.
 
-  python bench/bench_train_memory.py --limit-gib 14 --out results/2026-11-29-cpu-train-memory.json   # every point
+  python bench/bench_train_memory.py --limit-gib 14 --out results/2026-12-05-cpu-train-memory.json   # every point
   python bench/bench_train_memory.py --points smollm2 --lengths 256 1024 --out /tmp/m.json
-  python bench/bench_train_memory.py --reestimate results/2026-11-29-cpu-train-memory.json   # after a formula change
+  python bench/bench_train_memory.py --reestimate results/2026-12-05-cpu-train-memory.json   # after a formula change
                                                     # (and the compiled check's prediction from its recorded parts)
   python scripts/render_results.py                                  # the table in docs/training.md
 
-Every point takes about an hour and a half on 2 cores (the longest rows most of it); the limit keeps a run below what
+All the points take about an hour and a half on 2 cores (the longest rows most of it); the limit keeps a run below what
 the host has, and a run waits until the host has its estimate free (others may share it).
 
 Bases: `smollm2` is SmolLM2-135M-Instruct (30 layers, D=576, 9 heads, context 8,192); `random` a random 2-layer

@@ -301,6 +301,21 @@ def train_memory_table(d: dict) -> list[str]:
     return lines
 
 
+def train_step_table(d: dict) -> list[str]:
+    """bench/bench_train.py: the training step's variants, each with the XLA options it compiled with."""
+    first = {}
+    lines = ["| variant | XLA options | step (s) | real tokens per step | tokens/s | vs XLA's defaults | compile (s) |",
+             "|---|---|---:|---:|---:|---:|---:|"]
+    for r in d["rows"]:
+        first.setdefault(r["variant"], {})[r.get("xla", "training")] = r["step_s"]
+    for r in d["rows"]:
+        default = first[r["variant"]].get("xla-default")
+        vs = f"{default / r['step_s']:.2f}x" if default else "-"
+        lines.append(f"| {r['variant']} | {r.get('xla', 'training')} | {r['step_s']} | {r['tokens_per_step']:.0f} | "
+                     f"{r['tokens_per_s']} | {vs} | {r['compile_s']} |")
+    return lines
+
+
 def compare_table(d: dict) -> list[str]:
     """bench/compare_heads.py: head types trained on an equal budget, side by side on the same prompts and trees."""
     lines = ["| head | tree | tau | accept rate per depth | vs our AR | differing | params | train steps | "
@@ -418,7 +433,8 @@ def section(d: dict) -> list[str]:
     tables = {"bench_spec": spec_table, "bench_step": step_table, "batch_table": batch_table,
               "choice": choice_table, "bench_rows": rows_table, "train_memory": train_memory_table,
               "compare_heads": compare_table, "first_request": first_request_table,
-              "head_types": head_types_table, "tpu_compile": tpu_compile_table, "tpu_steps": tpu_steps_table}
+              "head_types": head_types_table, "tpu_compile": tpu_compile_table, "tpu_steps": tpu_steps_table,
+              "train_step": train_step_table}
     lines += tables[d["benchmark"]](d)
     for note in d.get("notes", []):
         lines += ["", note]

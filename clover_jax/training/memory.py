@@ -76,6 +76,7 @@ RUNTIME_BYTES = int(1.1 * GIB)  # a CPU training process besides its arrays: Pyt
 # the student's [n, B, C, V] logits, log-probabilities, the teacher's probabilities at the n depths and the
 # gradient; the teacher's [B, C + n, V] logits and probabilities
 STUDENT_COPIES = 3.5
+CHUNKED_STUDENT_COPIES = 2.5  # the same with `loss.vocab_chunk` below T: a chunk's copies inside the chunks' loop
 TEACHER_COPIES = 2
 RNN_STATE_COPIES = 12  # float32 [B, T, D] arrays a drafted depth keeps for its backward (attention decoder, FC)
 # float32 [B, N, T, T] attention arrays (what grows with T^2) live at once, counted in XLA's buffer assignment of
@@ -250,7 +251,8 @@ def estimate_training_memory(cfg, base_config: LlamaConfig, mesh: Any, *, platfo
         positions, halo = min(loss.vocab_chunk or t, t), nh
     student = nh * b * positions * v * 4
     teacher = b * (positions + halo) * v * 4
-    logits = STUDENT_COPIES * student + TEACHER_COPIES * teacher
+    chunked = not loss.vocab_positions_per_row and positions < t
+    logits = (CHUNKED_STUDENT_COPIES if chunked else STUDENT_COPIES) * student + TEACHER_COPIES * teacher
     head = kept + max(0.0, backward - logits)  # the layers' backward runs after the cross-entropy's, in its memory
 
     def base_pass(rows: int) -> float:  # one base layer's forward working set (freed before the next layer)
