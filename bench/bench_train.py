@@ -17,7 +17,9 @@ fusions on).
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
+import os
 import platform
 import sys
 import time
@@ -109,12 +111,10 @@ def _main(argv=None):
         print(f"| {r['variant']} | {r['xla']} | {r['step_s']} | {r['tokens_per_step']:.0f} | {r['tokens_per_s']} | "
               f"{ref / r['step_s']:.2f}x | {r['compile_s']} |")
     if args.json:  # a results/*.json file (scripts/render_results.py)
-        import datetime
-        import os
-
         result = {"title": "Training step on this machine: the step's variants and XLA options",
                   "date": datetime.date.today().isoformat(),
-                  "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, jax {jax.__version__}",
+                  "machine": (f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+                              f"jax {jax.__version__}"),
                   "machine_short": "CPU", "benchmark": "train_step",
                   "command": "python bench/bench_train.py " + " ".join(argv if argv is not None else sys.argv[1:]),
                   "source": "recorded by the command",

@@ -439,7 +439,8 @@ def compiled_training_memory(cfg, base_config: LlamaConfig, mesh, compiled, batc
     return CompiledTrainingMemory(
         arguments=int(m.argument_size_in_bytes), outputs=int(m.output_size_in_bytes),
         aliased=int(m.alias_size_in_bytes), temporaries=int(m.temp_size_in_bytes), batch=batch_bytes,
-        devices=len(devices) if cpu else 1, resident=resident_bytes() if cpu else 0, peak_so_far=peak_resident_bytes() if cpu else 0)
+        devices=len(devices) if cpu else 1, resident=resident_bytes() if cpu else 0,
+        peak_so_far=peak_resident_bytes() if cpu else 0)
 
 
 def check_compiled_training_memory(cfg, base_config: LlamaConfig, mesh, mem: CompiledTrainingMemory, *,
@@ -466,11 +467,12 @@ def check_compiled_training_memory(cfg, base_config: LlamaConfig, mesh, mem: Com
         f"training memory: the compiled step of data.batch_size={cfg.data.batch_size} x data.max_length="
         f"{cfg.data.max_length} tokens (loss.vocab_chunk={cfg.loss.vocab_chunk}, mesh data={est.sizes['data']} "
         f"fsdp={est.sizes['fsdp']} tp={est.sizes['tp']}) needs {fmt_bytes(mem.added)} more on {on} (XLA: "
-        f"{fmt_bytes(mem.temporaries)} of temporaries per device), but {where} has {fmt_bytes(free)} free ({SAFETY:.0%} of it: {fmt_bytes(budget)}); {SETTINGS}"
+        f"{fmt_bytes(mem.temporaries)} of temporaries per device), but {where} has {fmt_bytes(free)} free "
+        f"({SAFETY:.0%} of it: {fmt_bytes(budget)}); {SETTINGS}"
         + (f" (by the estimate: {'; '.join(fixes)})" if fixes else "")
         + ", or set train.check_memory=false to skip this check")
 
 
 __all__ = ["CompiledTrainingMemory", "TrainingMemory", "abstract_head_state", "base_state_shapes", "bytes_per_device",
-           "check_compiled_training_memory", "check_sequence_length", "check_training_memory", "compiled_training_memory",
-           "estimate_training_memory", "peak_resident_bytes", "resident_bytes", "suggestions"]
+           "check_compiled_training_memory", "check_sequence_length", "check_training_memory",
+           "compiled_training_memory", "estimate_training_memory", "peak_resident_bytes", "resident_bytes", "suggestions"]

@@ -39,8 +39,8 @@ from clover_jax.training.config import LossConfig
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 # XLA:CPU's YNNPACK fusions hold buffers outside XLA's buffer assignment (which `Compiled.memory_analysis`, and so the
-# memory check, cannot see) and ran the training step slower on the CPUs measured (docs/training.md): on CPU devices
-# the training programs compile without them.
+# memory check, cannot see) and made no training step faster where measured (docs/training.md): on CPU devices the
+# training programs compile without them.
 CPU_COMPILER_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": ""}
 
 
@@ -48,6 +48,8 @@ def compiler_options(mesh=None) -> dict[str, str] | None:
     """The XLA options the training programs compile with on `mesh`'s devices (default: JAX's first device)."""
     device = mesh.devices.flat[0] if mesh is not None else jax.devices()[0]
     return dict(CPU_COMPILER_OPTIONS) if device.platform == "cpu" else None
+
+
 SUM_KEYS = ("v_sum", "p_sum", "correct", "chain_correct", "count", "p_count", "chain_count")
 
 

@@ -39,8 +39,8 @@ from clover_jax.training import steps as steps_lib
 from clover_jax.training.checkpoint import Checkpointer, CheckpointError, head_metadata, to_jsonable
 from clover_jax.training.compiled import abstract_batch
 from clover_jax.training.config import ConfigError, config_to_dict
-from clover_jax.training.memory import CompiledTrainingMemory, check_compiled_training_memory, compiled_training_memory
 from clover_jax.training.loading import load_head
+from clover_jax.training.memory import CompiledTrainingMemory, check_compiled_training_memory, compiled_training_memory
 from tqdm import tqdm
 
 log = logging.getLogger(__name__)
@@ -313,8 +313,8 @@ class Trainer:
     def compile_step(self, length: int | None = None):
         """The train step compiled for `data.batch_size` rows of `length` tokens (default `data.max_length`) on
         this trainer's state: (a jax `Compiled`, whose `memory_analysis()` is XLA's buffer assignment per device, and
-        the batch's `ShapeDtypeStruct`s). It is the executable the first step of that shape runs: the arguments are the state's own shapes, dtypes and
-        shardings, so the step does not compile again."""
+        the batch's `ShapeDtypeStruct`s). It is the executable the first step of that shape runs: the arguments have
+        the state's own shapes, dtypes and shardings, so the step does not compile again."""
         s = self.state
         held = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
                             (s.params, s.opt_state, self.base_state))
