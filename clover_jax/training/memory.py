@@ -341,6 +341,12 @@ def resident_bytes() -> int:
         return 0
 
 
+def _devices_text(platform: str, share: int) -> str:
+    """Where a step's memory is asked for, in an error: an accelerator's own, or the host's shared by its devices."""
+    return (f"each {platform} device" if platform != "cpu" else
+            f"the host's {share} CPU devices" if share > 1 else "the host")
+
+
 def check_training_memory(cfg, base_config: LlamaConfig, mesh, *, base_loaded: bool = True,
                           available: tuple[int | None, str] | None = None) -> TrainingMemory | None:
     """Stops a run whose step cannot fit: an `InsufficientMemoryError` naming the estimate, what the device has,
@@ -370,8 +376,7 @@ def check_training_memory(cfg, base_config: LlamaConfig, mesh, *, base_loaded: b
     if need <= budget:
         return est
     fixes = suggestions(cfg, base_config, est, est.total - (need - budget) / share, platform)
-    on = (f"each {platform} device" if platform != "cpu" else
-          f"the host's {share} CPU devices" if share > 1 else "the host")
+    on = _devices_text(platform, share)
     raise InsufficientMemoryError(
         f"training memory: a step of data.batch_size={cfg.data.batch_size} x data.max_length={est.seq_len} tokens "
         f"(loss.vocab_chunk={cfg.loss.vocab_chunk}, mesh data={est.sizes['data']} fsdp={est.sizes['fsdp']} "
@@ -444,10 +449,12 @@ def compiled_training_memory(cfg, base_config: LlamaConfig, mesh, compiled, batc
 
 
 def check_compiled_training_memory(cfg, base_config: LlamaConfig, mesh, mem: CompiledTrainingMemory, *,
+                                   length: int | None = None,
                                    available: tuple[int | None, str] | None = None) -> None:
     """Stops a run whose compiled step cannot fit in what the devices have free now (the head, its optimizer
     state and the base are placed already, so only what the step adds is asked for): an `InsufficientMemoryError`
-    with XLA's figures and the settings the estimate says would fit. Skipped with `train.check_memory: false`."""
+    with XLA's figures and the settings the estimate says would fit; `length`: the tokens per row the step was
+    compiled for (default `data.max_length`). Skipped with `train.check_memory: false`."""
     if not cfg.train.check_memory:
         return
     devices = list(mesh.local_devices) if hasattr(mesh, "local_devices") else jax.local_devices()
@@ -461,11 +468,10 @@ def check_compiled_training_memory(cfg, base_config: LlamaConfig, mesh, mem: Com
     est = estimate_training_memory(cfg, base_config, mesh, platform=platform)
     share = mem.devices
     fixes = suggestions(cfg, base_config, est, est.total * budget / mem.added, platform)
-    on = (f"each {platform} device" if platform != "cpu" else
-          f"the host's {share} CPU devices" if share > 1 else "the host")
+    on = _devices_text(platform, share)
     raise InsufficientMemoryError(
         f"training memory: the compiled step of data.batch_size={cfg.data.batch_size} x data.max_length="
-        f"{cfg.data.max_length} tokens (loss.vocab_chunk={cfg.loss.vocab_chunk}, mesh data={est.sizes['data']} "
+        f"{length or cfg.data.max_length} tokens (loss.vocab_chunk={cfg.loss.vocab_chunk}, mesh data={est.sizes['data']} "
         f"fsdp={est.sizes['fsdp']} tp={est.sizes['tp']}) needs {fmt_bytes(mem.added)} more on {on} (XLA: "
         f"{fmt_bytes(mem.temporaries)} of temporaries per device), but {where} has {fmt_bytes(free)} free "
         f"({SAFETY:.0%} of it: {fmt_bytes(budget)}); {SETTINGS}"

@@ -331,7 +331,7 @@ class Trainer:
         log.info("training memory, the compiled step of %d x %d tokens: %s per device while it runs, %s added to the "
                  "%s this process holds", self.cfg.data.batch_size, longest, fmt_bytes(mem.step),
                  fmt_bytes(mem.added), fmt_bytes(mem.resident))
-        check_compiled_training_memory(self.cfg, self.base_config, self.mesh, mem)
+        check_compiled_training_memory(self.cfg, self.base_config, self.mesh, mem, length=longest)
         return mem
 
     def evaluate(self, batches: Iterable[dict[str, np.ndarray]]) -> dict[str, Any]:
