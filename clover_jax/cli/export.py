@@ -21,7 +21,7 @@ from huggingface_hub import HfApi
 from clover_jax import pretrained
 from clover_jax.cli import add_debug_argument, run_cli
 from clover_jax.decoding.ngram import NGRAM_FILE
-from clover_jax.heads.draft_vocab import DRAFT_VOCAB_FILE
+from clover_jax.heads.draft_vocab import DRAFT_VOCAB_FILE, folder_draft_vocab
 from clover_jax.heads import registry
 from clover_jax.heads.export import default_model_card, export_head, import_head
 from clover_jax.io.export import ExportError, export_base
@@ -67,7 +67,8 @@ def export_head_from_folder(folder, out, *, model=None, include_embedding=True, 
     written = registry.of_head(head).config_dict(head, base_name)  # what the export writes itself
     extra = {k: v for k, v in meta.items() if k not in written}
     out = export_head(head, out, base=loaded.model, base_name=base_name, include_embedding=include_embedding,
-                      model_card=card, extra_config=extra, overwrite=overwrite, dtype=_np_dtype(dtype))
+                      model_card=card, extra_config=extra, overwrite=overwrite, dtype=_np_dtype(dtype),
+                      draft_vocab=folder_draft_vocab(src))
     for name in ("training_config.json", "training_config.yaml", DRAFT_VOCAB_FILE):
         if (src / name).is_file():
             (out / name).write_text((src / name).read_text())
@@ -103,7 +104,7 @@ def export_head_from_run(run_dir, out, *, step=None, model=None, include_embeddi
         f"soft cross-entropy to the base distribution, plus for Clover-2 a SmoothL1 regression to its hidden state).\n")
     out = export_head(head, out, base=loaded.model, base_name=base_name, include_embedding=include_embedding,
                       model_card=card, extra_config={"training_step": step}, overwrite=overwrite,
-                      dtype=_np_dtype(dtype))
+                      dtype=_np_dtype(dtype), draft_vocab=folder_draft_vocab(Path(run_dir)))
     run_config = Path(run_dir) / "config.yaml"  # the resolved experiment config the run wrote at its start
     if run_config.is_file():
         (out / "training_config.yaml").write_text(run_config.read_text())

@@ -24,6 +24,7 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from clover_jax import pretrained
+from clover_jax.heads import registry
 from clover_jax.io.files import atomic_write_text
 from clover_jax.validation import InputError, check_draft_vocab  # noqa: F401  (re-exported)
 
@@ -65,9 +66,24 @@ def folder_draft_vocab(folder: Path) -> np.ndarray | None:
     A draft vocabulary written only as an inference option (the flag false or absent) gives None."""
     path = Path(folder) / DRAFT_VOCAB_FILE
     if not path.is_file():
-        return None
+        return _published_vocab(Path(folder))
     meta = _read_draft_vocab(path)
     return np.asarray(meta["ids"], np.int32) if meta.get("head_trained_on_it") else None
+
+
+def _published_vocab(folder: Path) -> np.ndarray | None:
+    """The draft vocabulary a published head folder's own tensors give (EAGLE-3's `d2t`), or None: a head type that
+    drafts over a vocabulary of its own reads it (`HeadType.folder_vocab`)."""
+    cfg = folder / "config.json"
+    if not cfg.is_file():
+        return None
+    try:
+        meta = json.loads(cfg.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    kind = meta.get("head_type")
+    ht = registry.get(kind) if kind in registry.names() else None if kind else registry.recognize(meta, folder)
+    return ht.folder_vocab(folder) if ht is not None and ht.folder_vocab is not None else None
 
 
 def save_draft_vocab(path, ids, **meta) -> Path:

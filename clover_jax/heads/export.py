@@ -14,16 +14,21 @@ from clover_jax.io.export import DEFAULT_SHARD_BYTES, AtomicDir, ExportError, wr
 
 def export_head(head, out_dir, *, base=None, base_name: str | None = None, include_embedding: bool = True,
                 include_lm_head: bool | None = None, model_card: str | None = None, extra_config: dict | None = None,
-                max_shard_bytes: int = DEFAULT_SHARD_BYTES, overwrite: bool = False, dtype=np.float32) -> Path:
+                max_shard_bytes: int = DEFAULT_SHARD_BYTES, overwrite: bool = False, dtype=np.float32,
+                draft_vocab=None) -> Path:
     """Writes a hub-ready head folder of any registered head type: safetensors under the reference project's
     names, config.json (with `head_type`), README.md.
 
     `include_embedding` writes the frozen tensors the reference module holds as copies of the base's (Clover-2:
     `clover_embed_tokens.weight`; `include_lm_head`, default as `include_embedding`: the base `lm_head.weight`);
-    `dtype` is the tensors' storage type (float32, float16 or bfloat16 via ml_dtypes)."""
+    `dtype` is the tensors' storage type (float32, float16 or bfloat16 via ml_dtypes). `draft_vocab`: the token ids
+    the head was trained to draft (`draft_vocab.json`), written as the type's own vocabulary tensors where it has
+    them (EAGLE-3's `d2t` / `t2d`, which keep their integer and boolean types)."""
     ht = registry.of_head(head)
     include_lm_head = include_embedding if include_lm_head is None else include_lm_head
     tensors = {k: v.astype(dtype) for k, v in ht.to_reference(head, base, include_embedding, include_lm_head).items()}
+    if ht.vocab_tensors is not None:
+        tensors.update(ht.vocab_tensors(head, draft_vocab))
     with AtomicDir(out_dir, overwrite) as tmp:
         write_safetensors(tensors, tmp, max_shard_bytes, getattr(ht, "weights_file", None) or "model.safetensors")
         (tmp / "config.json").write_text(json.dumps(ht.config_dict(head, base_name, extra_config), indent=2))

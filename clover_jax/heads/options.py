@@ -29,6 +29,9 @@ class HeadOptions(Section):
     def _validate(self):
         self._need(self.num_heads >= 1, "num_heads", "must be >= 1")
 
+    def check_experiment(self, cfg) -> None:
+        """A `ConfigError` where the rest of an experiment config (`cfg`) does not suit this head (none by default)."""
+
     def config_kwargs(self) -> dict[str, Any]:
         """The head config's architecture fields, from the options (by name; a type whose names differ says so)."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "type"}

@@ -34,6 +34,7 @@ BUILTIN = {
     "clover1": "clover_jax.heads.clover1",
     "clover2": "clover_jax.heads.clover2",
     "eagle": "clover_jax.heads.eagle",
+    "eagle3": "clover_jax.heads.eagle3",
     "medusa": "clover_jax.heads.medusa",
     "redrafter": "clover_jax.heads.redrafter",
 }
@@ -86,6 +87,10 @@ class HeadType:
     optional_fields: dict = dataclasses.field(default_factory=dict)
     # head config -> base layers (below the last) whose outputs the head reads besides the last layer's
     feature_layers: Callable[[Any], tuple[int, ...]] | None = None
+    # a head whose output columns are a draft vocabulary of its own (EAGLE-3): (head, ids or None) -> the tensors
+    # an export writes for it, and folder -> the ids a published folder's tensors give (None: all, or none there)
+    vocab_tensors: Callable[[Any, Any], dict] | None = None
+    folder_vocab: Callable[[Any], Any] | None = None
 
     def make_drafter(self, spec, draft_vocab=None):
         """The drafter of this head type for a tree policy (an error naming the policies it drafts otherwise)."""

@@ -280,6 +280,7 @@ class ExperimentConfig:
             if not registry.get(self.head.type).feature_noise:
                 raise ConfigError(f"loss.feature_noise: a {self.head.type} head does not take noise on its input "
                                   "features (EAGLE heads do); set it to 0")
+        self.head.check_experiment(self)
         if self.data.batch_size % self.optim.grad_accum:
             raise ConfigError(f"optim.grad_accum: data.batch_size={self.data.batch_size} is not divisible "
                               f"by grad_accum={self.optim.grad_accum}")

@@ -361,7 +361,8 @@ def recognizes(meta: dict, folder) -> bool:
         _, keys = read_weights_dir(folder)
     except (OSError, ValueError):
         return False
-    return "fc.weight" in keys and "layers.0.self_attn.q_proj.weight" in keys
+    eagle3 = "d2t" in keys or "Eagle3" in " ".join(meta.get("architectures") or [])  # an EAGLE-3 head: never this
+    return not eagle3 and "fc.weight" in keys and "layers.0.self_attn.q_proj.weight" in keys
 
 
 def loss_from_features(head, base, f, tokens, loss_mask, valid, loss_cfg, *, index=None, vocab_ids=None, rng=None):
