@@ -153,6 +153,14 @@ def test_export_import_and_the_published_layouts(base, tmp_path):
                                              .tokens),
                                   np.asarray(_spec(base, head, "dynamic-10", prompt, lens, draft_vocab=VOCAB)[0].tokens))
 
+    # through the public API by path: the folder's d2t is the draft vocabulary, outputs equal plain decoding
+    import clover_jax
+
+    ids = [[5, 9, 11, 3, 7, 21], [4, 8, 15]]
+    spec_out = clover_jax.generate(base, ids, max_new_tokens=12, mode="speculative", head=str(pub), tree="dynamic-10")
+    ar_out = clover_jax.generate(base, ids, max_new_tokens=12, mode="ar")
+    assert spec_out.token_ids == ar_out.token_ids
+
     # an EAGLE-3 folder is never taken for an EAGLE-1 head (which would accept nothing), nor half a head
     assert not registry.get("eagle").recognizes(json.loads((pub / "config.json").read_text()), pub)
     broken = tmp_path / "broken"
