@@ -5,7 +5,8 @@ checkout named by `CLOVER_JAX_EAGLE_SOURCE` (the repository's root; its code is 
     logits (float32 rounding) from the same base features;
   * the reference's EAGLE-2 tree drafting (`topK_genrate`) and our dynamic-tree drafter give the same tree (the same
     token paths) over two rounds: the prompt, then a few accepted tokens;
-  * a folder the reference module's own state dict and config make imports into ours and computes the same.
+  * a folder of the reference module's own state dict (`pytorch_model.bin`, as its heads are published) and config
+    imports into ours and computes the same.
 
 Without the checkout these tests are skipped (the reference is not installable from a package index); the checks
 that need no reference code run in tests/heads/test_eagle3.py.
@@ -144,8 +145,6 @@ def test_export_loads_strictly_and_drafts_the_references_trees(base, tmp_path, q
 
 def test_a_folder_the_reference_writes_imports(base, tmp_path):
     torch, Model, EConfig = _reference(pytest.importorskip("torch"))
-    from safetensors.torch import save_file
-
     q = len(VOCAB)
     torch.manual_seed(0)
     ref = Model(_econfig(EConfig, q), load_emb=False).eval()
@@ -158,7 +157,7 @@ def test_a_folder_the_reference_writes_imports(base, tmp_path):
         ref.t2d[torch.tensor(VOCAB, dtype=torch.long)] = True
     folder = tmp_path / "reference"
     folder.mkdir()
-    save_file({k: v.contiguous() for k, v in ref.state_dict().items()}, str(folder / "model.safetensors"))
+    torch.save(ref.state_dict(), folder / "pytorch_model.bin")  # as the reference's published heads ship
     meta = {**ref.config.to_dict(), "architectures": ["LlamaForCausalLMEagle3"],
             "eagle_config": {"eagle_aux_hidden_state_layer_ids": [i + 1 for i in TAPS]}}
     (folder / "config.json").write_text(json.dumps(meta))
