@@ -49,6 +49,19 @@ def frequent_tokens(sequences: Iterable[Sequence[int]], size: int, always: Seque
     return np.asarray(sorted(chosen), np.int32)
 
 
+def pad_draft_vocab(ids, size: int, vocab_size: int) -> np.ndarray:
+    """`ids` grown to `size` with the smallest token ids it lacks (sorted int32): for a head whose output columns are
+    its draft vocabulary (EAGLE-3), when the data holds fewer distinct tokens than the columns it was given."""
+    ids = np.asarray(ids, np.int32)
+    if size > vocab_size:
+        raise InputError(f"draft vocabulary size {size} exceeds the vocabulary ({vocab_size})")
+    missing = size - len(ids)
+    if missing <= 0:
+        return ids
+    extra = np.setdiff1d(np.arange(vocab_size, dtype=np.int32), ids)[:missing]
+    return np.sort(np.concatenate([ids, extra])).astype(np.int32)
+
+
 DRAFT_VOCAB_FILE = "draft_vocab.json"  # its name in a training run directory and in an exported head folder
 
 

@@ -18,7 +18,8 @@ import jax
 
 from clover_jax import parallel
 from clover_jax.heads import registry
-from clover_jax.heads.draft_vocab import coverage, frequent_tokens, head_draft_vocab, load_draft_vocab, save_draft_vocab
+from clover_jax.heads.draft_vocab import (coverage, frequent_tokens, head_draft_vocab, load_draft_vocab,
+                                         pad_draft_vocab, save_draft_vocab)
 from clover_jax.io.loader import base_config_of, load_model_on_mesh
 from clover_jax.training import data as data_lib
 from clover_jax.training import steps as steps_lib
@@ -246,6 +247,12 @@ def run_experiment(cfg: ExperimentConfig, *, resume: bool = False, progress: boo
         run_vocab = None
         if cfg.loss.draft_vocab or cfg.train.draft_vocab_size or cfg.train.draft_vocab_from:
             run_vocab = run_draft_vocab(cfg, batcher.dataset, base.config.eos_token_ids)  # same ids on every process
+            size = cfg.train.draft_vocab_size
+            if registry.get(cfg.head.type).vocab_tensors is not None and len(run_vocab[0]) < size:
+                # a head whose output columns are its draft vocabulary keeps all of them: unused ids fill the rest
+                log.info("draft vocabulary: the trained tokens hold %d distinct ids; %d unused ids fill the head's "
+                         "%d columns", len(run_vocab[0]), size - len(run_vocab[0]), size)
+                run_vocab = (pad_draft_vocab(run_vocab[0], size, base.config.vocab_size), *run_vocab[1:])
         if cfg.loss.draft_vocab:
             vocab_ids = run_vocab[0]
             log.info("cross-entropy over the draft vocabulary: %d ids covering %.4f of the trained tokens (%s)",

@@ -204,20 +204,20 @@ def test_training_run_learns_and_exports(tmp_path):
     assert np.mean(losses[-5:]) < 0.8 * losses[0], losses
 
     run = tmp_path / "run"
-    cfg = make_cfg(*overrides, "head.draft_vocab_size=24", "loss.draft_vocab=true", "train.draft_vocab_size=24",
+    cfg = make_cfg(*overrides, "head.draft_vocab_size=60", "loss.draft_vocab=true", "train.draft_vocab_size=60",
                    "train.steps=4", output_dir=str(run))
     summary = run_experiment(cfg, progress=False, mesh=mesh, loaded=base,
                              batcher=BucketedBatcher(_tiny_dataset(), 8, [8, 16], seed=0), eval_batches=[])
     assert summary["final_step"] == 4
     ids = folder_draft_vocab(run)
-    assert ids is not None and len(ids) == 24
+    assert ids is not None and len(ids) == 60  # the data's distinct tokens, then unused ids: all 60 columns
     import clover_jax.cli.export as export_cli
 
     export_cli.load_model = lambda name, with_tokenizer=False: type("L", (), {"model": base})()
     out = export_head_from_run(run, tmp_path / "exported")
     np.testing.assert_array_equal(folder_draft_vocab(out), ids)
     head = import_head(out, base)
-    assert head.vocab_size == 24
+    assert head.vocab_size == 60
     prompt, lens = prompts()
     out_tokens, _ = _spec(base, head, "dynamic-10", prompt, lens, draft_vocab=ids)
     same_as_greedy(base, out_tokens, prompt, lens, 20, NO_EOS, cache_size=96)
