@@ -67,7 +67,12 @@ def build(args):
     dtype = jnp.dtype(args.dtype)
     base = init_llama(config, seed=0, dtype=dtype, param_dtype=dtype)
     ht = registry.get(args.head_type)
-    head = ht.module_cls(config, ht.config_cls(dtype=dtype, param_dtype=dtype), rngs=nnx.Rngs(1))
+    kw = {}
+    if ht.name == "eagle3":  # its config names the base layers it fuses and its own vocabulary's size
+        from clover_jax.heads.eagle3 import default_feature_layers
+        kw = {"feature_layers": default_feature_layers(layers),
+              "draft_vocab_size": args.draft_vocab if 0 < args.draft_vocab < v else 0}
+    head = ht.module_cls(config, ht.config_cls(dtype=dtype, param_dtype=dtype, **kw), rngs=nnx.Rngs(1))
     return config, base, head
 
 
@@ -261,7 +266,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", choices=sorted(SHAPES), default="smollm2-135m")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    ap.add_argument("--head-type", default="clover2", help="a registered head type (clover2, clover1, eagle, medusa, redrafter)")
+    ap.add_argument("--head-type", default="clover2", help="a registered head type (clover2, clover1, eagle, eagle3, medusa, redrafter, block)")
     ap.add_argument("--trees", nargs="+", default=["chain-3"])
     ap.add_argument("--draft-vocab", type=int, default=8192, help="draft vocabulary size (0: the full vocabulary)")
     ap.add_argument("--batch-size", type=int, default=1)
