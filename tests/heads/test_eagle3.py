@@ -185,6 +185,15 @@ def test_a_config_must_give_the_head_its_vocabulary():
         make_cfg("head.type=eagle3")
 
 
+def test_the_smollm2_recipe_loads():
+    from clover_jax.training.config import load_config
+
+    cfg = load_config(Path(__file__).resolve().parents[2] / "configs" / "smollm2-135m-eagle3.yaml")
+    assert cfg.head.type == "eagle3" and cfg.head.feature_layers == default_feature_layers(30) and cfg.head.num_heads == 7
+    assert cfg.head.draft_vocab_size == cfg.train.draft_vocab_size == 8192 and cfg.loss.draft_vocab
+    assert (cfg.loss.decay, cfg.loss.v_weight, cfg.loss.p_weight) == (0.8, 0.0, 1.0)
+
+
 def test_training_run_learns_and_exports(tmp_path):
     from clover_jax.cli.export import export_head_from_run
     from clover_jax.training.data import BucketedBatcher
