@@ -54,6 +54,8 @@ _RULES: dict[str, tuple] = {
     "bk": ("tp", None),  # [K, H]
     "bv": ("tp", None),  # [K, H]
     "bo": (None,),  # [D]
+    "q_norm": (None,),  # [H] (qk_norm)
+    "k_norm": (None,),  # [H]
     "w_gate": ("fsdp", "tp"),  # [D, F]
     "w_up": ("fsdp", "tp"),  # [D, F]
     "w_down": ("tp", "fsdp"),  # [F, D]

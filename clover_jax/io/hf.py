@@ -46,6 +46,9 @@ def _layer_table(c: LlamaConfig):
         t["self_attn.v_proj.bias"] = ("bv", lambda b: b.reshape(K, H), lambda b: b.reshape(-1))
     if c.attention_out_bias:
         t["self_attn.o_proj.bias"] = ("bo", lambda b: b, lambda b: b)
+    if c.qk_norm:  # Qwen3: one [H] RMSNorm weight for every query head, one for every key head
+        t["self_attn.q_norm.weight"] = ("q_norm", lambda w: w, lambda w: w)
+        t["self_attn.k_norm.weight"] = ("k_norm", lambda w: w, lambda w: w)
     if c.mlp_bias:
         for hf_name, ours in (("gate_proj", "b_gate"), ("up_proj", "b_up"), ("down_proj", "b_down")):
             t[f"mlp.{hf_name}.bias"] = (ours, lambda b: b, lambda b: b)

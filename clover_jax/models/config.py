@@ -19,8 +19,9 @@ SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
 )
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 ROPE_SCALING_TYPES = ("default", "linear", "dynamic", "llama3")
 
 
@@ -45,7 +46,8 @@ class RopeScaling:
 
 @dataclasses.dataclass(frozen=True)
 class LlamaConfig:
-    """Hyper-parameters of a Llama-family decoder (Llama 2/3, Vicuna, Mistral-style, SmolLM2, Qwen2 bias)."""
+    """Hyper-parameters of a Llama-family decoder (Llama 2/3, Vicuna, Mistral-style, SmolLM2, Qwen2 bias, Qwen3
+    q/k norms)."""
 
     # the fields that fix a draft head's parameter shapes (or its token space): a head fits a base model that agrees
     # with the one it was made for on each of them (checked on load, saved in checkpoints)
@@ -68,6 +70,7 @@ class LlamaConfig:
     attention_bias: bool = False  # biases on q/k/v projections
     attention_out_bias: bool = False  # bias on o_proj (Llama's attention_bias sets it; Qwen2 does not)
     mlp_bias: bool = False
+    qk_norm: bool = False  # RMSNorm over each head's queries and keys before RoPE (Qwen3's q_norm / k_norm)
     bos_token_id: int | None = 1
     eos_token_ids: tuple[int, ...] = (2,)
     pad_token_id: int | None = None
@@ -96,6 +99,7 @@ class LlamaConfig:
                          self.num_key_value_heads, self.head_dim)
         attn = d * n * h * 2 + d * k * h * 2 + (n * h + 2 * k * h if self.attention_bias else 0)
         attn += d if self.attention_out_bias else 0
+        attn += 2 * h if self.qk_norm else 0
         layer = attn + 3 * d * f + 2 * d + (2 * f + d if self.mlp_bias else 0)
         head = 0 if self.tie_word_embeddings else self.vocab_size * d
         return self.vocab_size * d + self.num_hidden_layers * layer + d + head
@@ -141,6 +145,14 @@ class LlamaConfig:
                 ),
             )
         attention_bias = bool(cfg.get("attention_bias", model_type == "qwen2"))
+        qk_norm = model_type == "qwen3" or "Qwen3ForCausalLM" in archs
+        if qk_norm:
+            sliding = _sliding_layers(cfg)
+            if sliding:
+                raise ConfigError(
+                    f"{source}: sliding-window attention (use_sliding_window=true, sliding_window="
+                    f"{cfg.get('sliding_window')}, layers {sliding}) is not supported: clover_jax attends over the "
+                    "whole sequence in every layer")
         return cls(
             vocab_size=need("vocab_size"),
             hidden_size=hidden,
@@ -157,6 +169,7 @@ class LlamaConfig:
             attention_bias=attention_bias,
             attention_out_bias=attention_bias and model_type != "qwen2",
             mlp_bias=bool(cfg.get("mlp_bias", False)),
+            qk_norm=qk_norm,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             pad_token_id=cfg.get("pad_token_id"),
@@ -175,7 +188,8 @@ class LlamaConfig:
         return cls.from_hf_dict(cfg, source=str(path))
 
     def to_hf_dict(self) -> dict[str, Any]:
-        """The transformers `config.json` fields for this model (LlamaForCausalLM)."""
+        """The transformers `config.json` fields for this model (LlamaForCausalLM; Qwen3ForCausalLM with
+        `qk_norm`)."""
         if self.attention_bias != self.attention_out_bias:
             raise ConfigError("a Llama config.json cannot express q/k/v biases without an o_proj bias "
                               "(Qwen2-style); export this model with its own model_type")
@@ -187,9 +201,11 @@ class LlamaConfig:
                           high_freq_factor=self.rope_scaling.high_freq_factor,
                           original_max_position_embeddings=self.rope_scaling.original_max_position_embeddings)
         eos = list(self.eos_token_ids)
+        arch = {"architectures": ["LlamaForCausalLM"], "model_type": "llama"}
+        if self.qk_norm:
+            arch = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "use_sliding_window": False}
         return {
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
+            **arch,
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
@@ -209,6 +225,18 @@ class LlamaConfig:
             "eos_token_id": eos[0] if len(eos) == 1 else eos,
             "pad_token_id": self.pad_token_id,
         }
+
+
+def _sliding_layers(cfg: dict[str, Any]) -> list[int]:
+    """The layers a Qwen-style `config.json` gives sliding-window attention, by transformers' rule: none unless
+    `use_sliding_window` and a `sliding_window` are set; then those `layer_types` names so, else every layer from
+    `max_window_layers` on."""
+    if not cfg.get("use_sliding_window") or cfg.get("sliding_window") is None:
+        return []
+    types = cfg.get("layer_types")
+    if types:
+        return [i for i, t in enumerate(types) if t == "sliding_attention"]
+    return list(range(int(cfg.get("max_window_layers", 28)), int(cfg.get("num_hidden_layers") or 0)))
 
 
 def rope_inv_freq(config: LlamaConfig, seq_len_hint: int | None = None):

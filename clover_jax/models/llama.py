@@ -1,5 +1,6 @@
 """Flax NNX Llama-family decoder: RMSNorm, RoPE (HF rotate-half layout), GQA attention with an
-explicit mask, SwiGLU MLP, layers stacked on a leading `L` axis and run with `lax.scan`.
+explicit mask, SwiGLU MLP, layers stacked on a leading `L` axis and run with `lax.scan`. With
+`config.qk_norm` (Qwen3) each head's queries and keys are RMS-normed before RoPE.
 
 Shapes and einsum strings use the axis letters of `clover_jax.axes`.
 
@@ -43,6 +44,9 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.A
     return out.astype(x.dtype)
 
 
+_NORMS = ("attn_norm", "mlp_norm", "q_norm", "k_norm")  # layer weights kept in their own dtype (rms_norm: float32)
+
+
 def _param(rngs: nnx.Rngs, shape, dtype, scale: float | None = None, init: str = "normal"):
     if init == "ones":
         return nnx.Param(jnp.ones(shape, dtype))
@@ -80,6 +84,9 @@ class DecoderStack(nnx.Module):
             self.bv = p((L, K, H), init="zeros")
         if c.attention_out_bias:
             self.bo = p((L, D), init="zeros")
+        if c.qk_norm:
+            self.q_norm = p((L, H), init="ones")
+            self.k_norm = p((L, H), init="ones")
         self.mlp_norm = p((L, D), init="ones")
         self.w_gate = p((L, D, F))
         self.w_up = p((L, D, F))
@@ -96,6 +103,8 @@ class DecoderStack(nnx.Module):
             names += ["bq", "bk", "bv"]
         if self.config.attention_out_bias:
             names += ["bo"]
+        if self.config.qk_norm:
+            names += ["q_norm", "k_norm"]
         if self.config.mlp_bias:
             names += ["b_gate", "b_up", "b_down"]
         return {n: getattr(self, n)[...] for n in names}
@@ -164,13 +173,15 @@ class DecoderStack(nnx.Module):
 
         def layer(h, xs):
             lp, ck, cv, pk, pv = xs
-            lp = {k: v.astype(dtype) if k not in ("attn_norm", "mlp_norm") else v for k, v in lp.items()}
+            lp = {k: v.astype(dtype) if k not in _NORMS else v for k, v in lp.items()}
             a = rms_norm(h, lp["attn_norm"], eps) if "attn_norm" in lp else h
             q = _dot("BTD,DNH->BTNH", a, lp["wq"])
             k = _dot("BTD,DKH->BTKH", a, lp["wk"])
             v = _dot("BTD,DKH->BTKH", a, lp["wv"])
             if c.attention_bias:
                 q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
+            if c.qk_norm:  # per head, over H
+                q, k = rms_norm(q, lp["q_norm"], eps), rms_norm(k, lp["k_norm"], eps)
             q = apply_rope(q, positions, inv_freq)
             k = apply_rope(k, positions, inv_freq)
             attn = _attention(q, k, v, self_mask, ck, cv, cache_mask, c.num_key_value_heads, pk, pv, cache_extent)
