@@ -18,7 +18,10 @@ from clover_jax.validation import InputError
 #     max_position_embeddings 8192, tie_word_embeddings false, bos 128000, eos 128009;
 #   lmsys/vicuna-7b-v1.5: vocab_size 32000, hidden_size 4096, intermediate_size 11008, num_hidden_layers 32,
 #     num_attention_heads 32, num_key_value_heads 32, rms_norm_eps 1e-5, rope_theta 10000,
-#     max_position_embeddings 4096, tie_word_embeddings false, bos 1, eos 2.
+#     max_position_embeddings 4096, tie_word_embeddings false, bos 1, eos 2;
+#   Qwen/Qwen3-8B: vocab_size 151936, hidden_size 4096, intermediate_size 12288, num_hidden_layers 36,
+#     num_attention_heads 32, num_key_value_heads 8, head_dim 128, rms_norm_eps 1e-6, rope_theta 1000000,
+#     max_position_embeddings 40960, tie_word_embeddings false, bos 151643, eos 151645, q/k norms.
 KNOWN_SHAPES = {
     "meta-llama-3-8b-instruct": LlamaConfig(
         vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
@@ -28,6 +31,10 @@ KNOWN_SHAPES = {
         vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
         num_key_value_heads=32, head_dim=128, rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=4096,
         bos_token_id=1, eos_token_ids=(2,)),
+    "qwen3-8b": LlamaConfig(
+        vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=40960,
+        bos_token_id=151643, eos_token_ids=(151645,), qk_norm=True, model_type="qwen3"),
 }
 
 

@@ -120,6 +120,24 @@ def test_speculative_equals_greedy(base, q):
         assert set(np.asarray(ids).ravel().tolist()) <= set(VOCAB.tolist())
 
 
+@pytest.mark.parametrize("family", [{"qk_norm": True, "model_type": "qwen3"},
+                                    {"attention_bias": True, "model_type": "qwen2"}])
+def test_on_qwen_bases(tmp_path, family):
+    """On a Qwen3 base (q/k norms) or a Qwen2 base (q/k/v biases) the head's layer stays EAGLE-3's Llama layer: it
+    drafts exactly and exports a Llama-layer config.json."""
+    import dataclasses
+
+    qbase = init_llama(dataclasses.replace(CFG, **family), seed=0)
+    head = _head(qbase)
+    prompt, lens = prompts()
+    out, _ = _spec(qbase, head, "dynamic-10", prompt, lens)
+    same_as_greedy(qbase, out, prompt, lens, 20, NO_EOS, cache_size=96)
+    meta = json.loads((export_head(head, tmp_path / "h", base=qbase) / "config.json").read_text())
+    assert meta["model_type"] == "llama" and meta["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert meta["base_model"]["model_type"] == family["model_type"]
+    assert import_head(tmp_path / "h", qbase).vocab_size == CFG.vocab_size
+
+
 def test_export_import_and_the_published_layouts(base, tmp_path):
     head = _head(base, q=len(VOCAB))
     out = export_head(head, tmp_path / "ours", base=base, draft_vocab=VOCAB)

@@ -106,13 +106,15 @@ def config_dict(head: Eagle3Head, base_name=None, extra=None) -> dict:
     """config.json as EAGLE-3 folders carry it (a one-layer Llama config with `draft_vocab_size` and
     `eagle_config.eagle_aux_hidden_state_layer_ids`, the base layers whose inputs are fused), plus ours."""
     b = head.base_config
-    layer = head.layer_config.to_hf_dict()
-    return {**b.to_hf_dict(), "architectures": [ARCHITECTURE], "head_type": "eagle3", "num_hidden_layers": 1,
+    layer = head.layer_config.to_hf_dict()  # a Llama layer's config.json fields, whatever the base's family
+    return {**layer, "architectures": [ARCHITECTURE], "head_type": "eagle3", "num_hidden_layers": 1,
             "vocab_size": b.vocab_size, "draft_vocab_size": head.vocab_size, "rope_theta": layer["rope_theta"],
             "rope_scaling": layer.get("rope_scaling"), "rope_follows_base": head.cfg.rope_theta is None,
             "eagle_config": {"eagle_aux_hidden_state_layer_ids": [i + 1 for i in head.cfg.feature_layers],
                              "use_aux_hidden_state": True},
-            "ttt_steps": head.cfg.num_heads, "base_model": {"name_or_path": base_name, **b.to_hf_dict()},
+            "ttt_steps": head.cfg.num_heads,
+            "base_model": {"name_or_path": base_name, "model_type": b.model_type,
+                           **{k: getattr(b, k) for k in ("num_hidden_layers", *b.HEAD_FIT_FIELDS)}},
             **(extra or {})}
 
 

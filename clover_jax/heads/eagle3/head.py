@@ -93,7 +93,10 @@ class Eagle3Head(nnx.Module):
         q = cfg.draft_vocab_size or c.vocab_size
         self.base_config = base_config
         self.cfg = cfg
-        self.layer_config = aug_block_config(base_config, cfg.rope_theta)
+        # the layer is Llama's whatever the base (no q/k norms or biases of a Qwen base)
+        self.layer_config = dataclasses.replace(aug_block_config(base_config, cfg.rope_theta), qk_norm=False,
+                                                attention_bias=False, attention_out_bias=False, mlp_bias=False,
+                                                model_type="llama")
         pd = cfg.param_dtype
 
         def linear(shape, fan_in):  # torch nn.Linear's default init, U(-1/sqrt(fan_in), 1/sqrt(fan_in))
