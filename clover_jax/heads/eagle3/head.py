@@ -138,9 +138,8 @@ class Eagle3Head(nnx.Module):
 
     def logits(self, base: Llama, o: jax.Array) -> jax.Array:
         """float32 logits `[..., Q]` over the draft vocabulary from layer outputs `o [..., D]`."""
-        c = self.base_config
-        y = rms_norm(o, self.out_norm[...], c.rms_norm_eps)
-        return jnp.einsum("...D,DQ->...Q", y.astype(self.cfg.dtype), self.head_w[...].astype(self.cfg.dtype),
+        dt = self.cfg.dtype
+        return jnp.einsum("...D,DQ->...Q", self.normed(o).astype(dt), self.head_w[...].astype(dt),
                           preferred_element_type=jnp.float32)
 
     def normed(self, o: jax.Array) -> jax.Array:
@@ -304,7 +303,10 @@ def loss_from_features(head: Eagle3Head, base: Llama, f: jax.Array, tokens: jax.
     """The soft cross-entropy of every training-time-test step against the frozen base's distribution over the
     draft vocabulary (`vocab_ids`, the Q ids the head's output columns stand for; None: all V), weighted
     `loss.decay ** i` (the reference's 0.8), through the head's own output projection; `loss.v_weight` adds a
-    SmoothL1 of the normed outputs to the base's features (0 in the reference)."""
+    SmoothL1 of the normed outputs to the base's features (0 in the reference). Two differences from the reference's
+    training code: the terms are normalised by the trained positions (`kd_loss`), and a position whose base argmax
+    lies outside the draft vocabulary still trains (toward the base's distribution renormalised over it), where the
+    reference leaves it out."""
     q = base.config.vocab_size if vocab_ids is None else int(vocab_ids.shape[0])
     if head.vocab_size != q:
         raise InputError(f"the EAGLE-3 head scores {head.vocab_size} draft tokens but the loss's vocabulary holds "
