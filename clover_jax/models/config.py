@@ -76,6 +76,15 @@ class LlamaConfig:
     pad_token_id: int | None = None
     model_type: str = "llama"
 
+    def check_head_fits(self, base: "LlamaConfig", head_name: str) -> None:
+        """An `InputError` naming the first `HEAD_FIT_FIELDS` field in which a head made for this base (`self`) does
+        not fit `base`."""
+        for name in self.HEAD_FIT_FIELDS:
+            mine, theirs = getattr(self, name), getattr(base, name)
+            if mine != theirs:
+                raise InputError(f"{head_name} head does not fit the base model: {name} is {mine} in the head but "
+                                 f"{theirs} in the base model")
+
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                      "num_attention_heads", "num_key_value_heads", "head_dim"):

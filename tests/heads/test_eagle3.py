@@ -110,7 +110,7 @@ def test_speculative_equals_greedy(base, q):
     vocab = VOCAB if q else None
     prompt, lens = prompts()
     for tree in ("chain-4", "clover2-26", "dynamic-10", "dynamic-12-d4-k3"):
-        out, stats = _spec(base, head, tree, prompt, lens, draft_vocab=vocab)
+        out, _ = _spec(base, head, tree, prompt, lens, draft_vocab=vocab)
         same_as_greedy(base, out, prompt, lens, 20, NO_EOS, cache_size=96)
     if q:  # drafts are target ids of the draft vocabulary
         from clover_jax.decoding.drafter import commit_prompt  # noqa: F401  (the loop's; the ids are mapped there)
@@ -167,9 +167,9 @@ def test_export_import_and_the_published_layouts(base, tmp_path):
     np.testing.assert_array_equal(folder_draft_vocab(pub), VOCAB)
     published = import_head(pub, base)
     prompt, lens = prompts()
-    np.testing.assert_array_equal(np.asarray(_spec(base, published, "dynamic-10", prompt, lens, draft_vocab=VOCAB)[0]
-                                             .tokens),
-                                  np.asarray(_spec(base, head, "dynamic-10", prompt, lens, draft_vocab=VOCAB)[0].tokens))
+    drafted = [np.asarray(_spec(base, h, "dynamic-10", prompt, lens, draft_vocab=VOCAB)[0].tokens)
+               for h in (published, head)]
+    np.testing.assert_array_equal(*drafted)
 
     # through the public API by path: the folder's d2t is the draft vocabulary, outputs equal plain decoding
     import clover_jax
@@ -207,7 +207,8 @@ def test_the_smollm2_recipe_loads():
     from clover_jax.training.config import load_config
 
     cfg = load_config(Path(__file__).resolve().parents[2] / "configs" / "smollm2-135m-eagle3.yaml")
-    assert cfg.head.type == "eagle3" and cfg.head.feature_layers == default_feature_layers(30) and cfg.head.num_heads == 7
+    assert cfg.head.type == "eagle3" and cfg.head.num_heads == 7
+    assert cfg.head.feature_layers == default_feature_layers(30)
     assert cfg.head.draft_vocab_size == cfg.train.draft_vocab_size == 8192 and cfg.loss.draft_vocab
     assert (cfg.loss.decay, cfg.loss.v_weight, cfg.loss.p_weight) == (0.8, 0.0, 1.0)
 

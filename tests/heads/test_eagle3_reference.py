@@ -141,7 +141,7 @@ def _compare_with_reference(base, head, vocab, seq, tmp_path):
             tokens, _, mask, _ = ref.topK_genrate(torch.tensor(hs), torch.tensor(seq[:, :end + 1], dtype=torch.long),
                                                    None, None)
         tokens, mask = tokens[0].numpy(), mask[0, 0].numpy().astype(bool)
-        want_paths = _tree_paths(tokens, lambda i: [j for j in np.nonzero(mask[i])[0] if j != i])
+        want_paths = _tree_paths(tokens, lambda i, mask=mask: [j for j in np.nonzero(mask[i])[0] if j != i])
         y = jnp.asarray(seq[:, 1:end + 1])
         if new is None:
             state = d.start(head, base, state, f[:, :end], y, jnp.array([end]))
@@ -150,7 +150,7 @@ def _compare_with_reference(base, head, vocab, seq, tmp_path):
         prop = d.propose(head, base, state, jnp.asarray(seq[:, end]), jax.random.key(0))
         ours, parent = np.asarray(prop.tokens[0]), np.asarray(prop.buffers.parent[0])
 
-        def up(i):
+        def up(i, parent=parent):
             chain = []
             while parent[i] >= 0:
                 i = int(parent[i])

@@ -233,11 +233,7 @@ class BlockHead(nnx.Module):
 
 def check_compatible(head: BlockHead, base_config: LlamaConfig) -> None:
     """An `InputError` naming the dimension in which `head` does not fit `base_config`."""
-    hb = head.base_config
-    for name in LlamaConfig.HEAD_FIT_FIELDS:
-        if getattr(hb, name) != getattr(base_config, name):
-            raise InputError(f"block head does not fit the base model: {name} is {getattr(hb, name)} in the head "
-                             f"but {getattr(base_config, name)} in the base model")
+    head.base_config.check_head_fits(base_config, "block")
     try:
         check_taps(head.cfg.feature_layers, base_config.num_hidden_layers)
     except ValueError as e:

@@ -105,11 +105,7 @@ def attention_decoder(p: dict[str, jax.Array], x: jax.Array, e: jax.Array, num_h
 
 def check_compatible(head: "Clover2Head", base_config: LlamaConfig) -> None:
     """Raises ValueError naming the first dimension in which `head` does not fit `base_config`."""
-    for name in LlamaConfig.HEAD_FIT_FIELDS:
-        hv, bv = getattr(head.base_config, name), getattr(base_config, name)
-        if hv != bv:
-            raise InputError(f"Clover-2 head does not fit the base model: {name} is {hv} in the head "
-                             f"but {bv} in the base model")
+    head.base_config.check_head_fits(base_config, "Clover-2")
     d, aug = base_config.hidden_size, head.aug
     shapes = {
         "hidden_size (ad1_wq)": (head.ad1_wq.shape, (d, d)),

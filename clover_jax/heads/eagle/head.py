@@ -208,11 +208,7 @@ class EagleHead(nnx.Module):
 
 def check_compatible(head: EagleHead, base_config: LlamaConfig) -> None:
     """An `InputError` naming the dimension in which `head` does not fit `base_config`."""
-    hb = head.base_config
-    for name in LlamaConfig.HEAD_FIT_FIELDS:
-        if getattr(hb, name) != getattr(base_config, name):
-            raise InputError(f"EAGLE head does not fit the base model: {name} is {getattr(hb, name)} in the head "
-                             f"but {getattr(base_config, name)} in the base model")
+    head.base_config.check_head_fits(base_config, "EAGLE")
     d = base_config.hidden_size
     if tuple(head.fc_w.shape) != (2 * d, d):
         raise InputError(f"EAGLE head does not fit the base model: fc_w has shape {tuple(head.fc_w.shape)}, the "

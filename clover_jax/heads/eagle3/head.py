@@ -274,11 +274,7 @@ class Eagle3Head(nnx.Module):
 
 def check_compatible(head: Eagle3Head, base_config: LlamaConfig) -> None:
     """An `InputError` naming what of `head` does not fit `base_config` (dimensions or feature layers)."""
-    hb = head.base_config
-    for name in LlamaConfig.HEAD_FIT_FIELDS:
-        if getattr(hb, name) != getattr(base_config, name):
-            raise InputError(f"EAGLE-3 head does not fit the base model: {name} is {getattr(hb, name)} in the head "
-                             f"but {getattr(base_config, name)} in the base model")
+    head.base_config.check_head_fits(base_config, "EAGLE-3")
     try:
         check_taps(head.cfg.feature_layers, base_config.num_hidden_layers)
     except ValueError as e:
