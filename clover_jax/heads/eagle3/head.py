@@ -240,7 +240,7 @@ class Eagle3Head(nnx.Module):
         num_valid = num_valid.astype(jnp.int32)
         check_room(cache.lengths + num_valid, 0, cache.size, what="EAGLE-3 head commit")
         valid = jnp.arange(a)[None, :] < num_valid[:, None]  # [B, A]
-        h = jnp.where(valid[..., None], self.fuse(jnp.where(valid[..., None], f_new, 0)), 0)  # [B, A, D]
+        h = self.fuse(jnp.where(valid[..., None], f_new, 0))  # [B, A, D]; FC has no bias: padding stays 0
         e = self.embed(base, jnp.where(valid, y_new, 0))
         positions = cache.lengths[:, None] + jnp.arange(a, dtype=jnp.int32)[None, :]  # [B, A]
         old, cache_mask = attended_cache(cache, a, fresh)
