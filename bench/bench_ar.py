@@ -24,7 +24,7 @@ def _count(tokens: list[int], eos: int) -> int:
 
 def bench_ours(loaded, prompt_ids, batch, max_new):
     from clover_jax.decoding.sizes import bucket_length, round_up
-    from clover_jax.generation.api import generate
+    from clover_jax import generate
 
     total_tok = total_s = compile_s = 0.0
     seen = set()

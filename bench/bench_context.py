@@ -37,7 +37,7 @@ def _best(fn, repeat):
 
 
 def _ours(model, ids, new, cache, repeat, **spec):
-    from clover_jax.generation.api import generate
+    from clover_jax import generate
 
     mode = "speculative" if spec else "ar"
 

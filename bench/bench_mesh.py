@@ -46,7 +46,7 @@ def main(argv=None) -> int:
     import jax
     import jax.numpy as jnp
 
-    from clover_jax.generation import api
+    from clover_jax import api
     from clover_jax.decoding import acceptance_stats
     from clover_jax.io.loader import load_model
     from clover_jax.io.prompts import read_prompts

@@ -31,7 +31,7 @@ def _main(argv=None):
     import jax
 
     from bench_spec import load_questions
-    from clover_jax.generation.api import generate
+    from clover_jax import generate
     from clover_jax.io.prompts import encode_prompts
     from clover_jax.heads.draft_vocab import head_draft_vocab
     from clover_jax.training.loading import load_head

@@ -13,7 +13,7 @@ from clover_jax.io.loader import load_model, load_tokenizer  # noqa: E402
 from clover_jax.models.config import LlamaConfig  # noqa: E402
 from clover_jax.models.llama import Llama  # noqa: E402
 from clover_jax.training.loading import load_head  # noqa: E402
-from clover_jax.tuning.fastest import generate, prepare_generate, stream_text, warmup  # noqa: E402
+from clover_jax.api import generate, prepare_generate, stream_text, warmup  # noqa: E402
 
 __version__ = "0.1.0"
 __all__ = ["GenerationResult", "Llama", "LlamaConfig", "generate", "load_head", "load_model", "load_tokenizer",

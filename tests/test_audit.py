@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from clover_jax.decoding import verify
-from clover_jax.generation.api import generate
+from clover_jax import generate
 from clover_jax.models.llama import init_llama
 from clover_jax.tuning import audit
 from tiny_llama import TINY_LLAMA

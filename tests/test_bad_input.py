@@ -16,8 +16,8 @@ import pytest
 from flax import nnx
 
 from clover_jax.decoding.ngram import build_ngram_table, save_ngram_table
-from clover_jax.generation.api import generate
-from clover_jax.generation.plan import prepare_generate
+from clover_jax import generate
+from clover_jax import prepare_generate
 from clover_jax.validation import PromptError
 from clover_jax.heads.clover2.model import Clover2Config, Clover2Head
 from clover_jax.heads.export import export_head

@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 
-from clover_jax.generation.api import generate
+from clover_jax import generate
 from clover_jax.validation import PromptError
 from clover_jax.io.hf import load_hf_dir
 from clover_jax.io.loader import load_model

@@ -192,14 +192,6 @@ def test_a_planted_cycle_is_found():
     assert find_cycle({"a": {"b"}, "b": set()}) is None
 
 
-def test_generation_does_not_import_training():
-    """Generation reads heads through the heads layer; a training run directory's reader is handed down by the
-    public API (`clover_jax.tuning.fastest`), never imported by generation."""
-    found = [f"{m} imports {t}" for m, p in modules().items() if m.startswith("clover_jax.generation")
-             for _, t, _ in imports(p) if t.startswith("clover_jax.training")]
-    assert not found, "\n".join(found)
-
-
 # module-level calls that add to a registry another module declares for that purpose: a head package's entry in the
 # head registry and the sharding rules of its parameter names
 DECLARED_REGISTRIES = {"registry.register", "parallel.add_rules"}

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from clover_jax import generate, pretrained
-from clover_jax.generation.plan import prepare_generate
+from clover_jax import prepare_generate
 from clover_jax.decoding.acceptance_stats import tau as acceptance_tau
 from clover_jax.heads.draft_vocab import head_draft_vocab
 from clover_jax.training.loading import load_head

@@ -1,7 +1,10 @@
 """One request, resolved once: `clover_jax.generate` checks the request, reads the head's folder once, parses the
 tree once, builds the plan and runs it; bad requests are named errors; the cache holds exactly what it must."""
 
+import dataclasses
+import inspect
 import json
+import pydoc
 
 import numpy as np
 import pytest
@@ -9,11 +12,14 @@ import pytest
 import clover_jax
 from clover_jax import pretrained
 from clover_jax.decoding.trees import names as tree_names
-from clover_jax.generation import api
+from clover_jax import api
+from clover_jax.generation.plan import plan_request
+from clover_jax.generation.request import check_request
 from clover_jax.heads.clover2.model import Clover2Config, init_from_base
 from clover_jax.heads.export import export_head
 from clover_jax.models.cache import CacheOverflowError
 from clover_jax.models.config import LlamaConfig
+from clover_jax.training.checkpoint import CheckpointError
 from clover_jax.models.llama import init_llama
 from clover_jax.validation import InputError
 
@@ -109,18 +115,45 @@ def test_a_bad_head_is_a_named_error(base_and_folder):
         clover_jax.prepare_generate(base, PROMPTS, mode="speculative", head=5, tree="chain-2")
 
 
-def test_tree_auto_is_settled_above_generation(base_and_folder):
+def test_tree_auto_is_settled_before_the_draft_is_resolved(base_and_folder):
     base, folder = base_and_folder
+    request = check_request(base, PROMPTS, mode="speculative", head=str(folder), tree="auto")
     with pytest.raises(InputError, match="tree='auto' is resolved by a calibration"):
-        api.generate(base, PROMPTS, mode="speculative", head=str(folder), tree="auto")
+        plan_request(request)
 
 
-def test_a_run_directory_is_read_through_the_public_api_only(base_and_folder, tmp_path):
+def test_a_run_directory_without_checkpoints_is_a_named_error(base_and_folder, tmp_path):
     base, _ = base_and_folder
     run = tmp_path / "run"
     (run / "checkpoints").mkdir(parents=True)
-    with pytest.raises(InputError, match="training run directory"):
-        api.generate(base, PROMPTS, mode="speculative", head=str(run), tree="chain-2")
+    with pytest.raises(CheckpointError, match="run/checkpoints: no checkpoint found"):
+        clover_jax.prepare_generate(base, PROMPTS, mode="speculative", head=str(run), tree="chain-2")
+
+
+@pytest.mark.parametrize("call", ["generate", "prepare_generate", "stream_text", "warmup"])
+def test_each_public_call_is_defined_once_and_shows_its_parameters(call):
+    fn = getattr(clover_jax, call)
+    assert fn is getattr(api, call) and fn.__module__ == "clover_jax.api"
+    params = inspect.signature(fn).parameters
+    for name in ("max_new_tokens", "temperature", "mode", "head", "tree", "mesh", "prompt_bucket"):
+        assert params[name].kind is inspect.Parameter.KEYWORD_ONLY, (call, name)
+    assert not {"decide", "run_loader", "kwargs", "options"} & set(params), (call, list(params))
+    assert ("stream" in params) == (call in ("generate", "prepare_generate"))
+    assert "max_new_tokens" in pydoc.render_doc(fn)
+
+
+def test_a_public_call_rejects_an_unknown_parameter_by_name(base_and_folder):
+    base, _ = base_and_folder
+    with pytest.raises(TypeError, match="max_new_token"):
+        clover_jax.generate(base, PROMPTS, max_new_token=8)
+
+
+def test_a_plan_is_frozen_and_holds_its_draft(base_and_folder):
+    base, folder = base_and_folder
+    plan = clover_jax.prepare_generate(base, PROMPTS, mode="speculative", head=str(folder), tree="chain-2")
+    assert plan.draft.policy is plan.tree and plan.draft.drafter is plan.drafter and plan.head is plan.draft.head
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.cache_size = 1
 
 
 @pytest.mark.parametrize("speculative", [False, True])

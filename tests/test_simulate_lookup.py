@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from clover_jax.generation.api import generate
+from clover_jax import generate
 from clover_jax.models.config import LlamaConfig
 from clover_jax.models.llama import init_llama
 

@@ -19,6 +19,7 @@ import sys
 import jax.numpy as jnp
 
 from clover_jax import pretrained, tpu
+from clover_jax.api import prepare_generate, stream_text, warmup
 from clover_jax.cli import add_debug_argument, run_cli
 from clover_jax.cli.compile_only import add_topology_arguments, check_topology_arguments, compile_only_process, finish
 from clover_jax.decoding import acceptance_stats
@@ -33,7 +34,6 @@ from clover_jax.io.shapes import plan_base_config
 from clover_jax.io.prompts import encode_prompts, read_prompts
 from clover_jax.parallel import parse_mesh, parse_mesh_sizes
 from clover_jax.training.config import load_config
-from clover_jax.tuning.fastest import prepare_generate, stream_text, warmup
 from clover_jax.validation import InputError, check_float, check_int
 
 
@@ -189,7 +189,7 @@ def _main(argv=None) -> int:
         plan = prepare_generate(loaded, batch, **{**kw, "chat": False}, seed=args.seed + start)
         if start == 0:
             if plan.mode == "speculative":  # what the plan resolved: the head loaded once, "auto" calibrated once
-                kw.update(head=plan.head, tree=plan.tree, draft_vocab=plan.draft_vocab, ngram_table=plan.ngram_table)
+                kw.update(head=plan.draft.bundle, tree=plan.tree, draft_vocab=plan.draft_vocab, ngram_table=plan.ngram_table)
             kw["mode"] = plan.mode
             for note in plan.notes:
                 print(note, file=sys.stderr)

@@ -20,8 +20,9 @@ from clover_jax.decoding.lookup import NoHead
 from clover_jax.decoding.ngram import NgramTable, resolve_ngram_table
 from clover_jax.decoding.tree import TreePolicy, TreeSpecError, get_tree, is_lookup_only, is_table_tree
 from clover_jax.generation.request import AUTO, DEFAULT, NAMED, Request
-from clover_jax.heads.bundle import HeadBundle, RunLoader, open_head
+from clover_jax.heads.bundle import HeadBundle
 from clover_jax.heads.registry import drafter_for
+from clover_jax.training.loading import open_head_or_run
 from clover_jax.validation import InputError
 
 
@@ -54,15 +55,16 @@ def shipped_head(model_source: str | None) -> str:
     return shipped
 
 
-def resolve_draft(request: Request, *, run_loader: RunLoader | None = None) -> Draft | None:
+def resolve_draft(request: Request) -> Draft | None:
     """The `Draft` of a speculative request (None for plain decoding). The request's tree is named or the head's
     default (`tree_rule` NAMED or DEFAULT; FASTEST, a choice nobody made, drafts the default tree and says so);
-    `tree_rule` AUTO is an error here: the calibration that resolves it is a layer above (`clover_jax.generate`)."""
+    `tree_rule` AUTO is an error here: the calibration that resolves it is a layer above (`clover_jax.generate`). A
+    head given by name or path is opened once (a training run directory included: `open_head_or_run`)."""
     if not request.speculative:
         return None
     if request.tree_rule == AUTO:
-        raise InputError("tree='auto' is resolved by a calibration (clover_jax.generate, infer.py --tree auto); "
-                         "clover_jax.generation.api.generate drafts named trees and head defaults only")
+        raise InputError("tree='auto' is resolved by a calibration (clover_jax.generate, infer.py --tree auto), "
+                         "before the draft is resolved")
     notes: list[str] = []
     head, policy = request.head, None
     if head is None:
@@ -77,7 +79,7 @@ def resolve_draft(request: Request, *, run_loader: RunLoader | None = None) -> D
             notes.append(f"drafting with the shipped head {head}")
         else:
             head = NoHead()
-    bundle = open_head(head, request.model, run_loader=run_loader)
+    bundle = open_head_or_run(head, request.model)
     if policy is None:
         if request.tree_rule == NAMED:
             policy = bundle.tree(request.tree)

@@ -6,14 +6,14 @@ decoding loop built, before anything compiles.
     plan = build_plan(request, draft)                     # here: sizes, memory, the loop
     result = run_plan(plan)                               # clover_jax.generation.api
 
-`prepare_generate` is those three steps for `generate`'s arguments; the public `clover_jax.prepare_generate` puts the
-choice of a tree (`clover_jax.tuning`) between the first two.
+`plan_request` is the middle two for a request whose tree is named or the head's default; the public
+`clover_jax.prepare_generate` (`clover_jax.api`) puts the choice of a tree (`clover_jax.tuning`) between the first two.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import Any, Mapping
 
 import jax
 import numpy as np
@@ -26,41 +26,61 @@ from clover_jax.decoding.sampling import SamplingParams
 from clover_jax.decoding.sizes import bucket_length, cache_for_bucket, check_context, pad_prompts, plan_cache
 from clover_jax.decoding.speculative import SpeculativeLoop, head_layer_copy_bytes
 from clover_jax.generation.draft import Draft, resolve_draft
-from clover_jax.generation.request import Request, check_request
-from clover_jax.heads.bundle import RunLoader
+from clover_jax.generation.request import Request
 from clover_jax.validation import PromptError
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True, eq=False)
 class GenerationPlan:
-    """Everything `generate` checked and resolved before compiling (see the module docstring). `mode` follows from
-    the draft: "speculative" with a drafter, "ar" without."""
+    """Everything `generate` checked and resolved before compiling (see the module docstring): the request's rows
+    padded, the cache sized, the memory estimated, the loop built, and the resolved `Draft` (None: plain decoding).
+    `mode` follows from the draft: "speculative" with one, "ar" without."""
 
     model: Any  # the Llama
     tokenizer: Any
-    ids: list[list[int]]  # the prompts' token ids (the rows of `prompt` past these pad the batch)
+    ids: tuple[tuple[int, ...], ...]  # the prompts' token ids (the rows of `prompt` past these pad the batch)
     prompt: np.ndarray  # [B, T] right-padded to the length bucket
     prompt_lengths: np.ndarray  # [B]
     max_new_tokens: int
     sampling: SamplingParams
     seed: int
     cache_size: int
-    head: Any = None
-    drafter: Any = None
-    memory: dict[str, int] = dataclasses.field(default_factory=dict)  # estimated bytes per part (per device)
+    loop: Any  # the decoding loop (`AutoregressiveLoop` or `SpeculativeLoop`), built once for this plan
+    layers: str  # how the decoding loop runs the base model's layers ("unrolled" or "scan")
+    draft: Draft | None = None  # the head, tree, drafter, draft vocabulary and n-gram table; None: plain decoding
+    memory: Mapping[str, int] = dataclasses.field(default_factory=dict)  # estimated bytes per part (per device)
     mesh: Any = None  # jax.sharding.Mesh the loop runs on (None: one device)
-    choice: dict | None = None  # how the tree was chosen where the request named none (head, tree, predicted)
-    tree: Any = None  # the tree policy drafted, None for plain decoding
-    draft_vocab: Any = None  # the token ids drafts are drawn from (None: all)
-    ngram_table: Any = None  # the n-gram table of `...-table` trees (None: none)
-    notes: list[str] = dataclasses.field(default_factory=list)  # what was chosen that the request did not name
-    loop: Any = None  # the decoding loop (`AutoregressiveLoop` or `SpeculativeLoop`), built once for this plan
-    layers: str = "scan"  # how the decoding loop runs the base model's layers ("unrolled" or "scan")
+    choice: Mapping[str, Any] | None = None  # how the tree was chosen where the request named none
+    notes: tuple[str, ...] = ()  # what was chosen that the request did not name
     stream: Any = None  # sink(row, token_ids) called as each row's tokens are accepted, or None
+    decode_text: bool = True  # the replies decoded to text
 
     @property
     def mode(self) -> str:
-        return "ar" if self.drafter is None else "speculative"
+        return "ar" if self.draft is None else "speculative"
+
+    @property
+    def head(self):
+        """The draft head module (None: plain decoding)."""
+        return self.draft.head if self.draft is not None else None
+
+    @property
+    def drafter(self):
+        return self.draft.drafter if self.draft is not None else None
+
+    @property
+    def tree(self):
+        """The tree policy drafted (None: plain decoding)."""
+        return self.draft.policy if self.draft is not None else None
+
+    @property
+    def draft_vocab(self):
+        """`[V']` token ids drafts are drawn from (None: all)."""
+        return self.draft.draft_vocab if self.draft is not None else None
+
+    @property
+    def ngram_table(self):
+        return self.draft.ngram_table if self.draft is not None else None
 
     @property
     def row_new_tokens(self) -> np.ndarray:
@@ -79,7 +99,7 @@ def prompt_bucket(prompt_lengths: np.ndarray, cache_size: int, fixed: int | None
 
 
 def build_plan(request: Request, draft: Draft | None, *, notes: tuple[str, ...] = (),
-               choice: dict | None = None) -> GenerationPlan:
+               choice: Mapping[str, Any] | None = None) -> GenerationPlan:
     """The plan of a checked request and its resolved draft (None: plain decoding): the context and cache checked
     (prompt + new tokens + the draft tree's slots), the cache sized, the estimated memory within what the device
     has free (`request.check_free_memory`), the decoding loop built. Nothing compiles."""
@@ -138,30 +158,19 @@ def build_plan(request: Request, draft: Draft | None, *, notes: tuple[str, ...] 
         loop = SpeculativeLoop.build(model, drafter, cache_size=cache_size, greedy=greedy, mesh=mesh, layers=layers,
                                      stream=stream)
     return GenerationPlan(
-        model=model, tokenizer=request.tokenizer, ids=ids, prompt=arr, prompt_lengths=lens,
+        model=model, tokenizer=request.tokenizer, ids=request.ids, prompt=arr, prompt_lengths=lens,
         max_new_tokens=request.max_new_tokens, sampling=request.sampling, seed=request.seed, cache_size=cache_size,
-        head=head, drafter=drafter, memory=memory, mesh=mesh, choice=choice, layers=layers, stream=request.stream,
-        tree=draft.policy if draft is not None else None,
-        draft_vocab=draft.draft_vocab if draft is not None else None,
-        ngram_table=draft.ngram_table if draft is not None else None,
-        notes=list(notes) + list(draft.notes if draft is not None else ()), loop=loop)
+        loop=loop, layers=layers, draft=draft, memory=memory, mesh=mesh, choice=choice, stream=request.stream,
+        decode_text=request.decode_text,
+        notes=tuple(notes) + (draft.notes if draft is not None else ()))
 
 
-Decide = Callable[..., "tuple[Request, tuple[str, ...], dict | None]"]  # decide(request, run_loader=...)
+def plan_request(request: Request, *, notes: tuple[str, ...] = (), choice: Mapping[str, Any] | None = None
+                 ) -> GenerationPlan:
+    """The plan of a checked request whose tree is named or the head's default: its draft resolved
+    (`resolve_draft`: the head opened once, the tree parsed once) and the plan built (`build_plan`); nothing
+    compiled. `notes` and `choice`: how the layer above settled what the request left open."""
+    return build_plan(request, resolve_draft(request), notes=notes, choice=choice)
 
 
-def prepare_generate(model, prompts, *, decide: Decide | None = None, run_loader: RunLoader | None = None,
-                     **kwargs) -> GenerationPlan:
-    """Checks `generate`'s arguments (`check_request`), lets `decide` settle what the request left open (the
-    public API's choice of a tree, `clover_jax.tuning.fastest`: `decide(request, run_loader=...) -> (request, notes,
-    choice)`), resolves the draft (`resolve_draft`: a named tree or the head's default) and builds the plan,
-    without compiling anything. `run_loader` reads a training run directory given as the head
-    (`clover_jax.training.checkpoint.load_head_from_run`)."""
-    request = check_request(model, prompts, **kwargs)
-    notes, choice = (), None
-    if decide is not None:
-        request, notes, choice = decide(request, run_loader=run_loader)
-    return build_plan(request, resolve_draft(request, run_loader=run_loader), notes=notes, choice=choice)
-
-
-__all__ = ["Decide", "GenerationPlan", "SamplingParams", "build_plan", "prepare_generate", "prompt_bucket"]
+__all__ = ["GenerationPlan", "SamplingParams", "build_plan", "plan_request", "prompt_bucket"]

@@ -3,7 +3,8 @@
 
 from __future__ import annotations
 
-from clover_jax.generation.api import generate
+from clover_jax.generation.api import run_request
+from clover_jax.generation.request import check_request
 
 
 def make_generate_fn(loaded, temperature: float = 0.0, seed: int = 0, mesh=None):
@@ -11,8 +12,8 @@ def make_generate_fn(loaded, temperature: float = 0.0, seed: int = 0, mesh=None)
     decoding on `mesh` (a `jax.sharding.Mesh`, a string like "tp=8", or None for one device)."""
 
     def generate_fn(message_lists, max_new_tokens: int = 256):
-        res = generate(loaded, [list(m) for m in message_lists], max_new_tokens=max_new_tokens,
-                       temperature=temperature, seed=seed, mesh=mesh)
+        res = run_request(check_request(loaded, [list(m) for m in message_lists], max_new_tokens=max_new_tokens,
+                       temperature=temperature, seed=seed, mesh=mesh))
         return res.texts
 
     return generate_fn

@@ -24,6 +24,7 @@ from clover_jax import pretrained
 from clover_jax.decoding.lookup import NoHead
 from clover_jax.decoding.ngram import NgramTable
 from clover_jax.decoding.tree import TreePolicy, get_tree
+from clover_jax.decoding.trees.names import names_fitted_tree
 from clover_jax.heads import registry
 from clover_jax.heads.export import import_head
 from clover_jax.heads.folder import HeadFolder, open_folder, read_json
@@ -77,10 +78,9 @@ class HeadBundle:
         return self.folder.trees if self.folder is not None else {}
 
     def tree(self, tree: str | os.PathLike | TreePolicy) -> TreePolicy:
-        """The tree policy a name gives for this head: its fitted trees by name (read only for names that can be
-        one), then the grammar of `clover_jax.decoding.tree.get_tree`."""
-        fitted = isinstance(tree, str) and ("fit-" in tree or "probe-" in tree)
-        return get_tree(tree, self.trees if fitted else None)
+        """The tree policy a name gives for this head (`clover_jax.decoding.tree.get_tree`), its fitted trees
+        read for the names the grammar calls fitted (`names_fitted_tree`)."""
+        return get_tree(tree, self.trees if names_fitted_tree(tree) else None)
 
 
 _CACHE: "collections.OrderedDict[tuple, tuple[weakref.ref, Any]]" = collections.OrderedDict()

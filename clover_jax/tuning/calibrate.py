@@ -64,12 +64,12 @@ from clover_jax.generation.calibration import (
     save_entry,
 )
 from clover_jax.generation.request import AUTO, NAMED, Request
-from clover_jax.heads.bundle import RunLoader, open_head
 from clover_jax.generation.draft import shipped_head
 from clover_jax.heads.folder import HeadFolder, fitted_trees
 from clover_jax.io.loader import LoadedModel
 from clover_jax.heads.registry import drafter_for
 from clover_jax.io.prompts import read_prompts
+from clover_jax.training.loading import open_head_or_run
 from clover_jax.tuning.evaluation import DV, evaluate
 from clover_jax.validation import InputError
 
@@ -257,14 +257,13 @@ def resolve_auto(loaded, head, head_source=None, *, batch_size: int = 1, draft_v
     return entry["best"], entry
 
 
-def decide_auto(request: Request, *, run_loader: RunLoader | None = None
-                ) -> tuple[Request, tuple[str, ...], dict | None]:
+def decide_auto(request: Request) -> tuple[Request, tuple[str, ...], dict | None]:
     """(request with its tree decided, notes, choice) for `tree="auto"`: the tree the head's calibration here
     found fastest (`resolve_auto`: calibrating when none is saved, which needs a tokenizer), or plain decoding."""
     if not request.speculative or request.tree_rule != AUTO:
         return request, (), None
     head = request.head if request.head is not None else shipped_head(request.model_source)
-    bundle = open_head(head, request.model, run_loader=run_loader)
+    bundle = open_head_or_run(head, request.model)
     key = entry_key(hardware_key(request.mesh), jnp.dtype(request.model.dtype).name, request.batch_size)
     if request.tokenizer is None and (bundle.folder is None or load_entry(bundle.folder, key) is None):
         raise InputError("tree='auto': this head has no calibration for this hardware, and calibrating needs a "

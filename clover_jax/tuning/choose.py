@@ -59,9 +59,7 @@ same at every batch size, predicting 1.03x and 1.27x for the default tree at bat
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
-import os
 import sys
 import time
 from typing import Any, Sequence
@@ -76,16 +74,19 @@ from clover_jax.decoding import acceptance_stats
 from clover_jax.decoding.lookup import NoHead
 from clover_jax.decoding.ngram import resolve_ngram_table
 from clover_jax.decoding.sizes import MIN_BUCKET, bucket_length
-from clover_jax.generation.api import generate
+from clover_jax.generation.api import run_request
 from clover_jax.generation.calibration import AR, entry_key, hardware_key
-from clover_jax.generation.plan import prepare_generate
+from clover_jax.generation.compiling import side_by_side
+from clover_jax.generation.plan import plan_request
 from clover_jax.generation.request import DEFAULT, FASTEST, NAMED, Request, check_request
-from clover_jax.heads.bundle import HeadBundle, RunLoader, open_head
+from clover_jax.heads.bundle import HeadBundle
 from clover_jax.io.loader import LoadedModel
 from clover_jax.heads.folder import cache_dir, open_folder, read_json
 from clover_jax.io.files import update_json
 from clover_jax.io.prompts import read_prompts
 from clover_jax.models.llama import first_layers
+from clover_jax.tuning.timing import at_depth, per_iteration
+from clover_jax.training.loading import open_head_or_run
 from clover_jax.validation import InputError
 
 VERSION = 7  # a saved choice of another version is measured again
@@ -206,8 +207,8 @@ def _decode(loaded, units, new_tokens: int, **kw) -> tuple[float, float, int, li
     summed over the batches). The difference of the two calls is the decode phase: prefill and dispatch cancel."""
     short_s, long_s, iterations, ids, hists, longest = 0.0, 0.0, 0, [], [], 0
     for rows in units:
-        short = generate(loaded, rows, max_new_tokens=1, decode_text=False, **kw)
-        long = generate(loaded, rows, max_new_tokens=new_tokens, decode_text=False, **kw)
+        short = run_request(check_request(loaded, rows, max_new_tokens=1, decode_text=False, **kw))
+        long = run_request(check_request(loaded, rows, max_new_tokens=new_tokens, decode_text=False, **kw))
         short_s, long_s = short_s + short.seconds, long_s + long.seconds
         iterations += long.steps - short.steps
         ids.append(long.token_ids)
@@ -232,7 +233,7 @@ class _Variant:
 
 def _layers_form(loaded, kw: dict) -> str:
     """How the run's loop runs the base model's layers here (`"unrolled"` or `"scan"`), as its request would."""
-    plan = prepare_generate(loaded, ["x"], max_new_tokens=NEW_TOKENS, check_free_memory=False, **kw)
+    plan = plan_request(check_request(loaded, ["x"], max_new_tokens=NEW_TOKENS, check_free_memory=False, **kw))
     return plan.loop.layers
 
 
@@ -258,13 +259,7 @@ def _variants(loaded, runs: dict[str, dict], full_depth: set[str], backend: str 
     return out
 
 
-def _full_depth(per_depth: dict[int, float], num_layers: int) -> float:
-    """A loop iteration's seconds at the model's full depth from its seconds at the depths timed (affine in the
-    depth: the layers' share grows with it, the rest does not)."""
-    if num_layers in per_depth:
-        return per_depth[num_layers]
-    (d0, t0), (d1, t1) = sorted(per_depth.items())[:2]
-    return t0 + (t1 - t0) * (num_layers - d0) / (d1 - d0)
+_full_depth = at_depth  # a loop iteration's seconds at the model's full depth from the depths timed (affine)
 
 
 def decide(table: dict[str, dict], default: str | None) -> str:
@@ -282,8 +277,8 @@ def _request_cache(loaded, kw: dict, prompt_bucket: int, reply_tokens: int) -> i
     """The cache size a request of prompts in `prompt_bucket` asking `reply_tokens` new tokens gets for run `kw`
     (`clover_jax.decoding.sizes`: the tree's nodes count), or None where such a request does not fit the model."""
     try:
-        plan = prepare_generate(loaded, [[0] * prompt_bucket], max_new_tokens=reply_tokens, check_free_memory=False,
-                                **kw)
+        plan = plan_request(check_request(loaded, [[0] * prompt_bucket], max_new_tokens=reply_tokens, check_free_memory=False,
+                                **kw))
     except (InputError, ValueError):
         return None
     return plan.cache_size
@@ -337,9 +332,8 @@ def measure(loaded, pairs: Sequence[tuple[str | None, str]], *, batch_size: int 
     # call runs the decode loop too: a program's first call through its loop is slower (on a 2-core CPU at batch 8,
     # plain decoding's by 15%), and the first round would otherwise favour the programs it times last
     warm = [(v, rows) for v in variants for rows in units]
-    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(len(warm), os.cpu_count() or 1))) as pool:
-        list(pool.map(lambda item: generate(item[0].loaded, item[1], max_new_tokens=new_tokens, decode_text=False,
-                                            **item[0].kw), warm))
+    side_by_side(lambda item: run_request(check_request(item[0].loaded, item[1], max_new_tokens=new_tokens,
+                                                        decode_text=False, **item[0].kw)), warm)
     # up to ROUNDS rounds (within `budget_s` after the warm-up, one at least), each timing every program once (a part of
     # the model PROBE_REPEATS times: its error is multiplied in the extrapolation, and it is quick), in an order turned
     # by one each round.
@@ -366,14 +360,14 @@ def measure(loaded, pairs: Sequence[tuple[str | None, str]], *, batch_size: int 
         round_s = time.perf_counter() - r0
 
     # a program's iteration time: its fastest long call less its fastest short call, over the iterations between
-    # them (each call's time varies from call to call, on a 2-core CPU by up to 25%, and does not fall below what
-    # it costs: the fastest of each is the estimate least disturbed)
-    def full_depth(run: str, pick) -> float:
-        return _full_depth({v.depth: (pick(long[v.name]) - pick(short[v.name])) / its_of[v.name]
-                            for v in variants if v.run == run}, num_layers)
+    # them (`clover_jax.tuning.timing`; each call's time varies from call to call, on a 2-core CPU by up to 25%), at
+    # the full depth; and each round's own, from that round's calls
+    def full_depth(run: str, rounds_of) -> float:
+        return at_depth({v.depth: per_iteration(rounds_of(short[v.name]), rounds_of(long[v.name]), its_of[v.name])
+                         for v in variants if v.run == run}, num_layers)
 
-    iteration = {run: full_depth(run, min) for run in runs}
-    per_round = [{run: full_depth(run, lambda t, r=r: t[r]) for run in runs} for r in range(rounds)]
+    iteration = {run: full_depth(run, lambda t: t) for run in runs}
+    per_round = [{run: full_depth(run, lambda t, r=r: t[r:r + 1]) for run in runs} for r in range(rounds)]
     table: dict[str, dict] = {}
     for head, tree in pairs:
         name = _label(head, tree)
@@ -482,9 +476,9 @@ def _draftable(loaded, pair, ngram_table) -> bool:
     """Whether the request (head, tree) passes every check of a plan (nothing is compiled)."""
     head, tree = pair
     try:
-        prepare_generate(loaded, ["x"], mode="speculative", head=head if head is not None else NoHead(), tree=tree,
+        plan_request(check_request(loaded, ["x"], mode="speculative", head=head if head is not None else NoHead(), tree=tree,
                          ngram_table=ngram_table if head is None else None, max_new_tokens=NEW_TOKENS,
-                         cache_size=CACHE_SIZE, check_free_memory=False)
+                         cache_size=CACHE_SIZE, check_free_memory=False))
     except (InputError, ValueError, FileNotFoundError):
         return False
     return True
@@ -571,8 +565,7 @@ def choose(loaded, head: HeadBundle | None = None, *, batch_size: int = 1, mesh=
 
 
 # ------------------------------------------------------------------------------------------- the request
-def decide_fastest(request: Request, *, run_loader: RunLoader | None = None
-                   ) -> tuple[Request, tuple[str, ...], dict | None]:
+def decide_fastest(request: Request) -> tuple[Request, tuple[str, ...], dict | None]:
     """(request with its tree decided, notes, choice) for a speculative request that names no tree
     (`tree_rule` FASTEST): the head and tree `choose` finds fastest here, or plain decoding. Where nothing can be
     measured (a head given as a module, a request naming a draft vocabulary or n-gram table, no tokenizer, a model
@@ -589,7 +582,7 @@ def decide_fastest(request: Request, *, run_loader: RunLoader | None = None
         return default, ("the head's default tree (no tokenizer to measure a choice with)",), None
     if head is None and not (request.model_source and pretrained.heads_for(request.model_source)):
         return default, (), None  # no shipped head to choose among: the draft's resolution says what to pass
-    bundle = open_head(head, request.model, run_loader=run_loader) if head is not None else None
+    bundle = open_head_or_run(head, request.model) if head is not None else None
     loaded = LoadedModel(request.model.config, request.model, request.tokenizer, request.model_source or "")
     # a request measures its default tree against plain decoding, on its own shapes (the default tree's program is
     # then the one it runs); a saved comparison of every candidate (`calibrate --quick`) is used where there is one.

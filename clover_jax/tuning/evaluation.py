@@ -7,7 +7,6 @@ tokens generated per base forward in the decode phase, bonus token included.
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import time
 from typing import Any, Sequence
@@ -16,8 +15,11 @@ import numpy as np
 
 from clover_jax.decoding import acceptance_stats
 from clover_jax.decoding.sizes import bucket_length, cache_for_bucket
-from clover_jax.decoding.tree import get_tree
-from clover_jax.generation.api import generate
+from clover_jax.decoding.tree import get_tree, is_table_tree
+from clover_jax.generation.api import run_request
+from clover_jax.generation.compiling import side_by_side
+from clover_jax.generation.request import check_request
+from clover_jax.heads.bundle import HeadBundle
 from clover_jax.io.prompts import encode_prompts
 from clover_jax.training.checkpoint import load_head_from_run
 from clover_jax.tuning.choose import decide_fastest
@@ -109,13 +111,16 @@ def evaluate(loaded, head, prompts: Sequence[str], *, trees: Sequence[str] = ("c
              known_trees=None, prompt_bucket: int | None = None, warmup_threads: int = 1,
              reference: Reference | None = None, keep_reference: bool = False) -> dict[str, Any]:
     """Runs AR and speculative decoding (one run per tree) on the prompts; returns stats and mismatches.
-    `mesh`: decode on a device mesh; `layers`: how the decoding loops run the layers; `ngram_table`: for trees
-    named `...-table` (all three as in `generate`). A tree named `chosen` runs a request that names no tree
-    (`generate`'s default: the head and tree chosen for this machine, or plain decoding), with the head
-    `chosen_head` (None: what a request with no head gets, `clover_jax.tuning.choose`; `loaded` must then know its
-    name).
 
-    `known_trees`: trees named outside the grammar (a calibration's probe and fitted trees: name -> policy).
+    `head`: the opened head (`clover_jax.heads.bundle.open_head`'s `HeadBundle`): its module drafts, its fitted
+    trees resolve tree names, its draft vocabulary (for `+dv` runs) and n-gram table (for `...-table` trees) are used
+    unless `draft_vocab` or `ngram_table` replace them; nothing is read from its folder again. A head module alone
+    (no folder) drafts with what is passed. `mesh`: decode on a device mesh; `layers`: how the decoding loops run the
+    layers (both as in `generate`). A tree named `chosen` runs a request that names no tree (`generate`'s default:
+    the head and tree chosen for this machine, or plain decoding), with the head `chosen_head` (None: what a request
+    with no head gets, `clover_jax.tuning.choose`; `loaded` must then know its name).
+
+    `known_trees`: more trees named outside the grammar (a calibration's probe and fitted trees: name -> policy).
     `prompt_bucket`: every prompt padded to this length (one program per run; `generate`'s). `warmup_threads` > 1:
     every run's programs are compiled before the first timed call, that many at a time (`compile_seconds` per run:
     the wall time of its compiles, which overlap).
@@ -131,6 +136,8 @@ def evaluate(loaded, head, prompts: Sequence[str], *, trees: Sequence[str] = ("c
     gets its first divergence classified (`divergences`, `greedy_unexplained`); with `replay`, every speculative
     output is also certified on its own by a float32 replay of the base model (`replay`: per tree, the outputs,
     tokens, near-ties and violations)."""
+    bundle = head if isinstance(head, HeadBundle) else HeadBundle(head)
+    draft_vocab = bundle.draft_vocab if draft_vocab is None else draft_vocab
     ids = encode_prompts(loaded.tokenizer, list(prompts))
     ref_key = (tuple(map(tuple, ids)), batch_size, max_new_tokens, temperature, top_p, seed, prompt_bucket)
     if reference is not None and reference.key != ref_key:
@@ -140,7 +147,10 @@ def evaluate(loaded, head, prompts: Sequence[str], *, trees: Sequence[str] = ("c
     ar_outputs: list[list[int]] = []
     if any(t.endswith(DV) for t in trees) and draft_vocab is None:
         raise InputError(f"trees {[t for t in trees if t.endswith(DV)]} ask for a draft vocabulary; pass draft_vocab")
-    specs = {t: get_tree(t.removesuffix(DV), known_trees) for t in trees if t != CHOSEN}
+    specs = {t: get_tree(t.removesuffix(DV), {**bundle.trees, **known_trees}) if known_trees else
+             bundle.tree(t.removesuffix(DV)) for t in trees if t != CHOSEN}
+    if ngram_table is None and any(is_table_tree(s) for s in specs.values()):
+        ngram_table = bundle.ngram_table
     max_nodes = max([s.num_nodes for s in specs.values()] + [0])
     warmed = set()
     mismatches = 0
@@ -162,7 +172,7 @@ def evaluate(loaded, head, prompts: Sequence[str], *, trees: Sequence[str] = ("c
         if name == CHOSEN:  # no tree named (and the head only if `chosen_head`): what the user gets by default
             return loaded, dict(common, mode="speculative", head=chosen_head, cache_size=None, decide=decide_fastest,
                                 run_loader=load_head_from_run)
-        return loaded.model, dict(common, mode="speculative", head=head, tree=specs[name],
+        return loaded.model, dict(common, mode="speculative", head=bundle.module, tree=specs[name],
                                   draft_vocab=draft_vocab if name.endswith(DV) else None, ngram_table=ngram_table)
 
     def shape_key(name: str, chunk) -> tuple:
@@ -178,18 +188,16 @@ def evaluate(loaded, head, prompts: Sequence[str], *, trees: Sequence[str] = ("c
                 todo.setdefault(shape_key(name, chunk), (name, chunk))
 
         def warm(item):
-            name, chunk = item
-            target, kw = call(name, chunk)
-            t0 = time.perf_counter()
-            generate(target, chunk, max_new_tokens=1, decode_text=False, **kw)
-            return name, time.perf_counter() - t0
+            name, chunk, target, kw = item
+            run_request(check_request(target, chunk, max_new_tokens=1, decode_text=False, **kw))
 
+        calls = [(name, chunk, *call(name, chunk)) for name, chunk in todo.values()]
         # the `chosen` run's first call may measure a choice: alone, before the others compile beside it
-        first = [item for item in todo.values() if item[0] == CHOSEN][:1]
-        with concurrent.futures.ThreadPoolExecutor(max_workers=warmup_threads) as pool:
-            for name, seconds in list(map(warm, first)) + list(pool.map(warm, [
-                    item for item in todo.values() if not any(item is f for f in first)])):
-                runs[name].compile_seconds += seconds
+        first = [item for item in calls if item[0] == CHOSEN][:1]
+        rest = [item for item in calls if not any(item is f for f in first)]
+        for items, threads in ((first, 1), (rest, warmup_threads)):
+            for item, seconds in zip(items, side_by_side(warm, items, threads=threads)):
+                runs[item[0]].compile_seconds += seconds
         warmed.update(todo)
     for start in tqdm(batches, desc="eval", disable=not progress):
         chunk = ids[start:start + batch_size]
@@ -202,11 +210,11 @@ def evaluate(loaded, head, prompts: Sequence[str], *, trees: Sequence[str] = ("c
             key = shape_key(name, chunk)
             if key not in warmed:
                 t0 = time.perf_counter()
-                generate(target, chunk, max_new_tokens=1, decode_text=False, **kw)
+                run_request(check_request(target, chunk, max_new_tokens=1, decode_text=False, **kw))
                 run.compile_seconds += time.perf_counter() - t0
                 warmed.add(key)
-            res = generate(target, chunk, max_new_tokens=max_new_tokens, seed=seed + start, decode_text=False,
-                           **kw)
+            res = run_request(check_request(target, chunk, max_new_tokens=max_new_tokens, seed=seed + start, decode_text=False,
+                           **kw))
             if name == CHOSEN:
                 run.choice = res.stats.get("choice")
             run.tokens += res.num_generated

@@ -24,7 +24,7 @@ import pytest
 from flax import nnx, struct
 
 from clover_jax.decoding.sizes import pad_prompts
-from clover_jax.generation.api import generate
+from clover_jax import generate
 from clover_jax.io.prompts import encode_prompts
 from clover_jax.decoding.autoregressive import ar_generate
 from clover_jax.decoding.sampling import SamplingParams

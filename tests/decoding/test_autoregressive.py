@@ -6,7 +6,7 @@ import numpy as np
 from flax import nnx
 import pytest
 
-from clover_jax.generation.api import generate
+from clover_jax import generate
 from clover_jax.decoding import autoregressive, memory
 from clover_jax.decoding.sampling import argmax_last, sample_with_uniform, warp_probs
 from clover_jax.models.llama import init_llama
@@ -139,7 +139,7 @@ def test_decode_layers_policy(tiny, monkeypatch):
     bf16 = init_llama(CFG, seed=0, dtype=jnp.bfloat16)
     assert autoregressive.decode_layers(None, model=bf16) == "scan"
     assert autoregressive.decode_layers(None, tokens_per_step=4, model=bf16) == "scan"
-    from clover_jax.generation.plan import prepare_generate
+    from clover_jax import prepare_generate
 
     # the GPU rule (see decode_layers): every loop unrolled, bf16 and multi-token ones too; a TPU scans
     monkeypatch.setattr(autoregressive.jax, "default_backend", lambda: "gpu")

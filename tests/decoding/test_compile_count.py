@@ -6,7 +6,7 @@ import pytest
 from clover_jax.compile_cache import CompileCounter
 from clover_jax.decoding.sizes import bucket_length, loop_shapes
 from clover_jax.decoding.tree import get_tree
-from clover_jax.generation.api import generate
+from clover_jax import generate
 from tiny_llama import random_prompt, tiny_base_and_clover2
 
 LOOP = {"ar": "autoregressive_loop", "speculative": "speculative_loop"}

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from clover_jax.generation.api import generate
+from clover_jax import generate
 from homogeneity import chi2_homogeneity
 from clover_jax.decoding.lookup import LookupDrafter, NoHead, lookup_chain
 from clover_jax.heads.registry import drafter_for

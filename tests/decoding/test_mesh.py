@@ -13,7 +13,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from clover_jax import parallel, validation
 from clover_jax.decoding import memory
-from clover_jax.generation import api
+from clover_jax import api
 from clover_jax.decoding import autoregressive, speculative
 from clover_jax.decoding.ngram import build_ngram_table
 from clover_jax.decoding.sampling import SamplingParams, top_k_ids, vocab_split_over

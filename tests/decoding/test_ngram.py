@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from clover_jax.generation.api import generate
+from clover_jax import generate
 from clover_jax.decoding.ngram import (NgramTable, build_ngram_table, context_hash, head_ngram_table,
                                        load_ngram_table, ngram_chain, save_ngram_table)
 from clover_jax.heads.registry import drafter_for

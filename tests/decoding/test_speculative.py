@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from clover_jax.generation.api import generate
-from clover_jax.generation.plan import prepare_generate
+from clover_jax import generate
+from clover_jax import prepare_generate
 from homogeneity import chi2_homogeneity
 from clover_jax.decoding import speculative
 from clover_jax.decoding.tree import TreeSpecError

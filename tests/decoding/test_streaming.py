@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import clover_jax
-from clover_jax.generation.api import generate
+from clover_jax import generate
 from clover_jax.decoding import streaming
 from clover_jax.models.llama import init_llama
 from clover_jax.validation import InputError

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from clover_jax.generation.api import generate
+from clover_jax import generate
 from clover_jax.decoding.tree import get_tree
 from clover_jax.heads.clover2.model import Clover2Config, init_from_base
 from clover_jax.heads.recurrent.drafter import RecurrentDrafter

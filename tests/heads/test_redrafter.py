@@ -16,7 +16,7 @@ import pytest
 from flax import nnx
 
 from clover_jax import parallel
-from clover_jax.generation.api import generate
+from clover_jax import generate
 from clover_jax.decoding.autoregressive import ar_generate
 from clover_jax.decoding.sampling import SamplingParams
 from clover_jax.decoding.speculative import spec_generate

@@ -132,7 +132,7 @@ def test_exported_smollm2_generates_same_text_in_transformers(tmp_path, smollm):
     torch = pytest.importorskip("torch")
     import transformers
 
-    from clover_jax.generation.api import generate
+    from clover_jax import generate
     from clover_jax.io.prompts import encode_prompts
 
     out = export_base(smollm.model, tmp_path / "smol", tokenizer=smollm.tokenizer)

@@ -71,7 +71,7 @@ def _params(module):
 
 
 def test_model_and_head_by_repo_id(tmp_path, offline_hub, monkeypatch):
-    from clover_jax.generation.api import generate
+    from clover_jax import generate
     from clover_jax.training.loading import load_head
 
     base = init_llama(CFG, seed=3)

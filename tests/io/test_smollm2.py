@@ -7,7 +7,7 @@ torch = pytest.importorskip("torch")
 
 import jax.numpy as jnp  # noqa: E402
 
-from clover_jax.generation.api import generate  # noqa: E402
+from clover_jax import generate  # noqa: E402
 from clover_jax.io.prompts import encode_prompts
 
 pytestmark = [pytest.mark.slow, pytest.mark.torch]

@@ -14,7 +14,7 @@ transformers = pytest.importorskip("transformers")
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from clover_jax.generation.api import generate  # noqa: E402
+from clover_jax import generate  # noqa: E402
 from clover_jax.heads.clover2.model import Clover2Config, init_from_base  # noqa: E402
 from clover_jax.heads.export import export_head, import_head  # noqa: E402
 from clover_jax.io.export import export_base  # noqa: E402

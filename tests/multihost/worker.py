@@ -36,7 +36,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402
 
-from clover_jax.generation import api  # noqa: E402
+from clover_jax import api  # noqa: E402
 from clover_jax.heads.clover2.model import Clover2Config, init_from_base  # noqa: E402
 from clover_jax.models.llama import init_llama  # noqa: E402
 from clover_jax.training import checkpoint  # noqa: E402

@@ -75,7 +75,7 @@ def get_tree(name_or_path: str | os.PathLike | TreePolicy, known: Mapping[str, T
         if policy is not None:
             return policy
     forms = ", ".join(form for entry in GRAMMAR for form in entry.listed())
-    if re.fullmatch(r"(fit|probe)-[0-9a-f-]+", key):
+    if FITTED_NAME.fullmatch(key):
         raise TreeSpecError(f"tree {key!r} is a calibration's fitted tree, not one of this head's: name the head "
                             "whose calibration fitted it (head=...), or save it as JSON (TreeSpec.to_json)")
     raise TreeSpecError(f"unknown tree {key!r}; known names: {forms}, or a path to a .json file")
@@ -87,6 +87,15 @@ register_grammar(DynamicTree.parse, "dynamic-N")
 register_grammar(BeamTree.parse, "beam-WxL")
 register_grammar(LookupTree.parse, "lookup-K", "TREE+lookup-K")
 register_grammar(TreeSpec.parse)  # last: it claims any existing file
+
+
+FITTED_NAME = re.compile(r"(fit|probe)-[0-9a-f-]+")  # a calibration's fitted tree: fit-N-<hash>, probe-W1-W2-...
+
+
+def names_fitted_tree(name) -> bool:
+    """Whether a tree name is a calibration's fitted tree (`fit-N-<hash>`, `probe-...`), alone or as the TREE of
+    `TREE+lookup-K`: the names a head's fitted trees (`known` of `get_tree`) are read for."""
+    return isinstance(name, str) and FITTED_NAME.fullmatch(name.strip().split("+", 1)[0]) is not None
 
 
 def is_lookup_only(policy: TreePolicy | None) -> bool:
