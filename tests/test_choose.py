@@ -14,6 +14,7 @@ from clover_jax.decoding.autoregressive import AutoregressiveLoop
 from clover_jax.decoding.lookup import NoHead
 from clover_jax import prepare_generate
 from clover_jax.heads.clover2 import Clover2Head
+from clover_jax.heads.bundle import HeadBundle
 from clover_jax.heads.eagle import EagleHead
 from clover_jax.tuning import choose as choose_mod
 
@@ -31,6 +32,9 @@ def fake_measure(monkeypatch, tmp_path):
     predicted = {}
 
     def measure(loaded, pairs, *, batch_size=1, compare=choose_mod.ALL, **kw):
+        # the candidates arrive opened (a head's bundle, read once): recorded by name
+        assert all(h is None or isinstance(h, HeadBundle) for h, _ in pairs), pairs
+        pairs = [(choose_mod._name(h), t) for h, t in pairs]
         calls.append((list(pairs), batch_size, dict(kw, compare=compare)))
         table = {choose_mod._label(h, t): {"head": h, "tree": t, "measured_speedup": predicted.get(
             choose_mod._label(h, t), 0.5), "tau_measured": 2.0, "tau_batch": 2.0, "tau_source": "reference",
@@ -299,7 +303,8 @@ def test_reference_tau_is_read_from_the_head_folder():
     ref = json.loads((pretrained.head_path(CLOVER) / "calibration.json").read_text())["reference"]
     tree = pretrained.default_tree(CLOVER)
     assert choose_mod.reference_tau(CLOVER, tree) == ref["tau"][tree]
-    assert choose_mod.reference_tau(None, "lookup-4-table", "smollm2-135m-instruct") == ref["tau"]["lookup-4-table"]
+    shipped = choose_mod.shipped_folders("smollm2-135m-instruct")
+    assert choose_mod.reference_tau(None, "lookup-4-table", shipped) == ref["tau"]["lookup-4-table"]
     assert choose_mod.reference_tau(CLOVER, "chain-9") is None
 
 

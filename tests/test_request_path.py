@@ -17,9 +17,12 @@ from clover_jax.generation.plan import plan_request
 from clover_jax.generation.request import check_request
 from clover_jax.heads.clover2.model import Clover2Config, init_from_base
 from clover_jax.heads.export import export_head
+from clover_jax.io.loader import LoadedModel
 from clover_jax.models.cache import CacheOverflowError
 from clover_jax.models.config import LlamaConfig
 from clover_jax.training.checkpoint import CheckpointError
+from clover_jax.tuning import choose
+from word_tokenizer import WordTokenizer
 from clover_jax.models.llama import init_llama
 from clover_jax.validation import InputError
 
@@ -74,6 +77,26 @@ def test_one_generate_call_reads_the_head_folder_once_and_parses_the_tree_once(b
     assert counted == {"folders": 1, "parses": 1}, counted
     assert res.token_ids == ar.token_ids and res.stats["mode"] == "speculative"
     assert res.stats["tree"] == {"default": "clover2-26"}.get(tree, tree)
+
+
+def test_a_first_request_with_no_tree_reads_the_head_folder_once(base_and_folder, counted, monkeypatch, tmp_path):
+    """No tree named: the choice compiles and times the head's default tree against plain decoding (on this tiny
+    model), keeps its answer, and the request then drafts what it chose; the head's folder is read once for all of
+    it, and the output is plain decoding's."""
+    monkeypatch.setenv("CLOVER_JAX_CACHE", str(tmp_path))
+    monkeypatch.setattr(choose, "_MEMO", {})
+    base, folder = base_and_folder
+    lm = LoadedModel(base.config, base, WordTokenizer(), "")
+    ar = clover_jax.generate(lm, ["a b c d e"], max_new_tokens=8, chat=False)
+    counted.update(folders=0, parses=0)
+    res = clover_jax.generate(lm, ["a b c d e"], max_new_tokens=8, chat=False, mode="speculative", head=str(folder))
+    assert counted["folders"] == 1, counted
+    assert res.stats["choice"]["measured_s"] > 0  # measured here, not read from a saved choice
+    assert res.stats["mode"] == ("ar" if res.stats["choice"]["tree"] == "ar" else "speculative")
+    assert res.token_ids == ar.token_ids
+    counted.update(folders=0)
+    again = clover_jax.generate(lm, ["a b c d e"], max_new_tokens=8, chat=False, mode="speculative", head=str(folder))
+    assert counted["folders"] == 1 and again.stats["choice"] == res.stats["choice"]
 
 
 def test_a_head_folder_is_loaded_once_across_calls(base_and_folder):

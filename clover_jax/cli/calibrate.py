@@ -44,8 +44,8 @@ def _main(argv=None) -> int:
     ap.add_argument("--head", default=None, help="registered name or folder (default: the model's first shipped "
                     "head; with --quick, all of them)")
     ap.add_argument("--quick", action="store_true", help="measure again what a request with no tree gets, comparing "
-                    "every shipped head's tree, the head-less chains and plain decoding (35 s for SmolLM2 on a 2-core "
-                    "CPU), and print it")
+                    "every shipped head's tree, the head-less chains and plain decoding, and print it (how long it takes: "
+                    "docs/trees.md)")
     ap.add_argument("--prompts-file", help="questions to calibrate on (default: 8 Spec-Bench questions outside "
                     "MT-Bench: translation, QA, math)")
     ap.add_argument("--limit", type=int, default=8, help="the first N questions of --prompts-file")

@@ -9,8 +9,8 @@ A chain is drafted greedily from it: at each of `k` steps the longest context of
 in the table gives the next token.
 
 Only contexts seen at least `min_count` times are kept, and a context whose most frequent next token equals the
-one its shorter suffix context predicts is left out (the back-off then gives the same token), so the table of
-SmolLM2-135M-Instruct's 27k replies holds about half a million entries (3.8 MB on device, 2.4 MB compressed).
+one its shorter suffix context predicts is left out (the back-off then gives the same token), which keeps
+the table of a chat model's replies small (docs/trees.md has the shipped table's size).
 
 Hash collisions are possible (two contexts, one 32-bit hash): they can only propose a wrong token, which
 verification rejects, so output is unaffected, as for every draft.

@@ -93,18 +93,24 @@ def _is_model(base) -> bool:
 
 def open_head(head, base, *, step: int | None = None, run_loader: RunLoader | None = None) -> HeadBundle:
     """The `HeadBundle` of a head given as a module (kept as it is), a registered name, an exported or published
-    head folder, a hub id, or a training run directory (with `run_loader`; the latest step unless `step`)."""
+    head folder, a hub id, a training run directory (with `run_loader`; the latest step unless `step`), or a
+    `HeadFolder` already opened (`clover_jax.heads.folder.open_folder`: its files are not read again)."""
     if isinstance(head, nnx.Module) or isinstance(head, NoHead):
         return HeadBundle(head)
     if isinstance(head, HeadBundle):
         return head
+    if isinstance(head, HeadFolder):
+        return _open_folder(head, base, step, run_loader)
     if not isinstance(head, (str, os.PathLike)) or not str(head).strip():
         raise InputError(f"head: expected a registered head name, a head folder, a run directory or a head module, "
                          f"got {type(head).__name__} {head!r}"[:300])
+    return _open_folder(open_folder(head), base, step, run_loader)
+
+
+def _open_folder(folder: HeadFolder, base, step: int | None, run_loader: RunLoader | None) -> HeadBundle:
     if not _is_model(base):
         raise InputError(f"base: expected the base Llama (LoadedModel.model), got {type(base).__name__}")
     check_int("step", step, minimum=0, allow_none=True)
-    folder = open_folder(head)
     if not folder.path.exists():
         raise FileNotFoundError(f"head: draft head not found: {folder.path} is neither a folder nor a registered "
                                 f"head ({', '.join(pretrained.HEADS)})")

@@ -10,8 +10,8 @@ longest reply in the batch; speculative decoding once per step of the row that n
 speed-up of a tree is `tau_B / cost`: `tau_B`, the longest reply's tokens over the most steps of a batch's rows,
 depends on the head and the text, not on the machine (at batch 1 it is tau, tokens per step; at a larger batch the
 row that accepts least sets the pace); `cost`, an iteration's time in decode iterations, depends on the machine,
-the dtype and the batch size (on a 2-core CPU a 9-token verify costs about 1.7 decode steps at batch 1, on a GPU at
-batch 1 barely more than one), and not on the text (shapes are static). The choice measures the cost here and takes
+the dtype and the batch size (a verify of many tokens costs several decode steps on a small CPU, barely more than
+one on a GPU at batch 1), and not on the text (shapes are static). The choice measures the cost here and takes
 `tau_B` from a reference:
 
 1. Candidates, the default first: the named head's default tree; with no head named, the default head's
@@ -29,9 +29,8 @@ batch 1 barely more than one), and not on the text (shapes are static). The choi
    tokens, after a warm-up that compiles every program side by side. `ROUNDS` rounds time every program's two calls,
    in an order turned by one each round. A program's iteration time is its fastest long call less its fastest short
    call (prefill, dispatch and compile cancel), over the loop iterations between them: a call's time varies from
-   call to call and does not fall below what it costs, so each call's fastest is the estimate least disturbed (the
-   fastest round's difference of two disturbed calls was not: on a 2-core CPU it predicted 0.96x, 1.18x and 1.33x
-   in three runs). On a GPU, where every loop runs its layers unrolled and such a loop compiles in time growing
+   call to call and does not fall below what it costs, so each call's fastest is the estimate least disturbed
+   (`clover_jax.tuning.timing`; the fastest round's difference of two disturbed calls was not). On a GPU, where every loop runs its layers unrolled and such a loop compiles in time growing
    faster than the depth, an unrolled loop is timed on the model's first `PROBE_DEPTHS` layers
    (`clover_jax.models.llama.first_layers`) and its iteration time extrapolated to the full depth (affine in the
    depth); elsewhere every loop runs on the full model, so the measurement also sees each tree's speed-up and
@@ -50,16 +49,15 @@ batch 1 barely more than one), and not on the text (shapes are static). The choi
    that is not clear (`CLEAR_MARGIN`) and has fewer than `ROUNDS` rounds, or departs from the default on one
    measurement, is measured again by the next request and merged (`settled`, `merge`).
 
-Measured on a 2-core CPU for SmolLM2-135M (docs/trees.md, docs/results.md): a request's choice in 25-27 s at batch 1
-(16-17 s on a faster day of that VM), both programs' compiles included, 29-38 s at batch 2-16; two runs chose the
-same at every batch size, predicting 1.03x and 1.27x for the default tree at batch 1; every candidate compared
-(`calibrate --quick`) in 48-151 s. A measured choice is reused afterwards. The full calibration
+How long a choice takes and what it chose for SmolLM2-135M are in docs/trees.md and docs/results.md. A measured
+choice is reused afterwards. The full calibration
 (`tree="auto"`, `clover_jax.tuning.calibrate`) searches many more trees and fits new ones.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 import time
 from typing import Any, Sequence
@@ -72,7 +70,6 @@ from flax import nnx
 from clover_jax import pretrained
 from clover_jax.decoding import acceptance_stats
 from clover_jax.decoding.lookup import NoHead
-from clover_jax.decoding.ngram import resolve_ngram_table
 from clover_jax.decoding.sizes import MIN_BUCKET, bucket_length
 from clover_jax.generation.api import run_request
 from clover_jax.generation.calibration import AR, entry_key, hardware_key
@@ -81,7 +78,7 @@ from clover_jax.generation.plan import plan_request
 from clover_jax.generation.request import DEFAULT, FASTEST, NAMED, Request, check_request
 from clover_jax.heads.bundle import HeadBundle
 from clover_jax.io.loader import LoadedModel
-from clover_jax.heads.folder import cache_dir, open_folder, read_json
+from clover_jax.heads.folder import HeadFolder, cache_dir, open_folder, read_json
 from clover_jax.io.files import update_json
 from clover_jax.io.prompts import read_prompts
 from clover_jax.models.llama import first_layers
@@ -145,22 +142,38 @@ class Choice:
     predicted: float  # predicted speed-up over plain decoding (1.0 for plain decoding)
     note: str  # one line: what was chosen and why
     entry: dict = dataclasses.field(default_factory=dict, compare=False)  # the measurement it was chosen from
+    bundle: HeadBundle | None = dataclasses.field(default=None, compare=False)  # the chosen head, where it was opened
 
 
-def _label(head, tree) -> str:
-    return tree if head is None else f"{head} {tree}"
+Head = HeadBundle | HeadFolder | str | None  # a candidate's head: opened, its folder, a name or path; None: head-less
 
 
-def candidates(model_source, head: HeadBundle | None = None, *, has_table: bool, compare: str = ALL,
-               batch_size: int = 1) -> list[tuple[str | None, str]]:
+def _name(head: Head) -> str | None:
+    """How a saved choice names a candidate's head: its registered name, else its source as given."""
+    return head if head is None or isinstance(head, str) else head.name
+
+
+def _label(head: Head, tree: str) -> str:
+    return tree if head is None else f"{_name(head)} {tree}"
+
+
+def shipped_folders(model_source) -> list[HeadFolder]:
+    """The folders of the model's shipped heads (`clover_jax.pretrained`), the default head first, each opened once
+    for a choice: their digests key it, their references price it, their default trees are its candidates."""
+    return [open_folder(h) for h in pretrained.heads_for(model_source)] if model_source else []
+
+
+def candidates(shipped: Sequence[HeadFolder], head: HeadBundle | None = None, *, has_table: bool,
+               compare: str = ALL, batch_size: int = 1) -> list[tuple[Head, str]]:
     """(head or None, tree) pairs to measure, the default one first: the named head's default tree, or, when no
-    head is named, the default head's default tree, then every other shipped head's and the head-less chains
-    (`compare="all"`), or, for a request (`compare="request"`), at a batch above 1 the shortest head-less chain."""
+    head is named, the default (first) shipped head's default tree, then every other shipped head's and the
+    head-less chains (`compare="all"`), or, for a request (`compare="request"`), at a batch above 1 the shortest
+    head-less chain."""
     if compare not in SCOPES:
         raise ValueError(f"compare: expected one of {SCOPES}, got {compare!r}")
     if head is not None:
-        return [(head.name, head.default_tree)]
-    out = [(h, pretrained.default_tree(h)) for h in pretrained.heads_for(model_source)]
+        return [(head, head.default_tree)]
+    out: list[tuple[Head, str]] = [(f, f.default_tree) for f in shipped]
     headless = HEADLESS if has_table else tuple(t.removesuffix("-table") for t in HEADLESS)
     out += [(None, t) for t in headless]
     if compare == REQUEST:
@@ -168,13 +181,22 @@ def candidates(model_source, head: HeadBundle | None = None, *, has_table: bool,
     return out
 
 
-def reference(head_source, tree: str, model_source=None) -> dict | None:
-    """The reference of `tree` drafted by `head_source` (its `calibration.json` `reference`: `tau` and `per_prompt`
-    [[decode tokens, steps], ...]); for a head-less chain, from the first shipped head of the model that has one."""
-    sources = [head_source] if head_source is not None else pretrained.heads_for(model_source)
-    for src in sources:
+def _folder(head: Head) -> HeadFolder | None:
+    if isinstance(head, HeadBundle):
+        return head.folder
+    return open_folder(head) if isinstance(head, (str, os.PathLike)) else head
+
+
+def reference(head: Head, tree: str, shipped: Sequence[HeadFolder] = ()) -> dict | None:
+    """The reference of `tree` drafted by `head` (its folder's `calibration.json` `reference`: `tau` and
+    `per_prompt` [[decode tokens, steps], ...]); for a head-less chain (None), from the first of the model's
+    `shipped` head folders that has one."""
+    folders = [_folder(head)] if head is not None else list(shipped)
+    for folder in folders:
+        if folder is None:
+            continue
         try:
-            ref = open_folder(src).reference
+            ref = folder.reference
         except (OSError, ValueError, TypeError):
             continue
         if tree in (ref.get("tau") or {}):
@@ -182,9 +204,9 @@ def reference(head_source, tree: str, model_source=None) -> dict | None:
     return None
 
 
-def reference_tau(head_source, tree: str, model_source=None) -> float | None:
-    """The reference tau (batch 1) of `tree` drafted by `head_source`, or None."""
-    ref = reference(head_source, tree, model_source)
+def reference_tau(head: Head, tree: str, shipped: Sequence[HeadFolder] = ()) -> float | None:
+    """The reference tau (batch 1) of `tree` drafted by `head`, or None."""
+    ref = reference(head, tree, shipped)
     return ref["tau"] if ref else None
 
 
@@ -284,11 +306,11 @@ def _request_cache(loaded, kw: dict, prompt_bucket: int, reply_tokens: int) -> i
     return plan.cache_size
 
 
-def measure(loaded, pairs: Sequence[tuple[str | None, str]], *, batch_size: int = 1, mesh=None,
+def measure(loaded, pairs: Sequence[tuple[Head, str]], *, batch_size: int = 1, mesh=None,
             prompts: Sequence[str] | None = None, new_tokens: int = NEW_TOKENS, model_source=None,
             ngram_table=None, prompt_bucket: int | None = None, reply_tokens: int | None = None,
             cache_size: int | None = None, layers: str = "auto", compare: str = ALL,
-            budget_s: float | None = None) -> dict[str, Any]:
+            budget_s: float | None = None, shipped: Sequence[HeadFolder] | None = None) -> dict[str, Any]:
     """Measures plain decoding and each (head, tree) pair (see the module docstring); returns the entry to save. The
     first pair is the default one (the request's tree were nothing chosen), kept against a candidate that is not
     predicted `TOLERANCE` faster (`decide`). With `prompt_bucket` and `reply_tokens` (a request's: its prompts'
@@ -306,7 +328,7 @@ def measure(loaded, pairs: Sequence[tuple[str | None, str]], *, batch_size: int 
         name = _label(head, tree)
         runs[name] = dict(common, mode="speculative", head=head if head is not None else NoHead(), tree=tree,
                           ngram_table=ngram_table if head is None else None)
-        refs[name] = reference(head, tree, model_source)
+        refs[name] = reference(head, tree, shipped if shipped is not None else shipped_folders(model_source))
     caches = {run: None for run in runs}
     if prompt_bucket is not None and reply_tokens is not None:  # the request's shapes, where its prompts fit
         reply_tokens = max(reply_tokens, new_tokens)  # a cache that holds the measurement's calls too
@@ -373,7 +395,7 @@ def measure(loaded, pairs: Sequence[tuple[str | None, str]], *, batch_size: int 
         name = _label(head, tree)
         cost = iteration[name] / iteration[AR]  # an iteration, in decode iterations
         ref = refs[name]
-        row = {"head": head, "tree": tree}
+        row = {"head": _name(head), "tree": tree}
         if name in iterations:  # drafted by the full model: what these prompts showed
             tokens, steps = (int(x.sum()) for x in acceptance_stats.tokens_and_steps(np.stack(hists[name])))
             row["tau_measured"] = round(tokens / max(steps, 1), 3)
@@ -445,11 +467,11 @@ def merge(earlier: dict, entry: dict) -> dict:
 
 
 # -------------------------------------------------------------------------------------------- storage
-def _subject(model_source, head: HeadBundle | None) -> str:
+def _subject(model_source, head: HeadBundle | None, shipped: Sequence[HeadFolder]) -> str:
     """What a saved choice is about: the named head's weights, or the model and its shipped heads' weights."""
     if head is not None:
         return f"head {head.folder.digest or head.name}"
-    digests = ",".join(str(open_folder(h).digest) for h in pretrained.heads_for(model_source))
+    digests = ",".join(str(f.digest) for f in shipped)
     return f"model {str(model_source).lower()} [{digests}]"
 
 
@@ -472,35 +494,41 @@ def save_choice(key: str, entry: dict):
 _MEMO: dict[str, dict] = {}
 
 
-def _draftable(loaded, pair, ngram_table) -> bool:
-    """Whether the request (head, tree) passes every check of a plan (nothing is compiled)."""
+def _opened(loaded, pair: tuple[Head, str], ngram_table) -> tuple[HeadBundle | None, str] | None:
+    """The candidate (head, tree) with its head opened (once: a shipped head's folder becomes its bundle), or None
+    where the request could not draft it (its plan's checks fail; nothing is compiled)."""
     head, tree = pair
     try:
-        plan_request(check_request(loaded, ["x"], mode="speculative", head=head if head is not None else NoHead(), tree=tree,
-                         ngram_table=ngram_table if head is None else None, max_new_tokens=NEW_TOKENS,
-                         cache_size=CACHE_SIZE, check_free_memory=False))
+        if isinstance(head, (HeadFolder, str, os.PathLike)):
+            head = open_head_or_run(head, loaded.model)
+        plan_request(check_request(loaded, ["x"], mode="speculative", head=head if head is not None else NoHead(),
+                                   tree=tree, ngram_table=ngram_table if head is None else None,
+                                   max_new_tokens=NEW_TOKENS, cache_size=CACHE_SIZE, check_free_memory=False))
     except (InputError, ValueError, FileNotFoundError):
-        return False
-    return True
+        return None
+    return head, tree
 
 
 def choose(loaded, head: HeadBundle | None = None, *, batch_size: int = 1, mesh=None, refresh: bool = False,
            model_source=None, quiet: bool = False, measure_new: bool = True, compare: str = ALL,
            prompt_bucket: int | None = None, reply_tokens: int | None = None, cache_size: int | None = None,
-           layers: str = "auto") -> Choice | None:
+           layers: str = "auto", shipped: Sequence[HeadFolder] | None = None) -> Choice | None:
     """The head and tree to draft with here (or plain decoding): the saved choice for this machine, dtype and batch
     size, else a new measurement (announced on stderr, saved in the user's cache). `head`: the head the request
     named, read from a folder (`clover_jax.heads.bundle.open_head`): its default tree or plain decoding; None: the
     model's shipped heads and the head-less chains (`compare="all"`) or the default head's tree alone
     (`compare="request"`: with the shortest head-less chain at a batch above 1; a saved comparison of all is used
     where there is one). `prompt_bucket`, `reply_tokens`, `cache_size`,
-    `layers`: the request's, so that the measurement times the programs the request then runs (`measure`). None
-    when no candidate passes the request's checks (nothing to choose), or when nothing is saved and `measure_new`
-    is False."""
+    `layers`: the request's, so that the measurement times the programs the request then runs (`measure`).
+    `shipped`: the model's shipped head folders, opened by the caller (None: here, `shipped_folders`); each head is
+    read once. None when no candidate passes the request's checks (nothing to choose), or when nothing is saved and
+    `measure_new` is False."""
     model = loaded.model
     model_source = model_source or getattr(loaded, "name", None)
+    if shipped is None:
+        shipped = shipped_folders(model_source) if head is None else []
     where = entry_key(hardware_key(mesh), jnp.dtype(model.dtype).name, batch_size)
-    key = f"{_subject(model_source, head)} | {where}"
+    key = f"{_subject(model_source, head, shipped)} | {where}"
     compare = ALL if head is not None else compare  # a named head has one tree: its comparison is complete
     entry = None if refresh else (_MEMO.get(key) or load_choice(key))
     if entry is not None and compare == ALL and entry.get("compared", ALL) != ALL:
@@ -512,32 +540,32 @@ def choose(loaded, head: HeadBundle | None = None, *, batch_size: int = 1, mesh=
     if made and not measure_new:
         return None
     if made:  # the candidates are checked, and the n-gram table read, only when measuring
-        if head is not None:
-            ngram_table = head.ngram_table
-        else:
-            shipped = pretrained.default_head(model_source)
-            ngram_table = resolve_ngram_table(None, shipped) if shipped is not None else None
+        ngram_table = head.ngram_table if head is not None else shipped[0].ngram_table if shipped else None
         # candidates the request could not draft (a tree deeper than the head's heads, ...) are not measured; with
         # none left there is no choice to make, and the request's own checks say what is wrong
-        pairs = [pair for pair in candidates(model_source, head, has_table=ngram_table is not None, compare=compare,
-                                             batch_size=batch_size) if _draftable(loaded, pair, ngram_table)]
+        opened = [_opened(loaded, pair, ngram_table)
+                  for pair in candidates(shipped, head, has_table=ngram_table is not None, compare=compare,
+                                         batch_size=batch_size)]
+        pairs = [pair for pair in opened if pair is not None]
         if not pairs:
             return None
         if not quiet and earlier is not None:
             print(f"clover_jax: measuring the draft tree's choice for {where} again (measurement "
                   f"{earlier.get('measurements', 1) + 1}: the last one was not clear)", file=sys.stderr)
         elif not quiet:
-            took = "16-27 s at batch 1, up to 38 s at 16" if compare == REQUEST else "35-54 s at batch 1, 151 s at 16"
             print(f"clover_jax: choosing the draft tree for {where} (first use: {len(pairs) + 1} runs compiled "
-                  f"and timed, {took} on a 2-core CPU; the answer is kept)", file=sys.stderr)
+                  f"and timed; the answer is kept)", file=sys.stderr)
         budget = dict(budget_s=REQUEST_BUDGET_S, new_tokens=NEW_TOKENS if batch_size <= LARGE_BATCH else
                       LARGE_BATCH_NEW_TOKENS) if compare == REQUEST else {}
         entry = measure(loaded, pairs, batch_size=batch_size, mesh=mesh, model_source=model_source,
                         ngram_table=ngram_table, prompt_bucket=prompt_bucket, reply_tokens=reply_tokens,
-                        cache_size=cache_size, layers=layers, compare=compare, **budget)
+                        cache_size=cache_size, layers=layers, compare=compare, shipped=shipped, **budget)
         if earlier is not None:
             entry = merge(earlier, entry)
         save_choice(key, entry)
+        opened_heads = {pair[0].name: pair[0] for pair in pairs if pair[0] is not None}
+    else:
+        opened_heads = {head.name: head} if head is not None else {}
     _MEMO[key] = entry
     ranked = sorted(entry["candidates"].values(), key=lambda r: -r["predicted_speedup"])
     others = ("; the other candidates not compared (python -m clover_jax.cli.calibrate --quick compares every shipped "
@@ -557,7 +585,7 @@ def choose(loaded, head: HeadBundle | None = None, *, batch_size: int = 1, mesh=
         choice = Choice(row["head"], row["tree"], row["predicted_speedup"],
                         f"chose {_label(row['head'], row['tree'])}: predicted {row['predicted_speedup']}x plain "
                         f"decoding here (step cost {row['step_cost']} decode steps, tokens per step at this batch "
-                        f"{row['tau_batch']}{kept}{others}) [{where}]", entry)
+                        f"{row['tau_batch']}{kept}{others}) [{where}]", entry, opened_heads.get(row["head"]))
     if made and not quiet:
         print(f"clover_jax: {choice.note} (measured in {entry['seconds']} s)", file=sys.stderr)
     return choice
@@ -583,6 +611,7 @@ def decide_fastest(request: Request) -> tuple[Request, tuple[str, ...], dict | N
     if head is None and not (request.model_source and pretrained.heads_for(request.model_source)):
         return default, (), None  # no shipped head to choose among: the draft's resolution says what to pass
     bundle = open_head_or_run(head, request.model) if head is not None else None
+    shipped = shipped_folders(request.model_source) if bundle is None else []
     loaded = LoadedModel(request.model.config, request.model, request.tokenizer, request.model_source or "")
     # a request measures its default tree against plain decoding, on its own shapes (the default tree's program is
     # then the one it runs); a saved comparison of every candidate (`calibrate --quick`) is used where there is one.
@@ -592,7 +621,7 @@ def decide_fastest(request: Request) -> tuple[Request, tuple[str, ...], dict | N
     choice = choose(loaded, bundle, batch_size=request.batch_size, mesh=request.mesh,
                     model_source=request.model_source, measure_new=request.mesh is None, compare=REQUEST,
                     prompt_bucket=bucket, reply_tokens=request.max_new_tokens, cache_size=request.cache_size,
-                    layers=request.layers)
+                    layers=request.layers, shipped=shipped)
     if choice is None and request.mesh is not None:
         mesh = ",".join(f"{k}={v}" for k, v in dict(request.mesh.shape).items() if v > 1)
         return default.replace(head=bundle if bundle is not None else head), (
@@ -609,10 +638,13 @@ def decide_fastest(request: Request) -> tuple[Request, tuple[str, ...], dict | N
         return request.replace(speculative=False), (choice.note,), about
     if choice.head is None:
         chosen_head = NoHead()
-    else:
-        chosen_head = bundle if bundle is not None and choice.head == bundle.name else choice.head
+    elif choice.bundle is not None:
+        chosen_head = choice.bundle  # opened by the measurement
+    else:  # a saved choice: its head opened once here, from the folder already read where it is a shipped one
+        folder = next((f for f in shipped if f.name == choice.head), choice.head)
+        chosen_head = open_head_or_run(folder, request.model)
     return request.replace(head=chosen_head, tree=choice.tree, tree_rule=NAMED), (choice.note,), about
 
 
 __all__ = ["Choice", "batch_tau", "candidates", "choose", "decide_fastest", "measure", "merge", "reference",
-           "reference_tau", "settled"]
+           "reference_tau", "settled", "shipped_folders"]

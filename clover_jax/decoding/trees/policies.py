@@ -20,8 +20,8 @@ class DynamicTree(TreePolicy):
     best of all the candidates by cumulative log-probability (an ancestor-closed set: a child never scores
     above its parent) and verifies them with the root. Name: `dynamic-N` (N = budget, root included), optionally
     `dynamic-N-dD-kK`. The defaults (depth 5, top-k 8), the Clover-2 head's depth and EAGLE-2's order of
-    magnitude, gave the shipped SmolLM2 head the highest tau of depth 3-5 x top-k 2-8 on 24 MT-Bench prompts (10 and
-    26 tokens; top-k 12 adds 0.3% and 1.7% for 2.25x the candidates scored; docs/benchmarks.md).
+    magnitude, gave the shipped SmolLM2 head the highest tau of depth 3-5 x top-k 2-8 on MT-Bench prompts
+    (docs/trees.md).
 
     `top_p < 1` adds Clover-1's candidate selection (Xiao et al. 2024, arXiv 2405.00263): each node keeps only
     its children up to cumulative draft probability `top_p` (the first always), the rest are never verified;
