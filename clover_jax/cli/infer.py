@@ -191,8 +191,10 @@ def _main(argv=None) -> int:
             if plan.mode == "speculative":  # what the plan resolved: the head loaded once, "auto" calibrated once
                 kw.update(head=plan.draft.bundle, tree=plan.tree, draft_vocab=plan.draft_vocab, ngram_table=plan.ngram_table)
             kw["mode"] = plan.mode
-            for note in plan.notes:
-                print(note, file=sys.stderr)
+            shown = plan.choice.get("note") if plan.choice and plan.choice.get("announced") else None
+            for note in plan.notes:  # what the request did not name (the choice of a tree printed once)
+                if note != shown:
+                    print(note, file=sys.stderr)
         quiet_sink = {"stream": (lambda row, ids: None)} if args.stream else {}
         if shape_key not in seen_shapes:  # compile outside the timed call (max_new_tokens is traced)
             warm = run_plan(prepare_generate(loaded, batch, **{**kw, "max_new_tokens": 1, "chat": False},

@@ -143,6 +143,7 @@ class Choice:
     note: str  # one line: what was chosen and why
     entry: dict = dataclasses.field(default_factory=dict, compare=False)  # the measurement it was chosen from
     bundle: HeadBundle | None = dataclasses.field(default=None, compare=False)  # the chosen head, where it was opened
+    announced: bool = False  # its note was printed on stderr when it was made (measured by this call)
 
 
 Head = HeadBundle | HeadFolder | str | None  # a candidate's head: opened, its folder, a name or path; None: head-less
@@ -588,6 +589,7 @@ def choose(loaded, head: HeadBundle | None = None, *, batch_size: int = 1, mesh=
                         f"{row['tau_batch']}{kept}{others}) [{where}]", entry, opened_heads.get(row["head"]))
     if made and not quiet:
         print(f"clover_jax: {choice.note} (measured in {entry['seconds']} s)", file=sys.stderr)
+        choice = dataclasses.replace(choice, announced=True)
     return choice
 
 
@@ -633,7 +635,8 @@ def decide_fastest(request: Request) -> tuple[Request, tuple[str, ...], dict | N
              "compared": choice.entry.get("compared", ALL), "rounds": choice.entry.get("rounds"),
              "measurements": choice.entry.get("measurements", 1), "settled": settled(choice.entry),
              "programs_reused": choice.entry.get("programs_reused", False),
-             "measured_s": choice.entry.get("seconds")}  # how long the measurement took (when it was made)
+             "measured_s": choice.entry.get("seconds"),  # how long the measurement took (when it was made)
+             "note": choice.note, "announced": choice.announced}  # the note already printed on stderr, or not
     if choice.tree == AR:
         return request.replace(speculative=False), (choice.note,), about
     if choice.head is None:
