@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from clover_jax import parallel
+from clover_jax.cli import train as train_cli
 from clover_jax.training import steps as steps_lib
 from clover_jax.training.trainer import Trainer
 from training_helpers import TINY, SyntheticBatcher, make_cfg, tiny_base
@@ -126,18 +127,30 @@ def _cli(*args):
                           env=env, timeout=120, cwd=ROOT)
 
 
+def _one_error_line(stderr, message):
+    lines = [line for line in stderr.splitlines() if line.strip() and "WARNING" not in line]
+    assert len(lines) == 1 and lines[0].startswith(message), stderr
+    assert "Traceback" not in stderr
+
+
 @pytest.mark.parametrize("args,message", [
-    (["--set", "optim.lr=abc"], "error: --set optim.lr: expected float, got 'abc'"),
     (["--set", "optm.lr=1"], "error: --set: unknown section 'optm'"),
     (["--config", "does/not/exist.yaml"], "error: config file not found: does/not/exist.yaml"),
     (["--set", "mesh.data=3", "--set", "mesh.fsdp=5"], "error: mesh: data*fsdp*tp = 3*5*1 = 15, but there are"),
 ])
-def test_cli_config_errors_are_one_line(args, message):
-    out = _cli(*args)
+def test_cli_config_errors_are_one_line(args, message, capsys, monkeypatch):
+    """The CLI's `main` in this process (what a process adds is tested below): status 2 and one `error:` line."""
+    monkeypatch.chdir(ROOT)
+    assert train_cli.main(args) == 2
+    _one_error_line(capsys.readouterr().err, message)
+
+
+def test_cli_config_error_ends_the_process_with_status_2():
+    """`python train.py` itself: a bad value ends the process with exit status 2 and one line on stderr, nothing
+    else a starting JAX process prints there."""
+    out = _cli("--set", "optim.lr=abc")
     assert out.returncode == 2
-    lines = [line for line in out.stderr.splitlines() if line.strip() and "WARNING" not in line]
-    assert len(lines) == 1 and lines[0].startswith(message), out.stderr
-    assert "Traceback" not in out.stderr
+    _one_error_line(out.stderr, "error: --set optim.lr: expected float, got 'abc'")
 
 
 def test_warm_start_from_an_exported_head(tmp_path):
