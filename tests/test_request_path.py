@@ -4,6 +4,7 @@ tree once, builds the plan and runs it; bad requests are named errors; the cache
 import dataclasses
 import inspect
 import json
+import pathlib
 import pydoc
 
 import numpy as np
@@ -46,8 +47,15 @@ def base_and_folder(tmp_path_factory):
 @pytest.fixture
 def counted(monkeypatch):
     """Counts the head sources turned into folders and the tree names parsed by the grammar."""
-    calls = {"folders": 0, "parses": 0}
+    calls = {"folders": 0, "parses": 0, "configs": 0}  # head sources resolved, tree names parsed, config.json reads
     head_path = pretrained.head_path
+    read_text = pathlib.Path.read_text
+
+    def counting_read_text(self, *args, **kwargs):
+        calls["configs"] += self.name == "config.json"
+        return read_text(self, *args, **kwargs)
+
+    monkeypatch.setattr(pathlib.Path, "read_text", counting_read_text)
 
     def counting_head_path(source):
         calls["folders"] += 1
@@ -72,9 +80,10 @@ PROMPTS = [[5, 6, 7, 8], [9, 10, 11]]
 def test_one_generate_call_reads_the_head_folder_once_and_parses_the_tree_once(base_and_folder, counted, tree):
     base, folder = base_and_folder
     ar = clover_jax.generate(base, PROMPTS, max_new_tokens=8)
-    counted.update(folders=0, parses=0)
+    clover_jax.heads.bundle._CACHE.clear()  # the head not loaded yet
+    counted.update(folders=0, parses=0, configs=0)
     res = clover_jax.generate(base, PROMPTS, max_new_tokens=8, mode="speculative", head=str(folder), tree=tree)
-    assert counted == {"folders": 1, "parses": 1}, counted
+    assert counted == {"folders": 1, "parses": 1, "configs": 1}, counted
     assert res.token_ids == ar.token_ids and res.stats["mode"] == "speculative"
     assert res.stats["tree"] == {"default": "clover2-26"}.get(tree, tree)
 
@@ -88,9 +97,10 @@ def test_a_first_request_with_no_tree_reads_the_head_folder_once(base_and_folder
     base, folder = base_and_folder
     lm = LoadedModel(base.config, base, WordTokenizer(), "")
     ar = clover_jax.generate(lm, ["a b c d e"], max_new_tokens=8, chat=False)
-    counted.update(folders=0, parses=0)
+    clover_jax.heads.bundle._CACHE.clear()  # the head not loaded yet: its config.json is read, once
+    counted.update(folders=0, parses=0, configs=0)
     res = clover_jax.generate(lm, ["a b c d e"], max_new_tokens=8, chat=False, mode="speculative", head=str(folder))
-    assert counted["folders"] == 1, counted
+    assert counted["folders"] == 1 and counted["configs"] == 1, counted
     assert res.stats["choice"]["measured_s"] > 0  # measured here, not read from a saved choice
     assert res.stats["mode"] == ("ar" if res.stats["choice"]["tree"] == "ar" else "speculative")
     assert res.token_ids == ar.token_ids

@@ -27,7 +27,7 @@ from clover_jax.decoding.tree import TreePolicy, get_tree
 from clover_jax.decoding.trees.names import names_fitted_tree
 from clover_jax.heads import registry
 from clover_jax.heads.export import import_head
-from clover_jax.heads.folder import HeadFolder, open_folder, read_json
+from clover_jax.heads.folder import HeadFolder, open_folder
 from clover_jax.validation import InputError, check_int
 
 RunLoader = Callable[..., Any]  # run_loader(run_dir, base, step=None) -> head module (`training.checkpoint`)
@@ -128,13 +128,13 @@ def _open_folder(folder: HeadFolder, base, step: int | None, run_loader: RunLoad
 
 def is_run_dir(folder: HeadFolder) -> bool:
     """A training run directory (Orbax checkpoints), as opposed to an exported or published head folder."""
-    cfg = folder.path / "config.json"
-    return not (cfg.is_file() and ("head_type" in _read_config(cfg) or not (folder.path / "checkpoints").is_dir()))
+    meta = folder.config
+    return not (meta is not None and ("head_type" in meta or not (folder.path / "checkpoints").is_dir()))
 
 
 def _load_module(folder: HeadFolder, base, step: int | None, run_loader: RunLoader | None):
     if not is_run_dir(folder):
-        return import_head(folder.path, base)
+        return import_head(folder.path, base, meta=folder.config)
     path = folder.path
     if path.is_dir() and not (path / "checkpoints").is_dir() and not any(p.name.isdigit() for p in path.iterdir()):
         held = sorted(p.name for p in path.iterdir())
@@ -145,13 +145,6 @@ def _load_module(folder: HeadFolder, base, step: int | None, run_loader: RunLoad
         raise InputError(f"head: {folder.path} is a training run directory; load it with clover_jax.load_head(path, "
                          "base) and pass the module, or use clover_jax.generate, which reads run directories")
     return run_loader(folder.path, base, step=step)
-
-
-def _read_config(path) -> dict:
-    out = read_json(path)
-    if not out and path.stat().st_size:
-        raise InputError(f"head: {path} is not a JSON object")
-    return out
 
 
 __all__ = ["HeadBundle", "RunLoader", "is_run_dir", "open_head"]

@@ -71,7 +71,7 @@ def head_draft_vocab(head_path) -> np.ndarray | None:
     return folder_draft_vocab(pretrained.head_path(head_path))
 
 
-def folder_draft_vocab(folder: Path) -> np.ndarray | None:
+def folder_draft_vocab(folder: Path, meta: dict | None = None) -> np.ndarray | None:
     """The draft vocabulary a head in `folder` was trained on (`loss.draft_vocab`), or None.
 
     Such a head's cross-entropy only ever saw those tokens, so it must draft from them: a training run
@@ -79,20 +79,24 @@ def folder_draft_vocab(folder: Path) -> np.ndarray | None:
     A draft vocabulary written only as an inference option (the flag false or absent) gives None."""
     path = Path(folder) / DRAFT_VOCAB_FILE
     if not path.is_file():
-        return _published_vocab(Path(folder))
+        return _published_vocab(Path(folder), meta)
     meta = _read_draft_vocab(path)
     return np.asarray(meta["ids"], np.int32) if meta.get("head_trained_on_it") else None
 
 
-def _published_vocab(folder: Path) -> np.ndarray | None:
+def _published_vocab(folder: Path, meta: dict | None = None) -> np.ndarray | None:
     """The draft vocabulary a published head folder's own tensors give (EAGLE-3's `d2t`), or None: a head type that
-    drafts over a vocabulary of its own reads it (`HeadType.folder_vocab`)."""
-    cfg = folder / "config.json"
-    if not cfg.is_file():
-        return None
-    try:
-        meta = json.loads(cfg.read_text())
-    except (OSError, json.JSONDecodeError):
+    drafts over a vocabulary of its own reads it (`HeadType.folder_vocab`). `meta`: the folder's config.json where
+    the caller has read it."""
+    if meta is None:
+        cfg = folder / "config.json"
+        if not cfg.is_file():
+            return None
+        try:
+            meta = json.loads(cfg.read_text())
+        except (OSError, json.JSONDecodeError):
+            return None
+    if not isinstance(meta, dict):
         return None
     kind = meta.get("head_type")
     ht = registry.get(kind) if kind in registry.names() else None if kind else registry.recognize(meta, folder)

@@ -56,15 +56,17 @@ out = clover_jax.generate(lm, ["Hello!"], mode="speculative", head="THIS_FOLDER"
 """
 
 
-def import_head(path, base, *, dtype=None):
+def import_head(path, base, *, dtype=None, meta: dict | None = None):
     """Loads an exported head folder (any registered `head_type`) for `base`, or a head as its reference project
     publishes it (no `head_type`: Medusa's `medusa_lm_head.pt`, EAGLE's `pytorch_model.bin`, recognized by the
-    registry); a folder that is not a head or does not match the base is an error."""
+    registry); a folder that is not a head or does not match the base is an error. `meta`: the folder's config.json
+    where the caller has read it (`clover_jax.heads.folder.HeadFolder.config`)."""
     path = Path(path)
-    cfg_file = path / "config.json"
-    if not cfg_file.is_file():
-        raise ExportError(f"{path}: no config.json: not a draft-head folder")
-    meta = json.loads(cfg_file.read_text())
+    if meta is None:
+        cfg_file = path / "config.json"
+        if not cfg_file.is_file():
+            raise ExportError(f"{path}: no config.json: not a draft-head folder")
+        meta = json.loads(cfg_file.read_text())
     kind = meta.get("head_type")
     if kind is None:  # a head as its reference project publishes it (e.g. Medusa's, EAGLE's)
         found = registry.recognize(meta, path)

@@ -26,6 +26,7 @@ from clover_jax import pretrained
 from clover_jax.decoding.ngram import NGRAM_FILE, NgramTable, load_ngram_table
 from clover_jax.decoding.tree import TreeSpec
 from clover_jax.heads.draft_vocab import folder_draft_vocab
+from clover_jax.validation import InputError
 
 CALIBRATION_FILE = "calibration.json"  # beside a head: its calibrations (and the trees they fitted)
 KEPT_TREES = "kept_trees"  # calibration.json: tree shapes of replaced entries, still resolvable by name
@@ -108,9 +109,20 @@ class HeadFolder:
         return max((p.stat().st_mtime_ns for p in files), default=0), len(files)
 
     @functools.cached_property
+    def config(self) -> dict[str, Any] | None:
+        """Its config.json (None where it has none), read once; a file that is not a JSON object is an error."""
+        path = self.path / "config.json"
+        if not path.is_file():
+            return None
+        out = read_json(path)
+        if not out and path.stat().st_size:
+            raise InputError(f"head: {path} is not a JSON object")
+        return out
+
+    @functools.cached_property
     def draft_vocab(self) -> np.ndarray | None:
         """`[V']` the token ids the head was trained to draft from, or None (all)."""
-        return folder_draft_vocab(self.path) if self.is_dir else None
+        return folder_draft_vocab(self.path, meta=self.config) if self.is_dir else None
 
     @functools.cached_property
     def ngram_table(self) -> NgramTable | None:
