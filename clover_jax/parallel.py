@@ -14,11 +14,18 @@ leading dims (the stacked L axis) are unsharded. The same rules shard any pytree
 like parameters: the base model state, the Clover-2 head state (its `aug` is a `DecoderStack`) and the
 optimizer state (optax's mu/nu mirror the parameter tree; counts are scalars: replicated).
 
+Decoding state (the jitted loops' carries, KV caches, the drafters' states) says itself how it splits: a state type
+names the axes of the fields it wants split, in the axis alphabet, as a class attribute `shard_axes`
+(`{"tokens": "B S", "lengths": "B"}`), and `STATE_SPLITS` says which mesh axes split which letter. Its other fields
+(tree buffers, draft vocabularies, RNG keys) are left to XLA's propagation, and a state held in one of them is asked
+in turn (the speculative carry holds the drafter's state, a lookup state the inner drafter's).
+
 Shapes and einsum strings use the axis letters of `clover_jax.axes`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from typing import Any, Sequence
@@ -30,6 +37,8 @@ from jax.experimental import multihost_utils
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from clover_jax.axes import AXES as AXIS_LETTERS
+from clover_jax.models.cache import KVCache
 from clover_jax.validation import InputError
 
 log = logging.getLogger(__name__)
@@ -65,32 +74,25 @@ _RULES: dict[str, tuple] = {
     # draft heads add their own rules when their type is registered (`add_rules`, `HeadType.sharding_rules`)
 }
 
-# Decoding state (the jitted loops' carry and the drafters' states): name -> spec of every dim. Rows go over
-# the batch axes, KV heads over tp (dropped, like the weights' rules, where tp does not divide K). Leaves
-# without a rule (tree buffers, draft vocabularies, RNG keys) are left to XLA's propagation.
-_STATE_RULES: dict[str, tuple] = {
-    "k": (None, BATCH_AXES, "tp", None, None),  # KVCache.k [L, B, K, S, H] (base and draft-head caches)
-    "v": (None, BATCH_AXES, "tp", None, None),  # KVCache.v [L, B, K, S, H]
-    "lengths": (BATCH_AXES,),  # [B] valid cache slots / tokens per row
-    "tokens": (BATCH_AXES, None),  # [B, S] prompt + generated
-    "done": (BATCH_AXES,),  # [B]
-    "row_steps": (BATCH_AXES,),  # [B]
-    "accept_hist": (BATCH_AXES, None),  # [B, Dmax+1]
-    "node_hist": (BATCH_AXES, None),  # [B, U]
-    # drafters add the rules of their own state's leaves (`add_rules(..., state=True)`)
+# Decoding state: the mesh axes that split each letter of a state's `shard_axes` (the other letters stay whole).
+# KV heads split as the weights' rules split them (tp dropped where it does not divide K).
+STATE_SPLITS: dict[str, Any] = {
+    "B": BATCH_AXES,  # rows
+    "K": "tp",  # KV heads
+    "Q": "tp",  # the columns of a drafting projection (a draft vocabulary, or all of V)
 }
+# `clover_jax.models.cache.KVCache` (the base model's cache and the draft heads' own), a type of the models layer
+KV_CACHE_AXES = {"k": "L B K S H", "v": "L B K S H", "lengths": "B"}  # [L, B, K, S, H] (or L arrays), [B]
 
 
-def add_rules(rules: dict[str, tuple], *, state: bool = False) -> None:
-    """Adds parameter rules (`state=False`: name -> spec of the trailing dims) or decoding-state rules (name -> spec
-    of every dim). A draft head type's rules arrive when it is registered, a drafter's state rules where the drafter
-    is defined. A name already taken by another spec is an error (two rules would shard one leaf two ways)."""
-    table = _STATE_RULES if state else _RULES
+def add_rules(rules: dict[str, tuple]) -> None:
+    """Adds parameter rules (name -> spec of the trailing dims): a draft head type's arrive when it is registered. A
+    name already taken by another spec is an error (two rules would shard one weight two ways)."""
     for name, spec in rules.items():
         spec = tuple(spec)
-        if table.get(name, spec) != spec:
-            raise ValueError(f"sharding rule {name!r}: already {table[name]}, not {spec}")
-        table[name] = spec
+        if _RULES.get(name, spec) != spec:
+            raise ValueError(f"sharding rule {name!r}: already {_RULES[name]}, not {spec}")
+        _RULES[name] = spec
 
 
 class MeshError(InputError):
@@ -275,41 +277,74 @@ def _fit(rule: tuple, shape: Sequence[int], mesh: Mesh) -> P:
     return P(*out)
 
 
-def state_spec(name: str | None, shape: Sequence[int], mesh: Mesh) -> P | None:
-    """The partition spec of a decoding-state leaf (see `_STATE_RULES`), or None when no rule names it."""
-    rule = _STATE_RULES.get(name or "")
-    if name in ("k", "v") and rule is not None and len(shape) == len(rule) - 1:
-        rule = rule[1:]  # one layer's slice of a stacked [L, ...] leaf (a per-layer KV cache)
-    if rule is None or len(shape) != len(rule):
+def shard_axes(node) -> dict[str, str] | None:
+    """The axes a decoding-state object names for its fields (its type's `shard_axes`; `KV_CACHE_AXES` for a
+    `KVCache`), or None for anything that is not a decoding state."""
+    if isinstance(node, KVCache):
+        return KV_CACHE_AXES
+    if not dataclasses.is_dataclass(node) or isinstance(node, type):
         return None
-    return _fit(rule, shape, mesh)
+    return getattr(type(node), "shard_axes", None)
+
+
+def axes_spec(axes: str, shape: Sequence[int], mesh: Mesh, what: str = "a state field") -> P:
+    """The partition spec of a leaf of `shape` whose axes are `axes` (letters of `clover_jax.axes`, space-separated,
+    one per dim): `STATE_SPLITS` for each letter, kept where it divides the dim. A field of stacked layers (`L ...`)
+    may hold one array per layer: those have the remaining axes."""
+    letters = axes.split()
+    unknown = [a for a in letters if a not in AXIS_LETTERS]
+    if unknown:
+        raise ValueError(f"{what}: axes {axes!r} name {unknown}, not letters of clover_jax.axes")
+    if letters and letters[0] == "L" and len(shape) == len(letters) - 1:
+        letters = letters[1:]  # one layer's slice of a stacked [L, ...] field (a per-layer KV cache)
+    if len(shape) != len(letters):
+        raise ValueError(f"{what}: declared as [{', '.join(axes.split())}], but a leaf has shape {tuple(shape)}")
+    return _fit(tuple(STATE_SPLITS.get(a) for a in letters), shape, mesh)
 
 
 def state_shardings(tree: Any, mesh: Mesh) -> Any:
-    """`NamedSharding` (or None: no rule) for every leaf of a decoding state (loop carry, caches, drafter
-    state)."""
+    """`NamedSharding` (or None: left to propagation) for every leaf of a decoding state (loop carry, caches,
+    drafter state), as each state in `tree` says (`shard_axes`); leaves of no state are None."""
 
-    def one(path, leaf):
-        shape = _shape(leaf)
-        spec = state_spec(leaf_name(path), shape, mesh) if shape is not None else None
-        return None if spec is None else NamedSharding(mesh, spec)
+    def field(value, axes: str, what: str):
+        def one(leaf):
+            shape = _shape(leaf)
+            if shape is None:
+                raise ValueError(f"{what}: declared as [{', '.join(axes.split())}], but holds {type(leaf).__name__}")
+            return NamedSharding(mesh, axes_spec(axes, shape, mesh, what))
 
-    return jax.tree_util.tree_map_with_path(one, tree)
+        return jax.tree.map(one, value)
+
+    def state(node):
+        axes = shard_axes(node)
+        if axes is None:
+            return None  # a leaf outside any state
+        name = type(node).__name__
+        fields = {f.name: f for f in dataclasses.fields(node)}
+        unknown = sorted(set(axes) - set(fields))
+        if unknown:
+            raise ValueError(f"{name}.shard_axes names {unknown}, which are not fields of {name}")
+        out = {}
+        for f in fields.values():
+            if not f.metadata.get("pytree_node", True):
+                continue  # static (part of the tree's structure)
+            value = getattr(node, f.name)
+            out[f.name] = (field(value, axes[f.name], f"{name}.{f.name}") if f.name in axes
+                           else state_shardings(value, mesh))
+        return dataclasses.replace(node, **out)
+
+    return jax.tree.map(state, tree, is_leaf=lambda x: shard_axes(x) is not None)
 
 
 def constrain_state(tree: Any, mesh: Mesh | None) -> Any:
-    """`with_sharding_constraint` on the leaves of a decoding state that a rule names (identity without a
-    mesh): inside the jitted loops, so caches and per-row buffers stay split over the mesh rather than
-    being gathered or replicated by propagation."""
+    """`with_sharding_constraint` on the leaves of a decoding state that their state splits (identity without a
+    mesh): inside the jitted loops, so caches and per-row buffers stay split over the mesh rather than being
+    gathered or replicated by propagation."""
     if mesh is None:
         return tree
-
-    def one(path, leaf):
-        shape = _shape(leaf)
-        spec = state_spec(leaf_name(path), shape, mesh) if shape is not None else None
-        return leaf if spec is None else jax.lax.with_sharding_constraint(leaf, NamedSharding(mesh, spec))
-
-    return jax.tree_util.tree_map_with_path(one, tree)
+    shardings = state_shardings(tree, mesh)
+    return jax.tree.map(lambda s, x: x if s is None else jax.lax.with_sharding_constraint(x, s), shardings, tree,
+                        is_leaf=lambda s: s is None or isinstance(s, NamedSharding))
 
 
 def _shape(x) -> tuple[int, ...] | None:

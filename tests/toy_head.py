@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -19,7 +19,6 @@ import numpy as np
 from flax import nnx, struct
 from safetensors.numpy import load_file
 
-from clover_jax import parallel
 from clover_jax.decoding.drafter import Proposal, TreeDrafterBase, cached_arrays
 from clover_jax.decoding.sampling import top_k_ids
 from clover_jax.decoding.tree import TreeSpec, build_buffers
@@ -87,11 +86,9 @@ def loss_from_features(head: ToyHead, base, f, tokens, loss_mask, valid, loss_cf
 
 
 # 4. the drafter --------------------------------------------------------------------------------------------------
-parallel.add_rules({"toy_h": (parallel.BATCH_AXES, None)}, state=True)  # ToyState.toy_h [B, D] on a mesh
-
-
 @struct.dataclass
 class ToyState:
+    shard_axes: ClassVar[dict[str, str]] = {"toy_h": "B D"}  # rows over the batch axes on a mesh
     toy_h: jax.Array  # [B, D] normed hidden state of the last accepted token
 
 

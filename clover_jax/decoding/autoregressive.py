@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -38,6 +38,7 @@ class DecodeOutput:
 
 @struct.dataclass
 class _ARState:
+    shard_axes: ClassVar[dict[str, str]] = {"tokens": "B S", "lengths": "B", "done": "B", "row_steps": "B"}
     step: jax.Array
     tokens: jax.Array  # [B, S]
     lengths: jax.Array  # [B] tokens written so far (the last one is not yet in the cache)

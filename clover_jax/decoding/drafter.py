@@ -32,7 +32,6 @@ from typing import Any
 
 import chex
 import jax
-import numpy as np
 import jax.numpy as jnp
 from flax import struct
 
@@ -210,14 +209,6 @@ def cached_arrays(drafter, build) -> dict:
             cached = build()
         object.__setattr__(drafter, "_arrays", cached)
     return cached
-
-
-def per_depth_node_index(buffers, top_k: int) -> np.ndarray:
-    """`[U]` int32 for a drafter that proposes top_k candidates per depth (Medusa's heads, a block's positions): the
-    index of each tree node's token in `cat([root], candidates of depth 1, of depth 2, ...)`: node 0 -> 0 (the
-    root); a node at depth d, child rank r -> 1 + (d-1) * top_k + r."""
-    depth, rank = np.asarray(buffers.depth), np.asarray(buffers.rank)
-    return np.where(depth == 0, 0, 1 + (depth - 1) * top_k + rank).astype(np.int32)
 
 
 def vocab_ids(draft_vocab) -> jax.Array | None:

@@ -31,14 +31,13 @@ Shapes and einsum strings use the axis letters of `clover_jax.axes`.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
-from clover_jax import parallel
 from clover_jax.decoding.drafter import Drafter, Proposal, cached_arrays
 from clover_jax.decoding.ngram import NgramTable, ngram_chain
 from clover_jax.decoding.trees.topology import TreeTopology, topology_from_parents
@@ -78,13 +77,10 @@ def lookup_chain(history: jax.Array, length: jax.Array, k: int, max_ngram: int) 
     return history[rows, at], ngram
 
 
-# the state's leaves on a decoding mesh: each row's tokens over the batch axes, the n-gram table replicated
-parallel.add_rules({"history": (parallel.BATCH_AXES, None),  # [B, S]
-                    "ngram_keys": (None,), "ngram_tokens": (None,)}, state=True)  # [M] (a few MB)
-
-
 @struct.dataclass
 class LookupState:
+    # on a decoding mesh: each row's tokens over the batch axes, the n-gram table (a few MB) replicated
+    shard_axes: ClassVar[dict[str, str]] = {"history": "B S", "lengths": "B", "ngram_keys": "M", "ngram_tokens": "M"}
     inner: Any  # the inner drafter's state (None without one)
     history: jax.Array  # [B, S] int32: each row's tokens (history[lengths - 1] is the root)
     lengths: jax.Array  # [B] int32

@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -53,6 +53,8 @@ class SpecStats:
 
 @struct.dataclass
 class _SpecState:
+    shard_axes: ClassVar[dict[str, str]] = {"tokens": "B S", "lengths": "B", "done": "B", "accept_hist": "B Dmax",
+                                            "node_hist": "B U", "row_steps": "B"}
     step: jax.Array
     tokens: jax.Array  # [B, S] prompt + generated; tokens[b, lengths[b]-1] is the root (not cached)
     lengths: jax.Array  # [B]

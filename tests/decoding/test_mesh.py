@@ -15,6 +15,7 @@ from clover_jax import parallel, validation
 from clover_jax.decoding import memory
 from clover_jax import api
 from clover_jax.decoding import autoregressive, speculative
+from clover_jax.decoding.lookup import LookupState
 from clover_jax.decoding.ngram import build_ngram_table
 from clover_jax.decoding.sampling import SamplingParams, top_k_ids, vocab_split_over
 from clover_jax.heads import registry
@@ -72,15 +73,17 @@ def test_parse_mesh():
 
 
 def test_state_rules_split_caches_and_rows():
-    """The decoding-state rules: KV caches over rows and KV heads (tp dropped where it does not divide K),
-    per-row buffers over rows, unnamed leaves left alone."""
+    """Decoding states split as they say: KV caches over rows and KV heads (tp dropped where it does not divide K),
+    per-row buffers over rows; leaves of no state are left alone, whatever their names."""
     _need_devices()
     mesh = parallel.parse_mesh("data=4,tp=2")
 
     @jax.jit
     def make():
         tree = {"cache": KVCache.init(2, 8, 16, 4, 8), "odd": KVCache.init(2, 8, 16, 3, 8),
-                "tokens": jnp.zeros((8, 16), jnp.int32), "other": jnp.zeros((8, 5))}
+                "lookup": LookupState(inner=None, history=jnp.zeros((8, 16), jnp.int32),
+                                      lengths=jnp.zeros((8,), jnp.int32)),
+                "other": jnp.zeros((8, 5))}
         return parallel.constrain_state(tree, mesh)
 
     out = make()
@@ -93,9 +96,9 @@ def test_state_rules_split_caches_and_rows():
     assert not is_(out["cache"].k, P(None, batch))
     assert is_(out["odd"].v, P(None, batch))  # 3 KV heads: tp cannot split them
     assert is_(out["cache"].lengths, P(batch))
-    assert is_(out["tokens"], P(batch))
-    specs = parallel.state_shardings({"other": jnp.zeros((8, 5))}, mesh)
-    assert specs["other"] is None
+    assert is_(out["lookup"].history, P(batch))
+    specs = parallel.state_shardings({"other": jnp.zeros((8, 5)), "tokens": jnp.zeros((8, 16))}, mesh)
+    assert specs["other"] is None and specs["tokens"] is None  # not a state's field: no name is looked up
 
 
 # ----------------------------------------------------------------------------------- exactness, tiny

@@ -20,8 +20,8 @@ from clover_jax.decoding.sampling import SamplingParams
 from clover_jax.decoding.speculative import spec_generate
 from clover_jax.heads import registry
 from clover_jax.heads.clover2.model import Clover2Head
-from clover_jax.decoding.drafter import per_depth_node_index as node_index
 from clover_jax.heads.medusa.head import MedusaConfig, MedusaDrafter, MedusaHead, init_from_base
+from clover_jax.heads.per_depth import per_depth_node_index as node_index
 from clover_jax.heads.registry import drafter_for
 from clover_jax.models.llama import init_llama, rms_norm
 from clover_jax.heads.losses import LossConfig, kd_loss, pack_positions

@@ -5,33 +5,21 @@ position's top-k (block position d - 1 fills depth d, as Medusa's heads do), so 
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import struct
 
-from clover_jax import parallel
-from clover_jax.decoding.drafter import (
-    Proposal,
-    TreeDrafterBase,
-    cached_arrays,
-    per_depth_node_index,
-    vocab_ids,
-)
 from clover_jax.decoding.sampling import top_k_ids
-from clover_jax.decoding.tree import TreeSpec, build_buffers
 from clover_jax.decoding.trees.topology import TreeTopology
 from clover_jax.heads.block.head import BlockHead, check_compatible
-from clover_jax.validation import InputError
-
-# BlockState's per-row leaves on a decoding mesh
-parallel.add_rules({"block_f": (parallel.BATCH_AXES, None, None), "block_y": (parallel.BATCH_AXES, None),
-                    "block_count": (parallel.BATCH_AXES,)}, state=True)
+from clover_jax.heads.per_depth import PerDepthDrafter
 
 
 @struct.dataclass
 class BlockState:
+    shard_axes: ClassVar[dict[str, str]] = {"block_f": "B S D", "block_y": "B S", "block_count": "B"}
     block_f: jax.Array  # [B, S, (n + 1) D] pre-norm base features of the newest accepted positions, oldest first
     block_y: jax.Array  # [B, S] int32 the token after each (the last valid one: the root)
     block_count: jax.Array  # [B] int32 valid slots, the last ones (<= S)
@@ -57,27 +45,13 @@ def shift_in(f_old: jax.Array, y_old: jax.Array, count: jax.Array, f_new: jax.Ar
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class BlockDrafter(TreeDrafterBase):
-    """Static drafting plan of a block head over one tree (hashable by identity; build once per tree)."""
-
-    spec: TreeSpec
-    draft_vocab: tuple[int, ...] | None = None  # sorted token ids the drafts are drawn from (None: all)
-    sampled_drafts: bool = False
-
-    def __post_init__(self):
-        object.__setattr__(self, "buffers", build_buffers(self.spec))
+class BlockDrafter(PerDepthDrafter):
+    """Static drafting plan of a block head over one tree (hashable by identity; build once per tree): block
+    position d - 1 gives depth d's candidates (`clover_jax.heads.per_depth`)."""
 
     def check(self, head: BlockHead, base) -> None:
         check_compatible(head, base.config)
-        self.check_tree(head.cfg.block_size, base.config.vocab_size, what="the block head (block_size)")
-        if int(np.max(np.asarray(self.buffers.rank))) >= self.spec.top_k:
-            raise InputError(f"tree {self.spec.name!r} has a child rank >= its top_k={self.spec.top_k}")
-
-    def arrays(self) -> dict:
-        """The drafter's arrays, passed into the jitted loop as an argument (not baked in as constants)."""
-        return cached_arrays(self, lambda: {"buffers": jax.tree.map(jnp.asarray, self.buffers.topology()),
-                                            "vocab_ids": vocab_ids(self.draft_vocab),
-                                            "node_index": jnp.asarray(per_depth_node_index(self.buffers, self.spec.top_k))})
+        self.check_depths(head.cfg.block_size, base.config.vocab_size, what="the block head (block_size)")
 
     def init_state(self, head: BlockHead, base, batch: int, cache_size: int, arrays: dict | None = None
                    ) -> BlockState:
@@ -102,16 +76,12 @@ class BlockDrafter(TreeDrafterBase):
         f, y, n = shift_in(state.block_f, state.block_y, state.block_count, f_new, y_new, num_new)
         return state.replace(block_f=f, block_y=y, block_count=n)
 
-    def propose(self, head: BlockHead, base, state: BlockState, root: jax.Array, key) -> Proposal:
-        b, k, depth = root.shape[0], self.spec.top_k, self.max_depth
-        out = head.draft(base, state.block_f, state.block_y, state.block_count, root)[:, :depth]  # [B, Dmax, D]
+    def depth_top_k(self, head: BlockHead, base, state: BlockState, root: jax.Array) -> jax.Array:
+        out = head.draft(base, state.block_f, state.block_y, state.block_count, root)  # [B, C, D]
+        out = out[:, :self.max_depth]  # [B, Dmax, D]: block position d - 1 drafts depth d
         if state.rows is None:
             logits = base.project(out, head.cfg.dtype)  # [B, Dmax, V]
         else:
             logits = jnp.einsum("BCD,QD->BCQ", out.astype(state.rows.dtype), state.rows,
                                 preferred_element_type=jnp.float32)
-        top = top_k_ids(logits, k)  # [B, Dmax, k]
-        if state.vocab_ids is not None:
-            top = state.vocab_ids[top]
-        cand = jnp.concatenate([root[:, None], top.reshape(b, -1)], axis=1)  # [B, 1 + Dmax*k]
-        return Proposal(tokens=jnp.take(cand, state.node_index, axis=1), buffers=state.buffers)
+        return top_k_ids(logits, self.spec.top_k)  # [B, Dmax, k]

@@ -26,19 +26,17 @@ import dataclasses
 import logging
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
-from clover_jax import parallel
-from clover_jax.decoding.drafter import Proposal, TreeDrafterBase, cached_arrays, per_depth_node_index, vocab_ids
 from clover_jax.decoding.sampling import top_k_ids
 from clover_jax.decoding.trees.topology import TreeTopology
-from clover_jax.decoding.tree import TreeSpec, build_buffers
 from clover_jax.heads.losses import kd_loss, kd_loss_packed, next_token_labels, output_projection
+from clover_jax.heads.per_depth import PerDepthDrafter
 from clover_jax.io.export import ExportError
 from clover_jax.io.hf import read_weights_file
 from clover_jax.models.config import LlamaConfig
@@ -145,12 +143,9 @@ def loss_from_features(head: MedusaHead, base: Llama, f, tokens, loss_mask, vali
 
 
 # ------------------------------------------------------------------------------------------------ drafting
-parallel.add_rules({"h": (parallel.BATCH_AXES, None), "heads_proj": (None, None, "tp")},
-                   state=True)  # MedusaState.h [B, D], .heads_proj [n, D, Q]
-
-
 @struct.dataclass
 class MedusaState:
+    shard_axes: ClassVar[dict[str, str]] = {"h": "B D", "heads_proj": "n D Q"}
     h: jax.Array  # [B, D] normed base hidden state of the last accepted token (the root's predecessor)
     heads_proj: jax.Array  # [n, D, Q] the drafting heads' projections (draft-vocabulary columns, or all V)
     vocab_ids: jax.Array | None  # [Q] int32 the draft vocabulary's ids (None: all V)
@@ -159,27 +154,13 @@ class MedusaState:
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class MedusaDrafter(TreeDrafterBase):
-    """Static drafting plan of Medusa heads over one tree (hashable by identity; build once per tree)."""
-
-    spec: TreeSpec
-    draft_vocab: tuple[int, ...] | None = None  # sorted token ids the drafts are drawn from (None: all)
-    sampled_drafts: bool = False
-
-    def __post_init__(self):
-        object.__setattr__(self, "buffers", build_buffers(self.spec))
+class MedusaDrafter(PerDepthDrafter):
+    """Static drafting plan of Medusa heads over one tree (hashable by identity; build once per tree): head d - 1
+    gives depth d's candidates (`clover_jax.heads.per_depth`)."""
 
     def check(self, head: MedusaHead, base) -> None:
         check_compatible(head, base.config)
-        self.check_tree(head.cfg.num_heads, base.config.vocab_size, what="the Medusa head")
-        if int(np.max(np.asarray(self.buffers.rank))) >= self.spec.top_k:
-            raise InputError(f"tree {self.spec.name!r} has a child rank >= its top_k={self.spec.top_k}")
-
-    def arrays(self) -> dict:
-        """The drafter's arrays, passed into the jitted loop as an argument (not baked in as constants)."""
-        return cached_arrays(self, lambda: {"buffers": jax.tree.map(jnp.asarray, self.buffers.topology()),
-                                            "vocab_ids": vocab_ids(self.draft_vocab),
-                                            "node_index": jnp.asarray(per_depth_node_index(self.buffers, self.spec.top_k))})
+        self.check_depths(head.cfg.num_heads, base.config.vocab_size, what="the Medusa head")
 
     def init_state(self, head: MedusaHead, base, batch: int, cache_size: int, arrays: dict | None = None
                    ) -> MedusaState:
@@ -201,17 +182,11 @@ class MedusaDrafter(TreeDrafterBase):
         h = self._last_hidden(base, f_new, jnp.maximum(num_new - 1, 0)).astype(state.h.dtype)
         return state.replace(h=jnp.where((num_new > 0)[:, None], h, state.h))
 
-    def propose(self, head: MedusaHead, base, state: MedusaState, root: jax.Array, key) -> Proposal:
-        b, k = root.shape[0], self.spec.top_k
+    def depth_top_k(self, head: MedusaHead, base, state: MedusaState, root: jax.Array) -> jax.Array:
         x = head.features(state.h, num=self.max_depth)  # [n, B, D]
         logits = jnp.einsum("nBD,nDQ->nBQ", x.astype(state.heads_proj.dtype), state.heads_proj,
                             preferred_element_type=jnp.float32)
-        top = top_k_ids(logits, k)  # [n, B, k]
-        if state.vocab_ids is not None:
-            top = state.vocab_ids[top]
-        cand = jnp.concatenate([root[:, None], jnp.moveaxis(top, 0, 1).reshape(b, -1)], axis=1)  # [B, 1 + n*k]
-        tokens = jnp.take(cand, state.node_index, axis=1)  # [B, U]
-        return Proposal(tokens=tokens, buffers=state.buffers)
+        return jnp.moveaxis(top_k_ids(logits, self.spec.top_k), 0, 1)  # [B, n, k]
 
 
 # ----------------------------------------------------------------------------------- export / import

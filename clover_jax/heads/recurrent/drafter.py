@@ -15,13 +15,13 @@ W_lm (gathered once per generation into the state) and the top-k ids mapped back
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from clover_jax import parallel
 from clover_jax.decoding.drafter import Proposal, TreeDrafterBase, cached_arrays, commit_prompt, vocab_ids
 from clover_jax.decoding.sampling import top_k_ids
 from clover_jax.decoding.trees.topology import topology_from_parents
@@ -30,11 +30,10 @@ from clover_jax.heads import registry
 from clover_jax.heads.recurrent import RecurrentHead
 from clover_jax.models.cache import KVCache
 
-parallel.add_rules({"s0": (parallel.BATCH_AXES, None)}, state=True)  # RecurrentState.s0 [B, D]
-
 
 @struct.dataclass
 class RecurrentState:
+    shard_axes: ClassVar[dict[str, str]] = {"s0": "B D"}  # the cache: a KVCache's own
     cache: KVCache  # Augmenting-Block cache [A_layers, B, K, S, H]
     s0: jax.Array  # [B, D]
     vocab_rows: jax.Array | None = None  # [Q, D] W_lm^T rows of the draft vocabulary (None: all V)

@@ -39,7 +39,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -47,7 +47,6 @@ import numpy as np
 from flax import nnx, struct
 from safetensors import safe_open
 
-from clover_jax import parallel
 from clover_jax.decoding.drafter import Proposal, TreeDrafterBase, cached_arrays, vocab_ids
 from clover_jax.decoding.sampling import top_k
 from clover_jax.decoding.trees.topology import topology_from_parents
@@ -239,11 +238,9 @@ def beams_to_tree(beams: jax.Array, budget: int) -> tuple[jax.Array, jax.Array]:
     return tokens, parent
 
 
-parallel.add_rules({"beam_proj": (None, "tp")}, state=True)  # ReDrafterState.beam_proj [I, Q]
-
-
 @struct.dataclass
 class ReDrafterState:
+    shard_axes: ClassVar[dict[str, str]] = {"h": "B D", "beam_proj": "I Q"}
     h: jax.Array  # [B, D] the base's normed hidden state of the last accepted token (the root's predecessor)
     beam_proj: jax.Array  # [I, Q] the drafting projection (draft-vocabulary columns, or all V), Q split over tp
     vocab_ids: jax.Array | None  # [Q] int32 the draft vocabulary's ids (None: all V)
