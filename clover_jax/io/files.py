@@ -7,6 +7,7 @@ written whole or not at all, and a read-modify-write that loses no other process
     update_json(path, lambda data: {**data, key: entry})   # both: read, change and write under the lock
     with building_dir(target) as tmp:           # a folder built under a unique temporary name, renamed into place
         tokenizer.save_pretrained(tmp)
+    fd, locks = open_lock_file(lock, busy)      # the lock under `locked` (and under a training run's lock)
 
 A reader needs no lock: a file is replaced in one rename, so it sees the old contents or the new, never a mix. The
 lock file exists only while it is held (removed before it is released; a waiter that then holds the removed file
@@ -34,7 +35,7 @@ from typing import Any, Callable, Iterator
 from clover_jax.validation import InputError
 
 LOCK_TIMEOUT_S = 60.0  # a lock is held for one read-modify-write (milliseconds) or one tokenizer conversion
-_NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
+_NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)  # flock on a filesystem without locks
 STALE_TEMP_S = 3600.0  # a temporary file or folder this old is a killed writer's: removed by the next writer
 
 
@@ -91,6 +92,46 @@ def lock_path(path: str | os.PathLike) -> Path:
     return path.with_name(f".{path.name}.lock")
 
 
+def open_lock_file(lock: Path, busy: Callable[[int], None], mode: int = 0o666) -> tuple[int, bool]:
+    """Opens the lock file `lock` (created) and takes its exclusive fcntl lock: `(fd, True)`, the file held, or
+    `(fd, False)` where the filesystem has no locks (the file open, unlocked). While another process holds it,
+    `busy(fd)` is called with the file open (closed after it): it raises to give up, or returns to try again. A
+    holder removes the file before it unlocks (`close_lock_file`), so a file that is no longer at `lock` once locked
+    is closed and the one there now opened."""
+    while True:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, mode)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            locks = True
+        except BlockingIOError:
+            try:
+                busy(fd)
+            finally:
+                os.close(fd)
+            continue
+        except OSError as e:
+            if e.errno not in _NO_LOCKS:
+                os.close(fd)
+                raise
+            locks = False
+        try:  # the file may have been removed (and made anew) by the holder before us: then lock the new one
+            same = os.path.samestat(os.fstat(fd), os.stat(lock))
+        except FileNotFoundError:
+            same = False
+        if same:
+            return fd, locks
+        os.close(fd)
+
+
+def close_lock_file(fd: int, lock: Path) -> None:
+    """Releases a lock `open_lock_file` took: removes the file while still holding it (a waiter on it then sees it
+    is gone and opens the new one) and closes it, which unlocks."""
+    with contextlib.suppress(OSError):
+        if os.path.samestat(os.fstat(fd), os.stat(lock)):
+            os.unlink(lock)
+    os.close(fd)
+
+
 @contextlib.contextmanager
 def locked(path: str | os.PathLike, timeout: float = LOCK_TIMEOUT_S) -> Iterator[None]:
     """Holds the exclusive lock of `path` (a file or folder that need not exist yet) inside the block; other
@@ -99,37 +140,24 @@ def locked(path: str | os.PathLike, timeout: float = LOCK_TIMEOUT_S) -> Iterator
     lock.parent.mkdir(parents=True, exist_ok=True)
     deadline = time.monotonic() + timeout
     pause = 0.001
-    while True:
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o666)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            if time.monotonic() > deadline:
-                raise TimeoutError(errno.ETIMEDOUT, f"another process has held the lock {lock} for over "
-                                   f"{timeout:.0f} s") from None
-            time.sleep(pause)
-            pause = min(2 * pause, 0.05)
-            continue
-        except OSError as e:
-            os.close(fd)
-            if e.errno not in _NO_LOCKS:
-                raise
-            yield  # a filesystem without locks: the writes stay whole, concurrent updates may be lost
-            return
-        try:  # the file may have been removed (and made anew) by the holder before us: then lock the new one
-            same = os.path.samestat(os.fstat(fd), os.stat(lock))
-        except FileNotFoundError:
-            same = False
-        if same:
-            break
+
+    def wait(fd: int) -> None:
+        nonlocal pause
+        if time.monotonic() > deadline:
+            raise TimeoutError(errno.ETIMEDOUT, f"another process has held the lock {lock} for over "
+                               f"{timeout:.0f} s") from None
+        time.sleep(pause)
+        pause = min(2 * pause, 0.05)
+
+    fd, locks = open_lock_file(lock, wait)
+    if not locks:
         os.close(fd)
+        yield  # a filesystem without locks: the writes stay whole, concurrent updates may be lost
+        return
     try:
         yield
     finally:
-        with contextlib.suppress(OSError):
-            os.unlink(lock)  # while still held, so a waiter on this file sees it is gone and opens the new one
-        os.close(fd)
+        close_lock_file(fd, lock)
 
 
 def read_json_object(path: str | os.PathLike) -> dict[str, Any]:
@@ -212,5 +240,6 @@ def building_dir(target: str | os.PathLike) -> Iterator[Path]:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-__all__ = ["atomic_write_bytes", "atomic_write_text", "building_dir", "lock_path", "locked", "read_json_object",
-           "read_text", "remove_stale_temporaries", "temporary_name", "text_lines", "update_json"]
+__all__ = ["atomic_write_bytes", "atomic_write_text", "building_dir", "close_lock_file", "lock_path", "locked",
+           "open_lock_file", "read_json_object", "read_text", "remove_stale_temporaries", "temporary_name",
+           "text_lines", "update_json"]

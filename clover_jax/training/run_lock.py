@@ -21,10 +21,7 @@ them stop, with the same message, when the folder is in use.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import errno
-import fcntl
 import json
 import logging
 import os
@@ -37,12 +34,12 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
+from clover_jax.io.files import close_lock_file, open_lock_file
 from clover_jax.validation import InputError
 
 log = logging.getLogger(__name__)
 
 LOCK_FILE = "run.lock"
-_NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
 # filesystems on this machine's own disks or memory: a lock on them is seen by every process that can open the file
 _LOCAL_FILESYSTEMS = {"ext2", "ext3", "ext4", "xfs", "btrfs", "tmpfs", "overlay", "zfs", "f2fs", "jfs", "reiserfs",
                       "bcachefs", "ramfs"}
@@ -116,10 +113,7 @@ class RunLock:
         """Removes the lock file (while still holding it, so a job waiting on it opens a new one) and unlocks."""
         if self.fd is None:
             return
-        with contextlib.suppress(OSError):
-            if os.path.samestat(os.fstat(self.fd), os.stat(self.path)):
-                os.unlink(self.path)
-        os.close(self.fd)
+        close_lock_file(self.fd, self.path)
         self.fd = None
 
 
@@ -129,34 +123,19 @@ def acquire(run_dir: str | os.PathLike) -> RunLock:
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / LOCK_FILE
-    while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            locks = True
-        except BlockingIOError:
-            holder = {}
-            for _ in range(20):  # a job that has just taken the lock writes its name right after
-                holder = _read_holder(fd)
-                if holder.get("pid"):
-                    break
-                time.sleep(0.05)
-            os.close(fd)
-            raise RunLockedError(f"{run_dir} is in use by another training job: {describe(holder)}; wait for it to "
-                                 "end or stop it (SIGTERM: it saves a checkpoint and exits), or choose another "
-                                 "--output-dir") from None
-        except OSError as e:
-            if e.errno not in _NO_LOCKS:
-                os.close(fd)
-                raise
-            locks = False
-        try:  # the holder may have removed the file (and another job made it anew) before we locked it
-            same = os.path.samestat(os.fstat(fd), os.stat(path))
-        except FileNotFoundError:
-            same = False
-        if same:
-            break
-        os.close(fd)
+
+    def in_use(fd: int) -> None:  # another job holds the lock: no waiting
+        holder = {}
+        for _ in range(20):  # a job that has just taken the lock writes its name right after
+            holder = _read_holder(fd)
+            if holder.get("pid"):
+                break
+            time.sleep(0.05)
+        raise RunLockedError(f"{run_dir} is in use by another training job: {describe(holder)}; wait for it to "
+                             "end or stop it (SIGTERM: it saves a checkpoint and exits), or choose another "
+                             "--output-dir") from None
+
+    fd, locks = open_lock_file(path, in_use, mode=0o644)
     lock = RunLock(path, fd)
     previous = _read_holder(fd)
     if previous.get("pid"):

@@ -5,6 +5,7 @@ lock file the lock itself cannot vouch for is judged by the pid on this host and
 from __future__ import annotations
 
 import errno
+import fcntl
 import json
 import logging
 import os
@@ -53,7 +54,7 @@ def test_a_held_lock_is_refused_and_a_dead_one_taken_over(tmp_path, monkeypatch,
                                                  "another --output-dir"):
             run_lock.acquire(run)
         with monkeypatch.context() as m:  # a filesystem without locks: the pid decides, and it runs
-            m.setattr(run_lock.fcntl, "flock", no_flock)
+            m.setattr(fcntl, "flock", no_flock)
             with pytest.raises(RunLockedError, match=rf"may be in use .*pid {holder.pid} .*a running process.*"
                                                      rf"delete {re.escape(str(run / LOCK_FILE))}"):
                 run_lock.acquire(run)
@@ -70,7 +71,7 @@ def test_a_held_lock_is_refused_and_a_dead_one_taken_over(tmp_path, monkeypatch,
 
     write_holder(run, pid=holder.pid, host=HOST)  # no locks on the filesystem, the process gone: taken over
     with monkeypatch.context() as m:
-        m.setattr(run_lock.fcntl, "flock", no_flock)
+        m.setattr(fcntl, "flock", no_flock)
         run_lock.acquire(run).release()
     write_holder(run, pid=1, host="elsewhere")  # another host's job, on a network filesystem: cannot be checked
     monkeypatch.setattr(run_lock, "_local_filesystem", lambda path: False)
