@@ -302,9 +302,10 @@ def axes_spec(axes: str, shape: Sequence[int], mesh: Mesh, what: str = "a state 
     return _fit(tuple(STATE_SPLITS.get(a) for a in letters), shape, mesh)
 
 
-def state_shardings(tree: Any, mesh: Mesh) -> Any:
-    """`NamedSharding` (or None: left to propagation) for every leaf of a decoding state (loop carry, caches,
-    drafter state), as each state in `tree` says (`shard_axes`); leaves of no state are None."""
+def state_shardings(tree: Any, mesh: Mesh, default: NamedSharding | None = None) -> Any:
+    """A `NamedSharding` for every leaf of a decoding state (loop carry, caches, drafter state) that its state splits
+    (`shard_axes`); `default` for the others (None: left to propagation; `replicated(mesh)` for abstract arguments of
+    a program compiled ahead of time)."""
 
     def field(value, axes: str, what: str):
         def one(leaf):
@@ -318,7 +319,7 @@ def state_shardings(tree: Any, mesh: Mesh) -> Any:
     def state(node):
         axes = shard_axes(node)
         if axes is None:
-            return None  # a leaf outside any state
+            return default  # a leaf no state splits
         name = type(node).__name__
         fields = {f.name: f for f in dataclasses.fields(node)}
         unknown = sorted(set(axes) - set(fields))
@@ -330,7 +331,7 @@ def state_shardings(tree: Any, mesh: Mesh) -> Any:
                 continue  # static (part of the tree's structure)
             value = getattr(node, f.name)
             out[f.name] = (field(value, axes[f.name], f"{name}.{f.name}") if f.name in axes
-                           else state_shardings(value, mesh))
+                           else state_shardings(value, mesh, default))
         return dataclasses.replace(node, **out)
 
     return jax.tree.map(state, tree, is_leaf=lambda x: shard_axes(x) is not None)

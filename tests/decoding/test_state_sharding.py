@@ -8,11 +8,13 @@ drafting projection (Q) over tp, a mesh axis kept only where it divides the dime
 every field not named left to XLA's propagation (no sharding)."""
 
 import dataclasses
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import struct
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from clover_jax import parallel
@@ -191,3 +193,51 @@ def test_the_loops_states_split_as_their_layout_says(mesh, per_layer):
     layers = CFG.num_hidden_layers
     assert check(ar, mesh) == 4 + (2 * layers if per_layer else 2) + 1  # the carry's rows, k and v, the lengths
     assert check(spec, mesh) > check(ar, mesh)
+
+
+def test_leaves_no_state_splits_take_the_default():
+    """With `default` every leaf has a sharding (abstract arguments of a program compiled ahead of time): the split
+    ones as without it, the others `default`."""
+    _need_devices()
+    mesh = parallel.parse_mesh("data=4,tp=2")
+    zeros = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
+    state = {"ar": _ARState(step=zeros(), tokens=zeros(BATCH, CACHE), lengths=zeros(BATCH),
+                            cache=jax.eval_shape(lambda: KVCache.init(2, BATCH, CACHE, 2, 8)), done=zeros(BATCH),
+                            row_steps=zeros(BATCH), key=zeros(2)),
+             "loose": zeros(BATCH, 3)}
+    replicated = parallel.replicated(mesh)
+    plain = parallel.state_shardings(state, mesh)
+    full = parallel.state_shardings(state, mesh, default=replicated)
+    assert jax.tree.structure(full) == jax.tree.structure(state)
+    leaf = lambda x: x is None or isinstance(x, NamedSharding)  # noqa: E731
+    for p, f in zip(jax.tree.leaves(plain, is_leaf=leaf), jax.tree.leaves(full, is_leaf=leaf)):
+        assert f == (replicated if p is None else p)
+    assert full["loose"] == replicated and full["ar"].step == replicated
+    assert full["ar"].tokens.spec == P(("data", "fsdp"))
+
+
+@struct.dataclass
+class _Declared:
+    shard_axes: ClassVar[dict[str, str]] = {"rows": "B D"}
+    rows: jax.Array
+
+
+def test_a_state_that_declares_its_layout_wrongly_is_named():
+    _need_devices()
+    mesh = parallel.parse_mesh("data=4,tp=2")
+    good = _Declared(rows=jax.ShapeDtypeStruct((BATCH, 4), jnp.float32))
+    assert parallel.state_shardings(good, mesh).rows.spec == P(("data", "fsdp"))
+    with pytest.raises(ValueError, match=r"_Declared.rows: declared as \[B, D\], but a leaf has shape \(8,\)"):
+        parallel.state_shardings(_Declared(rows=jax.ShapeDtypeStruct((BATCH,), jnp.float32)), mesh)
+
+    class Unknown(_Declared):
+        shard_axes = {"rows": "B D", "cols": "D"}
+
+    with pytest.raises(ValueError, match=r"Unknown.shard_axes names \['cols'\], which are not fields of Unknown"):
+        parallel.state_shardings(Unknown(rows=good.rows), mesh)
+
+    class Letters(_Declared):
+        shard_axes = {"rows": "B x"}
+
+    with pytest.raises(ValueError, match=r"Letters.rows: axes 'B x' name \['x'\], not letters of clover_jax.axes"):
+        parallel.state_shardings(Letters(rows=good.rows), mesh)
