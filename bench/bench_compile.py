@@ -1,12 +1,12 @@
 """Compile time of the jitted speculative loop, and the constants baked into its program.
 
   python bench/bench_compile.py                       # SmolLM2-135M shapes (random weights), batch 8, clover2-26
-  python bench/bench_compile.py --draft-vocab 8192 --batch-size 8 --tree clover2-26 --repeat 2
+  python bench/bench_compile.py --draft-vocab 8192 --batch-size 8 --tree clover2-26 --repeat 2 --out compile.json
 
-Builds a random Llama with the given shapes and a random head (`--head-type`), lowers the loop `spec_generate` runs and
-compiles it (fresh each repeat: the jit cache is cleared), and reports the seconds of each phase plus the
-largest constants in the lowered program (any array baked in as a constant is folded and copied by XLA at
-compile time). One JSON line per repeat.
+Builds a random Llama of `--shape` and a random head (`--head-type`), lowers the loop `spec_generate` runs and
+compiles it (fresh each repeat: the jit caches are cleared), and reports the seconds of each phase plus the largest
+constants in the lowered program (any array baked in as a constant is folded and copied by XLA at compile time).
+One JSON line per repeat; `--out PATH` writes the results JSON.
 """
 
 from __future__ import annotations
@@ -14,17 +14,20 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import sys
 import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import toolkit
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--vocab", type=int, default=49152)
-    ap.add_argument("--hidden", type=int, default=576)
-    ap.add_argument("--layers", type=int, default=30)
-    ap.add_argument("--heads", type=int, default=9)
-    ap.add_argument("--kv-heads", type=int, default=3)
-    ap.add_argument("--intermediate", type=int, default=1536)
+    ap.add_argument("--shape", choices=sorted(toolkit.SHAPES), default="smollm2-135m")
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--prompt-len", type=int, default=128, help="padded prompt length (a bucket)")
     ap.add_argument("--cache-size", type=int, default=512)
@@ -33,33 +36,24 @@ def main(argv=None) -> int:
     ap.add_argument("--draft-vocab", type=int, default=8192, help="draft vocabulary size (0: the full vocabulary)")
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--repeat", type=int, default=1)
+    toolkit.add_out_argument(ap)
     args = ap.parse_args(argv)
-
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-    from flax import nnx
 
     from clover_jax.decoding import speculative
     from clover_jax.decoding.sampling import SamplingParams
     from clover_jax.heads import registry
-    from clover_jax.models.config import LlamaConfig
-    from clover_jax.models.llama import init_llama
 
-    config = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
-                         num_hidden_layers=args.layers, num_attention_heads=args.heads,
-                         num_key_value_heads=args.kv_heads, head_dim=args.hidden // args.heads,
-                         tie_word_embeddings=True, max_position_embeddings=8192)
-    base = init_llama(config, seed=0)
-    ht = registry.get(args.head_type)
-    head = ht.module_cls(config, ht.config_cls(), rngs=nnx.Rngs(1))
+    base = toolkit.random_base(args.shape, jnp.float32)
+    head = toolkit.random_head(base, args.head_type, jnp.float32)
+    config = base.config
     rng = np.random.default_rng(0)
-    vocab = (np.sort(rng.choice(args.vocab, args.draft_vocab, replace=False)).astype(np.int32)
-             if args.draft_vocab else None)
+    vocab = (np.sort(rng.choice(config.vocab_size, args.draft_vocab, replace=False)).astype(np.int32)
+             if 0 < args.draft_vocab < config.vocab_size else None)
     b, t = args.batch_size, args.prompt_len
-    prompt = jnp.asarray(rng.integers(0, args.vocab, (b, t)), jnp.int32)
+    prompt = jnp.asarray(rng.integers(0, config.vocab_size, (b, t)), jnp.int32)
     lens = jnp.full((b,), t - 3, jnp.int32)
     sampling = SamplingParams(temperature=args.temperature)
+    rows = []
     for r in range(args.repeat):
         speculative._jitted.cache_clear()
         registry._drafter_for.cache_clear()
@@ -70,25 +64,26 @@ def main(argv=None) -> int:
         fn = speculative.SpeculativeLoop(drafter, args.cache_size, sampling.greedy,
                                          jnp.dtype(base.dtype)).compiled(base_graph, head_graph)
         eos = jnp.asarray(list(config.eos_token_ids) or [-1], jnp.int32)
-        call_args = (base_state, head_params, prompt, lens, jnp.asarray(16, jnp.int32), eos, sampling.arrays(),
-                     jax.random.key(0))
-        if hasattr(drafter, "arrays"):
-            call_args = call_args[:2] + (drafter.arrays(),) + call_args[2:]
+        call_args = (base_state, head_params, drafter.arrays(), prompt, lens, jnp.asarray(16, jnp.int32), eos,
+                     sampling.arrays(), jax.random.key(0))
         t0 = time.perf_counter()
         lowered = fn.lower(*call_args)
         t1 = time.perf_counter()
         compiled = lowered.compile()
         t2 = time.perf_counter()
-        text = lowered.as_text()
-        sizes = []
-        for m in re.finditer(r"stablehlo\.constant dense<[^>]*> : tensor<([0-9x]+)x[a-z0-9]+>", text):
-            sizes.append(int(np.prod([int(d) for d in m.group(1).split("x")])))
-        print(json.dumps({"repeat": r, "backend": jax.default_backend(), "head_type": args.head_type, "batch": b,
-                          "prompt_len": t, "cache_size": args.cache_size, "tree": args.tree,
-                          "draft_vocab": args.draft_vocab, "lower_s": round(t1 - t0, 2),
-                          "compile_s": round(t2 - t1, 2), "constants_over_256_elements": sum(s > 256 for s in sizes),
-                          "largest_constants": sorted(sizes, reverse=True)[:5]}), flush=True)
+        sizes = [int(np.prod([int(d) for d in m.group(1).split("x")])) for m in re.finditer(
+            r"stablehlo\.constant dense<[^>]*> : tensor<([0-9x]+)x[a-z0-9]+>", lowered.as_text())]
+        rows.append({"repeat": r, "backend": jax.default_backend(), "head_type": args.head_type, "batch": b,
+                     "prompt_len": t, "cache_size": args.cache_size, "tree": args.tree,
+                     "draft_vocab": args.draft_vocab, "lower_s": round(t1 - t0, 2), "compile_s": round(t2 - t1, 2),
+                     "constants_over_256_elements": sum(s > 256 for s in sizes),
+                     "largest_constants": sorted(sizes, reverse=True)[:5]})
+        print(json.dumps(rows[-1]), flush=True)
         del compiled
+    toolkit.write_results(args.out, toolkit.results(
+        __file__, argv, benchmark="bench_compile", title="Compile time of the speculative loop",
+        settings=f"{args.shape} shapes, random weights, {args.head_type} head, {args.tree}, batch {b}, prompt {t}, "
+                 f"cache {args.cache_size}", rows=rows))
     return 0
 
 

@@ -11,29 +11,29 @@ our jitted loop (prompt padded to its length bucket, the cache `bench_spec.py` w
 (the difference to a `--max-new-tokens` run over the extra tokens). Table 2: our decode ms per step for the shortest
 prompt at several cache sizes (the cache is static in the jitted loop, so what a step costs beyond the tokens held
 shows here). With `--head`, the same two numbers for speculative decoding with that head and tree (its 1-token time
-holds the draft head's pass over the prompt). Compile time is excluded (a warm-up call per shape); each number is the best of `--repeat` runs.
+holds the draft head's pass over the prompt). Compile time is excluded (a warm-up call per shape); a time is the
+fastest of `--repeat` calls, and the decode cost the fastest long call less the fastest 1-token call over the tokens
+between them (`clover_jax.tuning.timing`). `--out PATH` writes the results JSON.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import toolkit
+from clover_jax.tuning.timing import per_iteration, timed_calls
 
 
-def _best(fn, repeat):
-    fn()  # compile / allocate
-    out = None
-    best = float("inf")
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        out = fn()
-        best = min(best, time.perf_counter() - t0)
-    return best, out
+def _two_lengths(run, new: int, repeat: int, iterations) -> tuple[float, float]:
+    """(fastest 1-token call's seconds, ms per decode step): `run(n)` makes the call for n new tokens; each length
+    called once first (compile, allocate), then `repeat` times; `iterations(out)`: the long call's decode steps."""
+    calls = {}
+    for n in (1, new):
+        run(n)()  # compile / allocate
+        calls[n] = timed_calls(run(n), repeat)
+    (short, _), (long, out) = calls[1], calls[new]
+    return min(short), per_iteration(short, long, iterations(out)) * 1e3
 
 
 def _ours(model, ids, new, cache, repeat, **spec):
@@ -45,9 +45,7 @@ def _ours(model, ids, new, cache, repeat, **spec):
         return lambda: generate(model, [ids], max_new_tokens=n, decode_text=False, mode=mode, cache_size=cache,
                                 **spec)
 
-    t1, _ = _best(run(1), repeat)
-    tn, res = _best(run(new), repeat)
-    return t1, (tn - t1) / max(res.num_generated - 1, 1) * 1e3
+    return _two_lengths(run, new, repeat, lambda res: res.num_generated - 1)
 
 
 def _peer(ref, ids, new, eos, repeat):
@@ -61,9 +59,7 @@ def _peer(ref, ids, new, eos, repeat):
                 return ref.generate(x, max_new_tokens=n, do_sample=False, eos_token_id=eos, pad_token_id=eos)
         return f
 
-    t1, _ = _best(run(1), repeat)
-    tn, out = _best(run(new), repeat)
-    return t1, (tn - t1) / max(out.shape[1] - len(ids) - 1, 1) * 1e3
+    return _two_lengths(run, new, repeat, lambda out: out.shape[1] - len(ids) - 1)
 
 
 def _main(argv=None):
@@ -75,42 +71,33 @@ def _main(argv=None):
     ap.add_argument("--no-peer", action="store_true", help="skip transformers")
     ap.add_argument("--head", help="also time speculative decoding with this head (a registered name or folder)")
     ap.add_argument("--tree", default="chain-3", help="the tree for --head (default chain-3)")
+    toolkit.add_out_argument(ap)
     from clover_jax.cli import add_debug_argument
 
     add_debug_argument(ap)
     args = ap.parse_args(argv)
 
-    from bench_spec import load_questions
-
     from clover_jax.decoding.sizes import bucket_length, round_up
+    from clover_jax.io.loader import load_model
     from clover_jax.io.prompts import encode_prompts
-    from clover_jax.io.loader import load_model, resolve_model_path
 
     loaded = load_model(args.model)
-    prompts, cats = load_questions("spec_bench", 104, None)
+    prompts, cats = toolkit.load_questions("spec_bench", 104, None)
     ids = encode_prompts(loaded.tokenizer, prompts)
     by_cat: dict[str, list[list[int]]] = {}
     for p, c in zip(ids, cats):
         by_cat.setdefault(c, []).append(p)
     picks = [min(by_cat["qa"], key=len), min(by_cat["extraction"], key=len), min(by_cat["rag"], key=len),
              max(by_cat["summarization"], key=len)]
-    ref = eos = None
-    if not args.no_peer:
-        import torch
-        import transformers
-
-        torch.set_num_threads(os.cpu_count() or 2)
-        path = resolve_model_path(args.model)
-        ref = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                                dtype=torch.float32).eval()
+    ref = None if args.no_peer else toolkit.transformers_model(args.model)
     eos = loaded.config.eos_token_ids[0]
-
-    print(f"{args.model}, greedy, {args.max_new_tokens} new tokens, batch 1, best of {args.repeat}; "
-          f"{os.cpu_count()} cores\n")
+    settings = f"{args.model}, greedy, {args.max_new_tokens} new tokens, batch 1, fastest of {args.repeat}"
+    print(f"{settings}; {toolkit.machine()}\n")
     spec_cols = f" speculative ({args.tree}): 1 token s | speculative: decode ms/token |" if args.head else ""
     print("| prompt tokens | bucket | cache | ours: 1 token s | ours: decode ms/token |" + spec_cols +
           " transformers: 1 token s | transformers: decode ms/token |")
     print("|---" * (7 + 2 * bool(args.head)) + "|")
+    rows, by_cache = [], []
     for p in picks:
         bucket = bucket_length(len(p))
         cache = round_up(bucket + args.max_new_tokens + 4 + 8, 256)  # bench_spec.py's cache for a 4-node tree
@@ -122,6 +109,12 @@ def _main(argv=None):
         peer = _peer(ref, p, args.max_new_tokens, eos, args.repeat) if ref is not None else None
         cols = f"{peer[0]:.3f} | {peer[1]:.1f}" if peer else "- | -"
         print(f"| {len(p)} | {bucket} | {cache} | {t1:.3f} | {step:.1f} |{spec} {cols} |", flush=True)
+        rows.append({"prompt_tokens": len(p), "bucket": bucket, "cache": cache, "ours_1_token_s": round(t1, 4),
+                     "ours_decode_ms": round(step, 2),
+                     **({"speculative_1_token_s": round(s1, 4), "speculative_decode_ms": round(sstep, 2)}
+                        if args.head else {}),
+                     "transformers_1_token_s": round(peer[0], 4) if peer else None,
+                     "transformers_decode_ms": round(peer[1], 2) if peer else None})
 
     if args.cache_sizes:
         print(f"\nOur decode ms/token for the {len(picks[0])}-token prompt by cache size:\n")
@@ -130,6 +123,10 @@ def _main(argv=None):
         for cache in args.cache_sizes:
             _, step = _ours(loaded.model, picks[0], args.max_new_tokens, cache, args.repeat)
             print(f"| {cache} | {step:.1f} |", flush=True)
+            by_cache.append({"cache": cache, "decode_ms": round(step, 2)})
+    toolkit.write_results(args.out, toolkit.results(
+        __file__, argv, benchmark="bench_context", title="What prompt length and cache size cost, ours and "
+        "transformers", settings=settings, rows=rows, by_cache=by_cache, head=args.head, tree=args.tree))
 
 
 def main(argv=None) -> int:

@@ -8,15 +8,17 @@ For each dtype: greedy autoregressive and speculative (the shipped head, or --he
 prompts on one device, then on each mesh. Prints, per run, how many prompts give exactly the tokens of the
 reference (one-device AR of the same dtype; for bf16 also the float32 AR), the first differing position,
 tau and the acceptance histogram, and the wall time. On simulated CPU devices the times say nothing about
-speed (the simulated devices share the host's cores); the agreement is the point.
+speed (the simulated devices share the host's cores); the agreement is the point. `--out PATH` writes the results
+JSON.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
+
+import toolkit
 
 
 def first_diff(a, b):
@@ -38,7 +40,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--meshes", nargs="*", default=["data=4,tp=2", "tp=8"])
     ap.add_argument("--dtypes", nargs="+", default=["float32"], choices=["float32", "bfloat16"])
-    ap.add_argument("--json", help="also write the rows to this file")
+    toolkit.add_out_argument(ap)
     args = ap.parse_args(argv)
     if args.meshes and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
@@ -90,9 +92,11 @@ def main(argv=None) -> int:
                 rows.append(row)
                 print(f"| {dtype} | {mode} | {row['mesh']} | {same} | {diffs or '-'} | "
                       f"{'-' if tau is None else f'{tau:.3f}'} | {hist or '-'} | {secs:.1f} |", flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    toolkit.write_results(args.out, toolkit.results(
+        __file__, argv, benchmark="bench_mesh", title="Sharded decoding against one device, bf16 against float32",
+        settings=f"{args.model}, head {args.head}, {len(prompts)} prompts of {args.questions}, batch "
+                 f"{args.batch_size}, {args.max_new_tokens} new tokens, greedy, {len(jax.devices())} devices",
+        rows=rows))
     return 0
 
 

@@ -3,16 +3,15 @@ default matmul precision (TF32 on recent NVIDIA GPUs, bfloat16 passes on TPUs, f
 would, with `jax.default_matmul_precision("default")` around the calls: the same tokens? the same speed?
 Autoregressive and speculative decoding, one prompt at a time, alternating, best of `--repeat`.
 
-  python bench/bench_precision.py --limit 8 --max-new-tokens 64 --tree chain-3
+  python bench/bench_precision.py --limit 8 --max-new-tokens 64 --tree chain-3 [--out results.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import toolkit
 
 
 def _main(argv=None):
@@ -24,23 +23,22 @@ def _main(argv=None):
     ap.add_argument("--limit", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--repeat", type=int, default=3)
+    toolkit.add_out_argument(ap)
     args = ap.parse_args(argv)
 
     import contextlib
 
     import jax
 
-    from bench_spec import load_questions
     from clover_jax import generate
-    from clover_jax.io.prompts import encode_prompts
-    from clover_jax.heads.draft_vocab import head_draft_vocab
-    from clover_jax.training.loading import load_head
     from clover_jax.io.loader import load_model
+    from clover_jax.io.prompts import encode_prompts
+    from clover_jax.training.loading import open_head_or_run
 
     lm = load_model(args.model)
-    head = load_head(args.head, lm.model)
-    dv = head_draft_vocab(args.head)
-    prompts, _ = load_questions(args.questions, args.limit, None)
+    bundle = open_head_or_run(args.head, lm.model)
+    head, dv = bundle.module, bundle.draft_vocab
+    prompts, _ = toolkit.load_questions(args.questions, args.limit, None)
     ids = encode_prompts(lm.tokenizer, prompts)
     cache = 512 + args.max_new_tokens
     settings = {"default": lambda: jax.default_matmul_precision("default"), "float32 (asked)": contextlib.nullcontext}
@@ -59,17 +57,25 @@ def _main(argv=None):
                     total += r.seconds
                 seconds.setdefault((name, mode), []).append(total)
                 tokens[(name, mode)] = out
-    dev = jax.devices()[0]
-    print(f"{len(ids)} prompts ({args.questions}), {args.max_new_tokens} new tokens, tree {args.tree}; "
-          f"{dev.platform}: {getattr(dev, 'device_kind', '')}; best of {args.repeat}\n")
+    what = (f"{len(ids)} prompts ({args.questions}), {args.max_new_tokens} new tokens, tree {args.tree}, fastest of "
+            f"{args.repeat}")
+    print(f"{what}; {toolkit.machine()}\n")
     print("| loop | default precision (s) | float32 products (s) | outputs identical | speculative == AR |")
     print("|---|---|---|---|---|")
+    rows = []
     for mode in ("ar", "speculative"):
         same = sum(a == b for a, b in zip(tokens[("default", mode)], tokens[("float32 (asked)", mode)]))
         exact = {n: sum(a == b for a, b in zip(tokens[(n, "ar")], tokens[(n, "speculative")])) for n in settings}
-        print(f"| {mode} | {min(seconds[('default', mode)]):.2f} | {min(seconds[('float32 (asked)', mode)]):.2f} | "
+        rows.append({"loop": mode, "default_s": round(min(seconds[("default", mode)]), 3),
+                     "float32_s": round(min(seconds[("float32 (asked)", mode)]), 3), "identical": f"{same}/{len(ids)}",
+                     "speculative_equals_ar": None if mode == "ar" else
+                     {n: f"{exact[n]}/{len(ids)}" for n in ("default", "float32 (asked)")}})
+        print(f"| {mode} | {rows[-1]['default_s']:.2f} | {rows[-1]['float32_s']:.2f} | "
               f"{same}/{len(ids)} | " + (f"default {exact['default']}/{len(ids)}, float32 "
                                          f"{exact['float32 (asked)']}/{len(ids)}" if mode != "ar" else "") + " |")
+    toolkit.write_results(args.out, toolkit.results(
+        __file__, argv, benchmark="bench_precision", title="Float32 products asked against the backend's default "
+        "matmul precision", settings=f"{args.model}, head {args.head}; {what}", rows=rows))
 
 
 def main(argv=None) -> int:

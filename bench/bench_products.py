@@ -12,52 +12,48 @@ how much more a U-row product costs than a one-row product. Measured here in iso
 * **argmax** over `[U, V]` float32 logits: `jnp.argmax` against `clover_jax.decoding.sampling.argmax_last`, the two
   plain reductions the decoding loops take.
 
-Prints ms per call (best of 5 rounds of `--repeat` calls) and each U's ratio to U = 1.
+Prints ms per call (the fastest of 5 rounds of `--repeat` calls) and each U's ratio to U = 1; `--out PATH` writes the
+results JSON.
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
-import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import toolkit
+from clover_jax.decoding.sampling import argmax_last
+from clover_jax.tuning.timing import timed_calls
 
 
 def _best_ms(fn, *args, repeat: int) -> float:
-    import jax
-
+    """ms per call of `fn(*args)`: the fastest of 5 rounds of `repeat` calls in a row (compiled first)."""
     jax.block_until_ready(fn(*args))
-    best = float("inf")
-    for _ in range(5):
-        t0 = time.perf_counter()
+
+    def round_of_calls():
         for _ in range(repeat):
             out = fn(*args)
-        jax.block_until_ready(out)
-        best = min(best, (time.perf_counter() - t0) / repeat * 1e3)
-    return best
+        return jax.block_until_ready(out)
+
+    return min(timed_calls(round_of_calls, 5)[0]) / repeat * 1e3
 
 
 def main(argv=None) -> int:
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-
-    from bench_step import SHAPES
-    from clover_jax.decoding.sampling import argmax_last
-
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shape", default="smollm2-135m", choices=sorted(SHAPES))
+    ap.add_argument("--shape", default="smollm2-135m", choices=sorted(toolkit.SHAPES))
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 5, 9, 26])
     ap.add_argument("--layers", type=int, default=0, help="layers of MLP weights (0: the shape's)")
     ap.add_argument("--repeat", type=int, default=20)
+    toolkit.add_out_argument(ap)
     args = ap.parse_args(argv)
     if min(args.rows) < 1:
         raise SystemExit(f"--rows must be >= 1, got {args.rows}")
 
-    v, d, layers, _, _, inter, _ = SHAPES[args.shape]
+    v, d, layers, _, _, inter, _ = toolkit.SHAPES[args.shape]
     layers = args.layers or layers
     dt = jnp.dtype(args.dtype)
     rng = np.random.default_rng(0)
@@ -79,7 +75,7 @@ def main(argv=None) -> int:
           f"{jax.default_backend()} ({jax.devices()[0].device_kind}), ms per call\n")
     print("| rows U | logits | / U=1 | MLP per layer | / U=1 | jnp.argmax | argmax_last |")
     print("|---|---|---|---|---|---|---|")
-    base = None
+    base, rows = None, []
     for u in args.rows:
         h = jnp.asarray(rng.standard_normal((u, d), np.float32), dt)
         x = jnp.asarray(rng.standard_normal((u, v), np.float32))
@@ -89,6 +85,13 @@ def main(argv=None) -> int:
         base = base or row
         print(f"| {u} | {row[0]:.3f} | {row[0] / base[0]:.2f} | {row[1]:.4f} | {row[1] / base[1]:.2f} | "
               f"{row[2]:.3f} | {row[3]:.3f} |")
+        rows.append({"rows": u, "logits_ms": round(row[0], 4), "logits_vs_1": round(row[0] / base[0], 3),
+                     "mlp_per_layer_ms": round(row[1], 5), "mlp_vs_1": round(row[1] / base[1], 3),
+                     "jnp_argmax_ms": round(row[2], 4), "argmax_last_ms": round(row[3], 4)})
+    toolkit.write_results(args.out, toolkit.results(
+        __file__, argv, benchmark="bench_products", title="What a decoding step's products cost by rows",
+        settings=f"{args.shape} shapes (V {v}, D {d}, F {inter}, {layers} layers), {args.dtype}, random weights",
+        rows=rows))
     return 0
 
 

@@ -17,18 +17,14 @@ Writes a JSON result (`--out`) that `scripts/render_results.py` renders.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import sys
-import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+import toolkit
 from clover_jax.decoding.autoregressive import decode_forward, prefill
 from clover_jax.io.loader import load_model
 from clover_jax.models.cache import KVCache, causal_mask
@@ -79,19 +75,17 @@ def chain(loaded, tokens: list[int], batch: int) -> list[int]:
     return [int(x) for x in (a != b).sum(-1)]
 
 
-def _main(argv=None) -> int:
+def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"], choices=["bfloat16", "float32"])
     ap.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 2])
-    ap.add_argument("--out", default=None, help="write the result JSON here")
+    toolkit.add_out_argument(ap)
     args = ap.parse_args(argv)
     rng = np.random.default_rng(0)
-    result = {"benchmark": "bench_rows", "date": time.strftime("%Y-%m-%d"), "model": args.model,
-              "machine": f"{platform.machine()}, {os.cpu_count()} cores, {jax.devices()[0].platform}: "
-                         f"{getattr(jax.devices()[0], 'device_kind', '')}, jax {jax.__version__}",
-              "command": "python bench/bench_rows.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-              "products": {}, "chain": {}}
+    result = toolkit.results(__file__, argv, benchmark="bench_rows", title="Verification and decode steps, row by row",
+                             settings=f"{args.model}, a chat prompt in the KV cache, then 4 tokens", model=args.model,
+                             products={}, chain={})
     for name in args.dtypes:
         dtype = getattr(jnp, name)
         result["products"][name] = products(dtype, rng)
@@ -105,10 +99,9 @@ def _main(argv=None) -> int:
             print(f"products {name} {r['shape']} M={r['rows']}: row 0 differs from M=1 in {r['differing']} of {r['of']}")
     for key, diff in result["chain"].items():
         print(f"chain {key}: hidden-state elements differing per row: {diff}")
-    if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=1))
+    toolkit.write_results(args.out, result)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(_main())
+    sys.exit(main())

@@ -7,24 +7,22 @@ template), compile excluded:
   dv          + cross-entropy over the draft vocabulary of `--draft-vocab` tokens (loss.draft_vocab)
   features    + the base's hidden states computed once, before training (train.cache_features)
 
-  python bench/bench_train.py --config configs/smollm2-135m-clover2.yaml --steps 6 [--json out.json]
+  python bench/bench_train.py --config configs/smollm2-135m-clover2.yaml --steps 6 [--out results.json]
 
 `--xla training xla-default` times each variant twice in the same process, with the XLA options the training steps
 compile with on a CPU (`clover_jax.training.steps.CPU_COMPILER_OPTIONS`) and with XLA's defaults (its YNNPACK
-fusions on).
+fusions on). `--set KEY=VALUE` overrides the config (as train.py's); `--out PATH` writes the results JSON.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import os
-import platform
 import sys
 import time
 
 import numpy as np
+
+import toolkit
 
 VARIANTS = {
     "online": dict(positions=False, dv=False, features=False),
@@ -54,17 +52,18 @@ def _main(argv=None):
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     ap.add_argument("--xla", nargs="+", default=["training"], choices=["training", "xla-default"],
                     help="the XLA options of the steps: the training's (CPU_COMPILER_OPTIONS) or XLA's defaults")
-    ap.add_argument("--json")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a config override")
+    toolkit.add_out_argument(ap)
     from clover_jax.cli import add_debug_argument
 
     add_debug_argument(ap)
     args = ap.parse_args(argv)
 
     base_cfg = load_config(args.config).replace(
-        "data.self_distill=false", f"data.num_conversations={4 * (args.steps + 1) * 3}",
+        *args.set, "data.self_distill=false", f"data.num_conversations={4 * (args.steps + 1) * 3}",
         f"data.max_length={args.length}", f"data.bucket_boundaries=[{args.length}]", "train.eval_every=0",
         "mesh.data=1")
-    mesh = make_mesh(1, 1, 1)
+    mesh = make_mesh(1, 1, 1, devices=jax.devices()[:1])
     loaded = load_base(base_cfg, mesh)
     convs = data_lib.load_conversations(base_cfg.data)
     train, _ = data_lib.build_datasets(base_cfg.data, loaded.tokenizer, convs)
@@ -101,8 +100,7 @@ def _main(argv=None):
             del trainer
     steps_lib.CPU_COMPILER_OPTIONS = training_options
     ref = rows[0]["step_s"]
-    print(f"\n{platform.machine()}, {jax.device_count()} device(s) ({jax.devices()[0].platform}), jax {jax.__version__}; "
-          f"batch {base_cfg.data.batch_size} x {args.length}, median of {args.steps} steps")
+    print(f"\n{toolkit.machine()}, {jax.device_count()} device(s); batch {base_cfg.data.batch_size} x {args.length}, median of {args.steps} steps")
     print(f"base features for {len(train)} examples: {feat_s:.1f} s, computed once "
           f"({float(batcher.dataset.lengths.sum()) / feat_s:.0f} tokens/s)")
     print("| variant | XLA options | step s | real tokens / step | tokens/s | speed vs first | compile s |")
@@ -110,19 +108,10 @@ def _main(argv=None):
     for r in rows:
         print(f"| {r['variant']} | {r['xla']} | {r['step_s']} | {r['tokens_per_step']:.0f} | {r['tokens_per_s']} | "
               f"{ref / r['step_s']:.2f}x | {r['compile_s']} |")
-    if args.json:  # a results/*.json file (scripts/render_results.py)
-        result = {"title": "Training step on this machine: the step's variants and XLA options",
-                  "date": datetime.date.today().isoformat(),
-                  "machine": (f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-                              f"jax {jax.__version__}"),
-                  "machine_short": "CPU", "benchmark": "train_step",
-                  "command": "python bench/bench_train.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-                  "source": "recorded by the command",
-                  "settings": f"batch {base_cfg.data.batch_size} x {args.length} tokens, median of {args.steps} steps",
-                  "rows": rows, "feature_seconds": round(feat_s, 1)}
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
-            f.write("\n")
+    toolkit.write_results(args.out, toolkit.results(
+        __file__, argv, benchmark="train_step", title="Training step on this machine: the step's variants and XLA "
+        "options", settings=f"batch {base_cfg.data.batch_size} x {args.length} tokens, median of {args.steps} steps",
+        rows=rows, feature_seconds=round(feat_s, 1)))
 
 
 def main(argv=None) -> int:

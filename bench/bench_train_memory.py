@@ -28,12 +28,8 @@ Llama with SmolLM2's vocabulary (D=64, 4 heads) and a 16,384-token context, so 9
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -62,6 +58,7 @@ POINTS = {
                          "three heads, the whole vocabulary at every position of long rows (no chunking)"),
     "smollm2-short": ("smollm2", [(8, 128, WHOLE_VOCAB), (16, 256, WHOLE_VOCAB + ["loss.vocab_chunk=64"])],
                       "the whole vocabulary in the cross-entropy, base run in every step"),
+    "tiny": ("random", [(1, 64, WHOLE_VOCAB)], "a quick check that the script runs (not a point of the table)"),
 }
 
 
@@ -122,13 +119,17 @@ def _load(base_name: str, cfg, mesh):
 
 def child(spec: dict) -> dict:
     """One point in this process: `spec["mode"]` "run" (train, report the estimate) or "compile" (XLA's buffers)."""
+    with tempfile.TemporaryDirectory(prefix="bench_train_memory_") as tmp:
+        return _child(spec, Path(tmp))
+
+
+def _child(spec: dict, tmp: Path) -> dict:
     import jax
     import numpy as np
 
     from clover_jax import parallel
     from clover_jax.training import memory
 
-    tmp = Path(spec["tmp"])
     cfg = point_config(spec["base"], spec["batch"], spec["length"], spec["extra"], spec["steps"], str(tmp / "run"))
     mesh = parallel.make_mesh(1, 1, 1, devices=jax.devices("cpu")[:1])
     loaded = _load(spec["base"], cfg, mesh)
@@ -166,16 +167,6 @@ def child(spec: dict) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------ parent
-def _rss(pid: int) -> int:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
-
-
 def _available() -> int:
     """MemAvailable of /proc/meminfo, bytes (0 where unknown)."""
     try:
@@ -198,35 +189,12 @@ def wait_for_memory(need: float, patience: float) -> bool:
 
 
 def run_child(spec: dict, limit: int, timeout: float) -> tuple[dict | None, int, str]:
-    """(the child's report or None, its peak resident bytes, "" or why it stopped)."""
-    with tempfile.TemporaryDirectory(prefix="bench_train_memory_") as tmp:
-        spec = {**spec, "tmp": tmp}
-        report = Path(tmp) / "report.json"
-        env = {**os.environ, "CLOVER_JAX_COMPILE_CACHE": "off"}
-        log = Path(tmp) / "log.txt"
-        with log.open("w") as sink:
-            proc = subprocess.Popen([sys.executable, __file__, "--child", json.dumps(spec), "--report", str(report)],
-                                    env=env, stdout=sink, stderr=subprocess.STDOUT)
-        stopped, t0 = "", time.monotonic()
-        while True:
-            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)  # reaps it (its rusage) once it has ended
-            if pid:
-                break
-            if _rss(proc.pid) > limit:
-                stopped = f"stopped at the {limit / GIB:.0f} GiB limit"
-            elif time.monotonic() - t0 > timeout:
-                stopped = f"stopped after {timeout:.0f} s"
-            if stopped:
-                os.kill(proc.pid, signal.SIGKILL)
-                _, status, usage = os.wait4(proc.pid, 0)
-                break
-            time.sleep(0.1)
-        proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here: Popen must not wait for it again
-        peak = int(usage.ru_maxrss) * 1024  # kilobytes on Linux
-        if not stopped and proc.returncode != 0:
-            print(log.read_text()[-3000:], file=sys.stderr)
-            stopped = f"failed (status {proc.returncode})"
-        return (json.loads(report.read_text()) if report.is_file() else None), peak, stopped
+    """(the child's report or None, its peak resident bytes, "" or why it stopped): one point in a new process."""
+    import toolkit  # the bench scripts' shared module (not needed by the functions the tests import alone)
+
+    child_run = toolkit.run_child(__file__, spec, env={"CLOVER_JAX_COMPILE_CACHE": "off"}, limit_bytes=limit,
+                                  timeout=timeout, check=False)
+    return child_run.report, child_run.peak_bytes, child_run.stopped
 
 
 def base_config(base: str):
@@ -261,23 +229,21 @@ def reestimate(path: Path) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--points", nargs="+", default=list(POINTS), choices=list(POINTS))
+    ap.add_argument("--points", nargs="+", default=[p for p in POINTS if p != "tiny"], choices=list(POINTS))
     ap.add_argument("--lengths", nargs="+", type=int, help="only these data.max_length values")
     ap.add_argument("--steps", type=int, default=2, help="optimizer steps per run")
     ap.add_argument("--limit-gib", type=float, default=16.0,
                     help="no run whose estimate passes this; a run that does is stopped there")
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per child")
     ap.add_argument("--no-compile", action="store_true", help="skip XLA's buffer assignment of each step")
-    ap.add_argument("--out", help="write the results here (JSON, as results/*.json: scripts/render_results.py)")
+    ap.add_argument("--out", help="write the results JSON here (as results/*.json: scripts/render_results.py)")
     ap.add_argument("--reestimate", metavar="RESULTS_JSON",
                     help="only recompute the estimates of a results file with the code as it is (measurements kept)")
-    ap.add_argument("--child", help=argparse.SUPPRESS)
-    ap.add_argument("--report", help=argparse.SUPPRESS)
-    args = ap.parse_args(argv)
-    if args.child:
-        Path(args.report).write_text(json.dumps(child(json.loads(args.child))))
-        return 0
+    import toolkit  # the bench scripts' shared module (not needed by the functions the tests import alone)
 
+    if toolkit.serve_child(argv, child):
+        return 0
+    args = ap.parse_args(argv)
     if args.reestimate:
         reestimate(Path(args.reestimate))
         return 0
@@ -322,21 +288,11 @@ def main(argv=None) -> int:
                   + (f", compiled check {c / GIB:6.2f} GiB" if c else "")
                   + (f" ({row['compiled_error']:+.0%})" if row["compiled_error"] is not None else "")
                   + (f"  [{row['note']}]" if row.get("note") else ""), flush=True)
-    if args.out:
-        import jax
-
-        result = {
-            "title": "Training memory: the estimate against the peak resident memory",
-            "date": datetime.date.today().isoformat(),
-            "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-                       f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / GIB:.0f} GiB, "
-                       f"jax {jax.__version__}",
-            "machine_short": "CPU", "benchmark": "train_memory", "steps": args.steps, "limit_gib": args.limit_gib,
-            "command": "python bench/bench_train_memory.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-            "source": "recorded by the command", "rows": rows,
-        }
-        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
-        print(f"wrote {args.out}")
+    toolkit.write_results(args.out, toolkit.results(
+        __file__, argv, benchmark="train_memory", title="Training memory: the estimate against the peak resident "
+        "memory", machine=toolkit.machine(f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / GIB:.0f} GiB"),
+        settings=f"{args.steps} optimizer steps per point, runs above {args.limit_gib:.0f} GiB not started",
+        steps=args.steps, limit_gib=args.limit_gib, rows=rows))
     return 0
 
 

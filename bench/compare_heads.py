@@ -8,24 +8,24 @@ in the same evaluation), greedy mismatches, and each head's training cost, on th
 A head is a training run folder, an exported folder or a registered head name. Every head runs the `--trees` its
 type can draft (ReDrafter drafts beam policies only) plus its default tree (a shipped head's own, else its type's;
 not with --no-default-tree); HEAD@TREE runs TREE alone on that head (HEAD@default: its default tree). A head
-trained on a draft vocabulary drafts from it. `scripts/compare_heads.sh` trains the heads on an equal budget and
-calls this; `bench/head_types.py` condenses its outputs into one results table.
-Writes compare.json, compare.md and compare.png to --out-dir and prints the markdown table.
+trained on a draft vocabulary drafts from it. Each head is opened once (`open_head_or_run`): its module, fitted
+trees, draft vocabulary and n-gram table go to the evaluation as they are. `scripts/compare_heads.sh` trains the
+heads on an equal budget and calls this; `bench/head_types.py` condenses its outputs into one results table.
+Writes the results JSON to `--out` (benchmark `compare_heads`; compare.md and compare.png beside it) and prints the
+markdown table.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import toolkit
 
 
 def training_cost(run: Path) -> dict:
@@ -76,40 +76,40 @@ def _main(argv=None):
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--ngram-table", help="n-gram table for trees named ...-table, for every head (python -m "
                     "clover_jax.decoding.ngram; a head folder with one); default: each head's own")
-    ap.add_argument("--out-dir", default="artifacts/compare_heads")
+    toolkit.add_out_argument(ap, default="artifacts/compare_heads/compare.json",
+                             what="the results JSON (compare.md and compare.png beside it)")
     from clover_jax.cli import add_debug_argument
 
     add_debug_argument(ap)
     args = ap.parse_args(argv)
 
-    from bench_spec import load_questions
+    import jax
+    from flax import nnx
 
-    from clover_jax.heads.folder import open_folder
-    from clover_jax.decoding.ngram import resolve_ngram_table
-    from clover_jax.tuning.evaluation import DV, evaluate
+    from clover_jax.decoding.ngram import load_ngram_table
     from clover_jax.heads import registry
-    from clover_jax.heads.draft_vocab import head_draft_vocab
-    from clover_jax.training.loading import load_head
     from clover_jax.io.loader import load_model
+    from clover_jax.training.loading import open_head_or_run
+    from clover_jax.tuning.evaluation import DV, evaluate
 
     loaded = load_model(args.model)
-    prompts, cats = load_questions(args.questions, args.limit or None, args.categories)
-    rows, result = [], {"heads": {}, "prompts": len(prompts), "args": vars(args), "date": time.strftime("%Y-%m-%d"),
-                        "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.platform()}"}
+    prompts, cats = toolkit.load_questions(args.questions, args.limit or None, args.categories)
+    shared = load_ngram_table(args.ngram_table) if args.ngram_table else None  # every head's, else each its own
+    out = Path(args.out)
+    rows, result = [], toolkit.results(
+        __file__, argv, benchmark="compare_heads", title=f"Draft heads side by side: {args.questions}, "
+        f"{len(prompts)} prompts", settings=f"{args.model}, batch {args.batch_size}, {args.max_new_tokens} new "
+        "tokens, greedy", heads={}, prompts=len(prompts), args=vars(args))
     reference = None  # with --ar-once: the first head's autoregressive run
-    out = Path(args.out_dir)
     for arg in args.heads:
         spec, _, own = arg.partition("@")  # HEAD@TREE: this head runs TREE alone ("default": its default tree)
         where = Path(args.runs) / f"{args.prefix}{spec}" if args.runs and spec in registry.names() else spec
-        head = load_head(str(where), loaded.model)
-        ht = registry.of_head(head)
-        folder = open_folder(str(where))
-        known = folder.trees  # fit-N-<hash>: a tree this head's calibration fitted
-        default = folder.default_tree or ht.default_tree  # a shipped head's own default, else its type's
+        bundle = open_head_or_run(str(where), loaded.model)
+        ht = registry.of_head(bundle.module)
+        default = bundle.default_tree  # a shipped head's own default, else its type's
         asked = [default if own == "default" else own] if own else list(args.trees)
-        table = resolve_ngram_table(args.ngram_table, str(where)) if any(t.endswith("-table") for t in asked) \
-            else None
-        why = {t: unsupported(ht, t, table, known) for t in asked}
+        table = lambda: shared or bundle.ngram_table  # noqa: E731 - read where a table tree needs it
+        why = {t: unsupported(ht, t, table() if t.endswith("-table") else None, bundle.trees) for t in asked}
         trees = [t for t in asked if why[t] is None]
         for t in asked:
             if why[t] is not None:
@@ -117,28 +117,22 @@ def _main(argv=None):
         only_asked = args.no_default_tree or own  # no default tree added, unless none of the asked trees fits
         if default not in trees and (not trees or not only_asked):
             trees.append(default)
-            if default.endswith("-table") and table is None:
-                table = resolve_ngram_table(args.ngram_table, str(where))
-        vocab = head_draft_vocab(str(where))
-        names = [t + DV if vocab is not None else t for t in trees]
+        names = [t + DV if bundle.draft_vocab is not None else t for t in trees]
         t0 = time.time()
-        res = evaluate(loaded, head, prompts, trees=names, batch_size=args.batch_size,
-                       max_new_tokens=args.max_new_tokens, categories=cats, draft_vocab=vocab, progress=False,
-                       ngram_table=table, known_trees=known, reference=reference, keep_reference=args.ar_once)
+        res = evaluate(loaded, bundle, prompts, trees=names, batch_size=args.batch_size,
+                       max_new_tokens=args.max_new_tokens, categories=cats, progress=False, ngram_table=shared,
+                       reference=reference, keep_reference=args.ar_once)
         if args.ar_once:
             reference = res.pop("reference")
-        import jax
-        from flax import nnx
-
-        params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(head, nnx.Param)))
+        params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(bundle.module, nnx.Param)))
         cost = training_cost(Path(where)) if Path(where).is_dir() else {}
         entry = {"type": ht.name, "source": str(where), "params": params, "training": cost,
                  "greedy_mismatches": res["greedy_mismatches"], "greedy_compared": res["greedy_compared"],
                  "ar": res["runs"]["ar"], "trees": {t: res["runs"][n] for t, n in zip(trees, names)},
                  "wall_seconds": round(time.time() - t0, 1)}
         result["heads"][spec] = entry
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "compare.json").write_text(json.dumps(result, indent=1))  # after every head: a crash loses one head
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=1) + "\n")  # after every head: a crash loses one head
         for t in trees:
             r = entry["trees"][t]
             rates = r.get("accept_rate_per_depth") or []
@@ -155,9 +149,10 @@ def _main(argv=None):
              "train steps | tokens seen | train min | held-out acc (depth 1) |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"] + rows
     lines += ratio_lines(result)
-    (out / "compare.md").write_text("\n".join(lines) + "\n")
+    (out.parent / "compare.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
-    plot(result, out / "compare.png")
+    print(f"wrote {out}")
+    plot(result, out.parent / "compare.png")
 
 
 def _first_acc(cost: dict) -> str:
@@ -183,7 +178,7 @@ def ratio_lines(result: dict) -> list[str]:
 
 
 def plot(result: dict, path: Path) -> None:
-    import matplotlib
+    import matplotlib  # optional: the plot
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

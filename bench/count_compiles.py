@@ -10,7 +10,7 @@ order, for autoregressive decoding and each tree (`default`: the head's default 
 `clover_jax.compile_cache.CompileCounter` what XLA compiles per loop. `--predict-only` compiles nothing: it prints the
 distinct (batch, bucket, cache) shapes per loop the prompt lengths need, and how many the cache sizes the plan used
 before the cache ladder needed. Run with `CLOVER_JAX_COMPILE_CACHE=off` to count compiles rather than loads from the
-persistent cache. One JSON line per loop; `--out` writes them all.
+persistent cache. One JSON line per loop; `--out PATH` writes the results JSON (one row per loop).
 """
 
 from __future__ import annotations
@@ -19,9 +19,8 @@ import argparse
 import json
 import sys
 import time
-from pathlib import Path
 
-import numpy as np
+import toolkit
 
 
 def old_cache(prompt_len: int, max_new_tokens: int, extra: int) -> int:
@@ -53,7 +52,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new-tokens", type=int, nargs="+", default=[8])
     ap.add_argument("--layers", default="auto", choices=["auto", "unrolled", "scan"])
     ap.add_argument("--predict-only", action="store_true", help="only the shapes the prompt lengths need")
-    ap.add_argument("--out", default=None, help="write the JSON lines here too")
+    toolkit.add_out_argument(ap)
     args = ap.parse_args(argv)
 
     import clover_jax
@@ -97,8 +96,10 @@ def main(argv=None) -> int:
                     "other_programs": sum(other.values()), "other_names": dict(sorted(other.items())),
                     "seconds": round(time.perf_counter() - t0, 1)}
             print(json.dumps(row), flush=True)
-    if args.out:
-        Path(args.out).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    toolkit.write_results(args.out, toolkit.results(
+        __file__, argv, benchmark="count_compiles", title="Programs compiled per decoding loop, against the shapes "
+        "predicted", settings=f"{args.model}, {args.questions} ({len(ids)} prompts), batch {args.batch_size}",
+        rows=rows))
     bad = [r for r in rows if "compiled" in r and r["compiled"] > r["programs"]]
     for r in bad:
         print(f"{r['loop']}: compiled {r['compiled']} programs, {r['programs']} predicted", file=sys.stderr)

@@ -12,18 +12,17 @@ before them, as on a tree path whose parents were all accepted. For every reply 
 top-k drafts with their probabilities are scored against the reply's token.
 
 Prints per depth: top-1/2/3 accuracy against the mean probability the head gave them, and accuracy per probability
-bin (all top-k drafts pooled), with the expected calibration error (ECE, bin-weighted |mean p - accuracy|).
+bin (all top-k drafts pooled), with the expected calibration error (ECE, bin-weighted |mean p - accuracy|);
+`--out PATH` writes the results JSON.
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import toolkit
 
 BINS = (0.0, 0.1, 0.2, 0.4, 0.6, 0.8, 1.0)
 
@@ -46,9 +45,7 @@ def reliability(p: np.ndarray, hit: np.ndarray, bins=BINS) -> tuple[list[tuple[f
 
 def main(argv=None) -> int:
     import clover_jax
-    from bench_spec import load_questions
-    from clover_jax.heads.bundle import open_head
-    from clover_jax.training.checkpoint import load_head_from_run
+    from clover_jax.training.loading import open_head_or_run
     from simulate_lookup import add_reply_args, greedy_replies, padded, top_drafts
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -57,11 +54,11 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     loaded = clover_jax.load_model(args.model)
-    bundle = open_head(args.head, loaded.model, run_loader=load_head_from_run)
+    bundle = open_head_or_run(args.head, loaded.model)
     head, draft_vocab = bundle.module, bundle.draft_vocab
     if not hasattr(head, "train_outputs"):
         raise SystemExit(f"{args.head}: this head type has no teacher-forced outputs to measure")
-    prompts, _ = load_questions(args.questions, args.limit, None)
+    prompts, _ = toolkit.load_questions(args.questions, args.limit, None)
     top = top_drafts(loaded.model, head, draft_vocab, args.top_k, with_logp=True)
     p_by, hit_by = {}, {}
     for prompt, reply in greedy_replies(loaded, prompts, args.max_new_tokens):
@@ -80,12 +77,21 @@ def main(argv=None) -> int:
     print("| depth | positions | top-1 acc / mean p | top-2 | top-3 | ECE "
           "| accuracy per probability bin (mean p: acc) |")
     print("|---|---|---|---|---|---|---|")
+    out = []
     for h in sorted(p_by):
         p, hit = np.concatenate(p_by[h]), np.concatenate(hit_by[h])  # [N, k]
         rows, ece = reliability(p, hit)
         ranks = " | ".join(f"{hit[:, r].mean():.3f} / {p[:, r].mean():.3f}" for r in range(min(3, p.shape[1])))
         bins = ", ".join(f"{mp:.2f}: {acc:.2f}" for mp, acc, _ in rows)
         print(f"| {h + 1} | {p.shape[0]} | {ranks} | {ece:.3f} | {bins} |")
+        out.append({"depth": h + 1, "positions": int(p.shape[0]), **{
+            f"top{r + 1}_accuracy": round(float(hit[:, r].mean()), 4) for r in range(min(3, p.shape[1]))}, **{
+            f"top{r + 1}_mean_p": round(float(p[:, r].mean()), 4) for r in range(min(3, p.shape[1]))},
+            "ece": round(ece, 4), "bins": [[round(mp, 4), round(acc, 4), n] for mp, acc, n in rows]})
+    toolkit.write_results(args.out, toolkit.results(
+        __file__, argv, benchmark="head_calibration", title="How well a draft head's probabilities predict "
+        "acceptance, per depth", settings=f"{args.head} on {len(prompts)} {args.questions} prompts, greedy replies of "
+        f"{args.max_new_tokens} tokens, top-{args.top_k} drafts teacher-forced", rows=out))
     return 0
 
 

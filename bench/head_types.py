@@ -1,5 +1,5 @@
 """One table of head types: the evaluations `bench/compare_heads.py` wrote (one per question set) and the drafting
-cost `bench/bench_step.py --json` measured per head type, condensed into one results file for
+cost `bench/bench_step.py time --out` measured per head type, condensed into one results file for
 `scripts/render_results.py` (benchmark `head_types`).
 
   python bench/head_types.py --compare mt_bench=artifacts/mt80/compare.json spec_bench=artifacts/sb30/compare.json \\
@@ -17,6 +17,8 @@ import json
 import sys
 import time
 from pathlib import Path
+
+import toolkit
 
 KEEP = ("tau", "tau_ci95", "accept_rate_per_depth", "speedup_vs_ar", "speedup_ci95", "tokens_per_second")
 
@@ -49,7 +51,7 @@ def condense(compares: list[tuple[str, dict]]) -> dict:
 
 
 def draft_costs(reports: list[dict]) -> dict:
-    """bench_step --json reports -> {"<head type> <tree>": {draft_ms, commit_ms, ar_step_ms, speculative_step_ms}}."""
+    """bench_step time reports -> {"<head type> <tree>": {draft_ms, commit_ms, ar_step_ms, speculative_step_ms}}."""
     out = {}
     for rep in reports:
         for tree, rows in rep["trees"].items():
@@ -61,25 +63,30 @@ def draft_costs(reports: list[dict]) -> dict:
     return out
 
 
-def last_json(path: Path) -> dict:
-    """The JSON report in a file of bench_step's output (its last line: the whole stdout of `--json` will do)."""
-    lines = [line for line in path.read_text().splitlines() if line.strip()]
-    try:
-        return json.loads(lines[-1])
-    except (IndexError, json.JSONDecodeError):
-        raise SystemExit(f"{path}: no bench_step.py --json report on its last line") from None
+def step_report(path: Path) -> dict:
+    """The report `bench/bench_step.py time --out` wrote (or, from older runs, the JSON line that ends its output)."""
+    text = path.read_text()
+    lines = [line for line in text.splitlines() if line.strip()]
+    for candidate in (text, lines[-1] if lines else ""):
+        try:
+            report = json.loads(candidate)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(report, dict) and "trees" in report:
+            return report
+    raise SystemExit(f"{path}: no bench_step.py time report (write one with --out)")
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--compare", nargs="+", required=True, metavar="SET=compare.json")
-    ap.add_argument("--steps", nargs="*", default=[], help="bench_step.py --json outputs (later files win)")
+    ap.add_argument("--steps", nargs="*", default=[], help="bench_step.py time --out reports (later files win)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--title", required=True)
     ap.add_argument("--machine", required=True)
     ap.add_argument("--machine-short", default="2-core AMD EPYC CPU")
     ap.add_argument("--settings", default="")
-    ap.add_argument("--command", default="", help="the commands that made the inputs")
+    ap.add_argument("--command", default="", help="the commands that made the inputs (default: this one)")
     args = ap.parse_args(argv)
     compares = []
     for item in args.compare:
@@ -88,12 +95,12 @@ def main(argv=None) -> int:
             raise SystemExit(f"--compare {item!r}: expected SET=path/to/compare.json")
         compares.append((which, json.loads(Path(path).read_text())))
     out = {"title": args.title, "date": time.strftime("%Y-%m-%d"), "machine": args.machine,
-           "machine_short": args.machine_short, "settings": args.settings, "command": args.command,
+           "machine_short": args.machine_short, "settings": args.settings,
+           "command": args.command or toolkit.command(__file__, argv),
            "source": "condensed by bench/head_types.py from the commands' outputs", "benchmark": "head_types",
-           **condense(compares), "draft": draft_costs([last_json(Path(p)) for p in args.steps]),
+           **condense(compares), "draft": draft_costs([step_report(Path(p)) for p in args.steps]),
            "notes": []}
-    Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
-    print(f"wrote {args.out}")
+    toolkit.write_results(args.out, out)
     return 0
 
 

@@ -20,7 +20,7 @@ under the head's top-1 path of depth D (drafted after the head's D tokens) inste
 the table's chains): for every chain length K <= 6 it fits the head's subtree of N - K nodes beside the chain
 (`fit_beside_chain`: best-first, each node the one that most raises the mean accepted length over every decoding
 position of the replies, where a position accepts the longer of its head path and its chain) and predicts that
-merged tree's tau as above.
+merged tree's tau as above. `--out PATH` writes the results JSON.
 """
 
 from __future__ import annotations
@@ -28,12 +28,10 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import sys
-from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import toolkit
 
 
 def top_drafts(base, head, draft_vocab, top_k: int, with_logp: bool = False):
@@ -188,14 +186,13 @@ def add_reply_args(ap: argparse.ArgumentParser, *, questions: str, limit: int) -
     ap.add_argument("--questions", default=questions)
     ap.add_argument("--limit", type=int, default=limit)
     ap.add_argument("--max-new-tokens", type=int, default=128)
+    toolkit.add_out_argument(ap)
 
 
 def main(argv=None) -> int:
     import clover_jax
-    from bench_spec import load_questions
-    from clover_jax.heads.bundle import open_head
-    from clover_jax.training.checkpoint import load_head_from_run
     from clover_jax.decoding.tree import TreeSpec, get_tree
+    from clover_jax.training.loading import open_head_or_run
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_reply_args(ap, questions="mt_bench", limit=80)
@@ -213,7 +210,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     loaded = clover_jax.load_model(args.model)
-    bundle = open_head(args.head, loaded.model, run_loader=load_head_from_run)
+    bundle = open_head_or_run(args.head, loaded.model)
     head, draft_vocab = bundle.module, bundle.draft_vocab
     trees = {}
     for name in args.trees:
@@ -224,13 +221,13 @@ def main(argv=None) -> int:
         if args.anchor_depth and (0,) * args.anchor_depth not in trees[spec.name]:
             raise SystemExit(f"--anchor-depth {args.anchor_depth}: tree {name} has no top-1 path that deep")
     top_k = max([max(max(c) for c in t) + 1 for t in trees.values()] + [SPLIT_TOP_K if args.split else 1])
-    prompts, cats = load_questions(args.questions, args.limit, None)
+    prompts, cats = toolkit.load_questions(args.questions, args.limit, None)
     seqs = greedy_replies(loaded, prompts, args.max_new_tokens)
-    from clover_jax.decoding.ngram import head_ngram_table, load_ngram_table
+    from clover_jax.decoding.ngram import load_ngram_table
 
     if args.anchor_depth < 0:
         raise SystemExit(f"--anchor-depth must be >= 0, got {args.anchor_depth}")
-    tables = ([load_ngram_table(t) for t in args.ngram_table] if args.ngram_table else [head_ngram_table(args.head)]) \
+    tables = ([load_ngram_table(t) for t in args.ngram_table] if args.ngram_table else [bundle.ngram_table]) \
         if args.table else []
     if args.table and tables[0] is None:
         raise SystemExit(f"--table: the head {args.head} ships no n-gram table (python -m clover_jax.cli.ngram)")
@@ -255,11 +252,16 @@ def main(argv=None) -> int:
     print(f"{len(seqs)} prompts ({args.questions}), greedy, {args.max_new_tokens} new tokens; predicted tau")
     print("\n| run | " + " | ".join(categories) + " |")
     print("|---" * (len(categories) + 1) + "|")
+    rows = []
     for name, *_ in runs:
-        print(f"| {name} | " + " | ".join(f"{totals[name, c][0] / max(totals[name, c][1], 1):.3f}"
-                                          for c in categories) + " |")
-    if args.split:
-        split_table(args, seqs, all_ranks, table, top_k)
+        taus = {c: totals[name, c][0] / max(totals[name, c][1], 1) for c in categories}
+        rows.append({"run": name, **{c: round(tau, 4) for c, tau in taus.items()}})
+        print(f"| {name} | " + " | ".join(f"{tau:.3f}" for tau in taus.values()) + " |")
+    split = split_table(args, seqs, all_ranks, table, top_k) if args.split else []
+    toolkit.write_results(args.out, toolkit.results(
+        __file__, argv, benchmark="simulate_lookup", title="tau of static trees and lookup chains, predicted from "
+        "teacher-forced drafts", settings=f"{args.head} on {len(seqs)} {args.questions} prompts, greedy replies of "
+        f"{args.max_new_tokens} tokens", rows=rows, split=split))
     return 0
 
 
@@ -267,9 +269,9 @@ SPLIT_TOP_K = 8  # ranks a fitted subtree may use
 SPLIT_MAX_CHAIN = 6
 
 
-def split_table(args, seqs, all_ranks, table, top_k: int) -> None:
-    """Prints, for each drafted-token budget in `args.split` and chain length K, the head's subtree fitted beside
-    the chain (`fit_beside_chain`) and the merged tree's predicted tau (`simulate`)."""
+def split_table(args, seqs, all_ranks, table, top_k: int) -> list[dict]:
+    """Prints (and returns as rows), for each drafted-token budget in `args.split` and chain length K, the head's
+    subtree fitted beside the chain (`fit_beside_chain`) and the merged tree's predicted tau (`simulate`)."""
     kept = [i for i, r in enumerate(all_ranks) if r]  # replies with a decoding position
     ranks = np.concatenate([np.asarray(all_ranks[i], np.int32) for i in kept])  # [positions, depths]
     accepted = np.concatenate([chain_accepts(seqs[i][0] + seqs[i][1], len(seqs[i][0]), SPLIT_MAX_CHAIN,
@@ -277,6 +279,7 @@ def split_table(args, seqs, all_ranks, table, top_k: int) -> None:
     end = "-table" if table is not None else ""
     print(f"\nhead subtree fitted beside a chain (ranks < {top_k}; chains{' with the table' if end else ''})")
     print("\n| drafted tokens | chain K | head subtree | predicted tau |\n|---|---|---|---|")
+    rows = []
     for total in args.split:
         for k in range(0, min(SPLIT_MAX_CHAIN, total) + 1):
             tree = fit_beside_chain(ranks, np.minimum(accepted, k), total - k, top_k)
@@ -286,6 +289,9 @@ def split_table(args, seqs, all_ranks, table, top_k: int) -> None:
                 toks, steps = toks + t, steps + s
             shape = json.dumps([list(c) for c in sorted(tree, key=lambda c: (len(c), c))])
             print(f"| {total} | {k}{end if k else ''} | `{shape}` | {toks / max(steps, 1):.3f} |", flush=True)
+            rows.append({"drafted_tokens": total, "chain": f"{k}{end if k else ''}", "head_subtree": shape,
+                         "predicted_tau": round(toks / max(steps, 1), 4)})
+    return rows
 
 
 if __name__ == "__main__":

@@ -26,18 +26,15 @@ prediction for a step bound by reading HBM, not a measurement).
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import re
 import sys
 import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # compile-only: JAX itself runs on the CPU
 
-import jax  # noqa: E402
-
+import toolkit  # noqa: E402
 from clover_jax import tpu  # noqa: E402
 from clover_jax.generation.compiled import compile_decoding, compile_steps  # noqa: E402
 from clover_jax.heads import registry  # noqa: E402
@@ -53,14 +50,7 @@ CONFIGS = ["configs/llama3-8b-instruct-clover2.yaml", "configs/vicuna-7b-v1.5-cl
 
 
 def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    except OSError:
-        pass
-    return (f"{cpu}, {os.cpu_count()} cores, Python {platform.python_version()}, jax {jax.__version__}, "
-            f"{tpu.libtpu_requirement()} (libtpu {tpu.find_libtpu()})")
+    return toolkit.machine(f"{tpu.libtpu_requirement()} (libtpu {tpu.find_libtpu()})")
 
 
 def train_rows(configs, slices) -> list[dict]:
@@ -181,38 +171,31 @@ def main(argv=None) -> int:
                    help="--steps: more HEAD:TREE steps (none: head-less)")
     args = p.parse_args(argv)
     t0 = time.perf_counter()
-    command = "python " + " ".join([os.path.relpath(__file__)] + (argv if argv is not None else sys.argv[1:]))
+    header = dict(machine=machine(), machine_short="TPU compiler on a CPU")
     if args.steps:
         extra = [tuple(e.split(":", 1)) for e in args.extra]
         rows = step_rows(args.step_model, args.decode_slices, args.batch_sizes, args.cache_size,
                          measured_tau(args.tau_from), extra)
-        out = {"title": "One decoding step as the TPU compiler sees it: Llama-3-8B, every head type",
-               "date": datetime.date.today().isoformat(), "machine": machine(),
-               "machine_short": "TPU compiler on a CPU", "benchmark": "tpu_steps", "command": command,
-               "source": "written by bench/tpu_compile.py --steps",
-               "settings": (f"{args.step_model}'s shapes, bfloat16, greedy, {args.cache_size} cache slots per row, "
-                            "tp = the slice's chips, layers unrolled; random heads of each type's default shapes"),
-               "seconds": round(time.perf_counter() - t0, 1), "steps": rows}
-        with open(args.out, "w") as f:
-            json.dump(out, f, indent=1)
-        print(f"wrote {args.out} ({out['seconds']:.0f} s)")
-        return 0
-    train = train_rows(args.configs, args.train_slices)
-    decode = decode_rows(args.configs, args.decode_slices, args.batch_sizes, args.prompt_length,
-                         args.max_new_tokens)
-    out = {"title": "Compiled for TPU slices on a CPU: the shipped 7B/8B configs, per-chip memory",
-           "date": datetime.date.today().isoformat(), "machine": machine(),
-           "machine_short": "TPU compiler on a CPU", "benchmark": "tpu_compile",
-           "command": command,
-           "source": "written by bench/tpu_compile.py",
-           "settings": (f"training: each config's mesh, batch, sequence length and remat; decoding: bfloat16, batch "
-                        f"{'/'.join(map(str, args.batch_sizes))}, prompts of {args.prompt_length} tokens (their "
-                        f"bucket), {args.max_new_tokens} new tokens, greedy, tp = the slice's chips, each head type's "
-                        "default tree"),
-           "seconds": round(time.perf_counter() - t0, 1), "train": train, "decode": decode}
-    with open(args.out, "w") as f:
-        json.dump(out, f, indent=1)
-    print(f"wrote {args.out} ({out['seconds']:.0f} s)")
+        out = toolkit.results(
+            __file__, argv, benchmark="tpu_steps", title="One decoding step as the TPU compiler sees it: Llama-3-8B, "
+            "every head type", source="written by bench/tpu_compile.py --steps", **header,
+            settings=(f"{args.step_model}'s shapes, bfloat16, greedy, {args.cache_size} cache slots per row, tp = the "
+                      "slice's chips, layers unrolled; random heads of each type's default shapes"),
+            seconds=round(time.perf_counter() - t0, 1), steps=rows)
+    else:
+        train = train_rows(args.configs, args.train_slices)
+        decode = decode_rows(args.configs, args.decode_slices, args.batch_sizes, args.prompt_length,
+                             args.max_new_tokens)
+        out = toolkit.results(
+            __file__, argv, benchmark="tpu_compile", title="Compiled for TPU slices on a CPU: the shipped 7B/8B "
+            "configs, per-chip memory", source="written by bench/tpu_compile.py", **header,
+            settings=(f"training: each config's mesh, batch, sequence length and remat; decoding: bfloat16, batch "
+                      f"{'/'.join(map(str, args.batch_sizes))}, prompts of {args.prompt_length} tokens (their "
+                      f"bucket), {args.max_new_tokens} new tokens, greedy, tp = the slice's chips, each head type's "
+                      "default tree"),
+            seconds=round(time.perf_counter() - t0, 1), train=train, decode=decode)
+    toolkit.write_results(args.out, out)
+    print(f"({out['seconds']:.0f} s)")
     return 0
 
 

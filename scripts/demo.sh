@@ -37,4 +37,4 @@ python infer.py --model smollm2-135m-instruct "${HEAD_ARG[@]}" --mode speculativ
   --prompts-file mt_bench --limit 2 --max-new-tokens 128
 echo "[demo] autoregressive vs speculative on 8 MT-Bench first turns (one per category, same run):"
 python bench/bench_spec.py "${HEAD_ARG[@]}" --questions mt_bench --limit 8 --trees "${TREES[@]}" \
-  --max-new-tokens 128 --out-dir artifacts/demo "$@"
+  --max-new-tokens 128 --out artifacts/demo/results.json "$@"

@@ -36,7 +36,7 @@ run() {  # name, dtype
   t0=$(date +%s)
   echo "## $name" | tee -a "$OUT/summary.txt"
   timeout "$CAP" "$PY" bench/bench_spec.py --questions mt_bench --limit "$LIMIT" --trees $TREES --dtype "$dtype" \
-      --max-new-tokens 128 --replay --prompt-bucket "$BUCKET" --warmup-threads "$WARM" --out-dir "$OUT/$name" \
+      --max-new-tokens 128 --replay --prompt-bucket "$BUCKET" --warmup-threads "$WARM" --out "$OUT/$name/results.json" \
       > "$OUT/$name.log" 2>&1
   echo "$name: exit $? in $(( $(date +%s) - t0 )) s" | tee -a "$OUT/summary.txt"
   if [ -f "$OUT/$name/results.md" ]; then
@@ -53,7 +53,7 @@ r.update(title=f"MT-Bench {limit}, one {card}, {dtype}, audited", questions=f"MT
          date=time.strftime("%Y-%m-%d"), machine_short=f"one {card}", benchmark="bench_spec",
          settings=f"SmolLM2-135M-Instruct in {dtype}, the shipped heads, greedy, 128 new tokens, batch 1, prompts padded "
                   f"to {bucket} tokens, programs compiled before timing ({warm} at a time)",
-         command=f"LIMIT={limit} bash scripts/gpu_exactness.sh", source="results.json of bench/bench_spec.py --out-dir")
+         command=f"LIMIT={limit} bash scripts/gpu_exactness.sh", source="results.json of bench/bench_spec.py --out")
 out = Path("results") / f"{r['date']}-{slug}-mt_bench-{limit}-{dtype}-audit.json"
 out.write_text(json.dumps(r, indent=1))
 print(f"wrote {out}")

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The decode step on one GPU, in one short run: Llama-3-8B's shapes in bfloat16 (random weights, no download),
-# context 300, cache 640, from the compiled loops (bench/bench_step_bytes.py): ms per step of the autoregressive
+# context 300, cache 640, from the compiled loops (bench/bench_step.py bytes): ms per step of the autoregressive
 # loop and of the speculative loops of chain-3 and clover2-26 (a random Clover-2 head), unrolled and scanned layers,
 # batch 1 and 8; XLA's bytes accessed per step against the weights' and the KV cache's bytes; the memory a call
 # holds (memory_analysis: arguments, temporaries; the device's peak); and what XLA flags buy: dynamic-slice fusion
@@ -45,8 +45,8 @@ run() {  # name, XLA_FLAGS, bench arguments...
   shift 2
   t0=$(date +%s)
   echo "## $name (XLA_FLAGS='$flags')" | tee -a "$OUT/summary.txt"
-  XLA_FLAGS="$flags" timeout "$CAP" "$PY" bench/bench_step_bytes.py "$@" --time --label "$name" \
-      --json "$OUT/$name.json" > "$OUT/$name.log" 2>&1
+  XLA_FLAGS="$flags" timeout "$CAP" "$PY" bench/bench_step.py bytes "$@" --time --label "$name" \
+      --out "$OUT/$name.json" > "$OUT/$name.log" 2>&1
   echo "$name: exit $? in $(( $(date +%s) - t0 )) s" | tee -a "$OUT/summary.txt"
   grep -E "^\| |^# " "$OUT/$name.log" | tee -a "$OUT/summary.txt"
   tail -n 3 "$OUT/$name.log" | grep -iE "error|Traceback" | tee -a "$OUT/summary.txt"

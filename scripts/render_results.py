@@ -6,9 +6,9 @@
 
 Each results/*.json holds one benchmark run: `title`, `date`, `machine`, `machine_short`, `settings`, `command`,
 `source` (how the numbers got into the file), `benchmark` (`bench_spec`, `bench_step`, `compare_heads`, ...), the numbers, and optional
-`notes` and `summary` (the runs that also go into the short table of README.md). `bench_spec` files keep the layout
-of the results.json that `bench/bench_spec.py --out-dir` writes (`runs`, `greedy_compared`, `greedy_mismatches`);
-a new run's results.json can be dropped in with those keys added. Standard library only.
+`notes` and `summary` (the runs that also go into the short table of README.md). Every bench script writes such a file
+with `--out PATH` (`bench/toolkit.py`), which can be dropped into results/ as it is; a benchmark without a table of
+its own here renders its `rows` (one row per dict, nested dicts as `key.field` columns). Standard library only.
 """
 
 from __future__ import annotations
@@ -154,8 +154,9 @@ def spec_table(d: dict) -> list[str]:
 
 
 def step_table(d: dict) -> list[str]:
-    """bench/bench_step.py: a speculative loop step against an autoregressive one per tree; where the rows say which
-    head drafted (`head`), also the head's draft and commit as their own jitted functions (`draft_ms`, `commit_ms`)."""
+    """bench/bench_step.py time: a speculative loop step against an autoregressive one per tree; where the rows say
+    which head drafted (`head`), also the head's draft and commit as their own jitted functions (`draft_ms`,
+    `commit_ms`; "-" for a tree whose parts were not timed)."""
     parts = any("draft_ms" in s for s in d["steps"].values())
     head = "head | " if parts else ""
     cols = " | draft (ms) | draft / autoregressive | head commit (ms)" if parts else ""
@@ -166,14 +167,17 @@ def step_table(d: dict) -> list[str]:
         row = f"| {s['head']} | " if parts else "| "
         row += (f"`{tree}` ({s['verified_tokens']}, {s['depth']}) | {s['ar_step_ms']:.2f} | "
                 f"{s['speculative_step_ms']:.2f} | {s['ratio']:.2f} |")
-        if parts:
+        if parts and "draft_ms" in s:
             row += f" {s['draft_ms']:.2f} | {s['draft_ms'] / s['ar_step_ms']:.2f} | {s['commit_ms']:.2f} |"
+        elif parts:
+            row += " - | - | - |"
         lines.append(row)
     return lines
 
 
 def batch_table(d: dict) -> list[str]:
-    """`bench/batch_table.py`: one row per batch size, each tree's tau and speed-up over the AR loop of that batch."""
+    """`bench/bench_spec.py --batch-sizes`: one row per batch size, each tree's tau and speed-up over the AR loop of
+    that batch."""
     names = list(d["rows"][0]["runs"])
     lines = ["| batch | our AR (tokens/s) | " + " | ".join(f"`{n}`: tau, vs our AR" for n in names) + " | differing |",
              "|---|---|" + "---|" * len(names) + "---|"]
@@ -196,8 +200,9 @@ def batch_table(d: dict) -> list[str]:
 
 def choice_table(d: dict) -> list[str]:
     """`python -m clover_jax.cli.calibrate --quick` per batch size: each candidate's predicted speed-up (and, where
-    a benchmark ran that tree at that batch size, its measured one), and what was chosen."""
-    labels = list(d["rows"][0]["candidates"])
+    a benchmark ran that tree at that batch size, its measured one), and what was chosen; a run of a request's
+    measurements alone (`bench/choice.py by-batch --scopes request`) has "-" for the comparison of every candidate."""
+    labels = list(d["rows"][0].get("candidates") or d["rows"][0]["request"]["candidates"])
     measured = d.get("measured", {})  # {batch: {label: speed-up on the benchmark}}
     request = any("request" in r for r in d["rows"])  # a request's own measurement beside the comparison of all
 
@@ -228,22 +233,24 @@ def choice_table(d: dict) -> list[str]:
         b = str(r["batch_size"])
         cells = []
         for x in labels:
-            c = r["candidates"][x]
+            c = r.get("candidates", {}).get(x)
             got = measured.get(b, {}).get(x)
-            cells.append(f"{c['predicted_speedup']:.2f}x" + (f" ({got:.2f}x)" if got is not None else ""))
+            cells.append(("-" if c is None else f"{c['predicted_speedup']:.2f}x")
+                         + (f" ({got:.2f}x)" if got is not None else ""))
         if request:
             q = r["request"]
             cells.append(f"{q['seconds']:.0f} s, {said(q)}")
         if again:
             cells.append(next_request(r["request"], r["request_next"]))
             cells.append(f"{r['request_again']['seconds']:.0f} s, {said(r['request_again'])}")
-        lines.append(f"| {b} | {r['seconds']:.0f} s | {best(r['best'])} | " + " | ".join(cells) + " |")
+        compared = f"{r['seconds']:.0f} s | {best(r['best'])}" if "best" in r else "- | -"
+        lines.append(f"| {b} | {compared} | " + " | ".join(cells) + " |")
     return lines
 
 
 def first_request_table(d: dict) -> list[str]:
-    """bench/first_request.py: a first speculative request with no tree named (its choice measured) against the same
-    request with the default tree, each in a new process; the difference is what the choice adds."""
+    """bench/choice.py first-request: a first speculative request with no tree named (its choice measured) against
+    the same request with the default tree, each in a new process; the difference is what the choice adds."""
     lines = ["| batch | no tree named: the request (s) | its choice: measured in (s), chose (predicted) | "
              "`tree=\"default\"`: the request (s) | the choice added (s) |", "|---|---|---|---|---|"]
     for r in d["rows"]:
@@ -422,6 +429,34 @@ def tpu_steps_table(d: dict) -> list[str]:
     return lines
 
 
+def _cell(x) -> str:
+    if isinstance(x, float):
+        return f"{x:.4g}"
+    if isinstance(x, (list, tuple)):
+        return ", ".join(_cell(v) for v in x)
+    return "-" if x is None else str(x)
+
+
+def _flat(row: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in row.items():
+        if isinstance(v, dict):
+            out |= _flat(v, f"{prefix}{k}.")
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def generic_table(d: dict) -> list[str]:
+    """A benchmark without a table of its own: its `rows`, one row per dict (nested dicts as `key.field` columns)."""
+    rows = [_flat(r) for r in d.get("rows") or []]
+    if not rows:
+        return ["(no rows)"]
+    cols = list(dict.fromkeys(k for r in rows for k in r))
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    return lines + ["| " + " | ".join(_cell(r.get(c)) for c in cols) + " |" for r in rows]
+
+
 def section(d: dict) -> list[str]:
     lines = [f"## {d['title']}", "",
              f"- **Date:** {d['date']}",
@@ -435,7 +470,7 @@ def section(d: dict) -> list[str]:
               "compare_heads": compare_table, "first_request": first_request_table,
               "head_types": head_types_table, "tpu_compile": tpu_compile_table, "tpu_steps": tpu_steps_table,
               "train_step": train_step_table}
-    lines += tables[d["benchmark"]](d)
+    lines += tables.get(d["benchmark"], generic_table)(d)
     for note in d.get("notes", []):
         lines += ["", note]
     return lines + [""]
