@@ -1,18 +1,13 @@
 """`bench/compare_heads.py`'s pieces that need no trained heads: which trees a head type can draft, the training
 cost read from a run folder, and the papers' tau ratios computed only where two heads ran the same tree."""
 
-import importlib.util
 import json
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from test_bench_scripts import render, script
 
 
 def _module():
-    spec = importlib.util.spec_from_file_location("compare_heads", ROOT / "bench" / "compare_heads.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return script("compare_heads")
 
 
 def test_supported_trees_per_head_type():
@@ -72,9 +67,7 @@ def test_head_types_condenses_evaluations_and_step_costs_into_one_rendered_row_p
     """`bench/head_types.py`: a head evaluated on two question sets is one row with both sets' tau and speed-up;
     its drafting cost comes from the bench_step report of its type and tree; a head missing from one set shows '-'
     there; the mismatches of both sets are summed."""
-    spec = importlib.util.spec_from_file_location("head_types", ROOT / "bench" / "head_types.py")
-    ht = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ht)
+    ht = script("head_types")
 
     def run(tau, speed):
         return {"tau": tau, "tau_ci95": [tau - 0.1, tau + 0.1], "speedup_vs_ar": speed, "speedup_ci95": None,
@@ -105,11 +98,7 @@ def test_head_types_condenses_evaluations_and_step_costs_into_one_rendered_row_p
     assert d["draft"] == {"block chain-4": {"ar_step_ms": 30.0, "speculative_step_ms": 50.0, "draft_ms": 6.0,
                                             "commit_ms": 3.0}}
     assert "node_hist" not in d["heads"]["b"]["sets"]["mt_bench"]  # condensed
-    spec = importlib.util.spec_from_file_location("render_results", ROOT / "scripts" / "render_results.py")
-    render = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(render)
-    d["_file"] = out.name
-    table = render.section(d)
+    table = render(d, out).splitlines()
     rows = [line for line in table if line.startswith("| block") or line.startswith("| ReDrafter")]
     assert "MT-Bench 3: tau" in "\n".join(table) and "Spec-Bench 3: tau" in "\n".join(table)
     block, redrafter = rows
@@ -122,14 +111,16 @@ def test_head_types_refuses_a_head_with_several_trees_in_one_set(tmp_path):
     name, not condensed into whichever tree came last."""
     import pytest
 
-    spec = importlib.util.spec_from_file_location("head_types", ROOT / "bench" / "head_types.py")
-    ht = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ht)
+    ht = script("head_types")
     two = {"prompts": 1, "args": {"questions": "mt_bench"}, "heads": {"e": {
         "type": "eagle", "source": "runs/e", "params": 1, "training": {}, "greedy_mismatches": 0,
         "greedy_compared": 2, "ar": {"tokens_per_second": 1.0}, "trees": {"chain-4": {}, "clover2-26": {}}}}}
     with pytest.raises(SystemExit, match="e ran 2 trees on mt_bench"):
         ht.condense([("mt_bench", two)])
     (tmp_path / "step.out").write_text("| a markdown table |\n")
-    with pytest.raises(SystemExit, match="no bench_step.py --json report"):
-        ht.last_json(tmp_path / "step.out")
+    with pytest.raises(SystemExit, match="no bench_step.py time report"):
+        ht.step_report(tmp_path / "step.out")
+    report = {"head_type": "block", "trees": {"chain-4": {"loop: AR step": 1.0}}}
+    (tmp_path / "step.json").write_text(json.dumps(report, indent=1))  # `time --out`'s file
+    (tmp_path / "step.log").write_text("| a table |\n" + json.dumps(report) + "\n")  # an older run's output
+    assert ht.step_report(tmp_path / "step.json") == report == ht.step_report(tmp_path / "step.log")

@@ -8,6 +8,7 @@ from clover_jax.heads.clover2.model import Clover2Config, init_from_base
 from clover_jax.io.loader import LoadedModel
 from clover_jax.models.config import LlamaConfig
 from clover_jax.models.llama import init_llama
+from clover_jax.validation import InputError
 from word_tokenizer import WordTokenizer
 
 
@@ -127,3 +128,38 @@ def test_evaluate_on_a_mesh_matches_one_device():
     assert sharded["greedy_mismatches"] == 0
     assert sharded["per_prompt"] == one["per_prompt"]
     assert sharded["runs"]["chain-3"]["accept_hist"] == one["runs"]["chain-3"]["accept_hist"]
+
+
+def test_an_opened_head_brings_its_draft_vocabulary_and_table(tmp_path, monkeypatch):
+    """`evaluate(loaded, bundle, ...)` with the `HeadBundle` of a head folder: a `+dv` run drafts from the vocabulary
+    the head was trained on and a `...-table` tree from the folder's n-gram table, neither passed again; the folder
+    is read through the bundle only (no other reader of its files is called), and the outputs stay exact."""
+    from clover_jax.decoding import ngram
+    from clover_jax.decoding.ngram import build_ngram_table, save_ngram_table
+    from clover_jax.heads import bundle as bundle_mod
+    from clover_jax.heads import draft_vocab as draft_vocab_mod
+    from clover_jax.heads import folder as folder_mod
+    from clover_jax.heads.bundle import open_head
+    from clover_jax.heads.draft_vocab import DRAFT_VOCAB_FILE, save_draft_vocab
+    from clover_jax.heads.export import export_head
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, eos_token_ids=(2,))
+    base = init_llama(cfg, seed=3)
+    loaded = LoadedModel(cfg, base, WordTokenizer(), "tiny")
+    folder = export_head(init_from_base(base, Clover2Config()), tmp_path / "head", base=base)
+    save_draft_vocab(folder / DRAFT_VOCAB_FILE, np.arange(3, 40), head_trained_on_it=True)
+    save_ngram_table(build_ngram_table([list(range(3, 60)) * 2], vocab_size=64), folder)
+    bundle = open_head(folder, base)
+    for mod, name in ((bundle_mod, "open_folder"), (folder_mod, "open_folder"), (draft_vocab_mod, "head_draft_vocab"),
+                      (ngram, "head_ngram_table")):  # what opens a head folder by its path
+        monkeypatch.setattr(mod, name, lambda *a, **k: pytest.fail("the head folder was opened again"))
+    prompts = ["a b c", "hello there world"]
+    res = evaluate(loaded, bundle, prompts, trees=["chain-3+dv", "chain-2+lookup-2-table"], max_new_tokens=8,
+                   progress=False)
+    assert res["greedy_mismatches"] == 0 and res["greedy_compared"] == 4
+    assert res["runs"]["chain-3+dv"]["tau"] >= 1.0 and res["runs"]["chain-2+lookup-2-table"]["tau"] >= 1.0
+    module_only = evaluate(loaded, bundle.module, prompts, trees=["chain-3"], max_new_tokens=8, progress=False)
+    with pytest.raises(InputError, match="draft vocabulary"):  # a module alone brings none
+        evaluate(loaded, bundle.module, prompts, trees=["chain-3+dv"], max_new_tokens=8, progress=False)
+    assert module_only["greedy_mismatches"] == 0

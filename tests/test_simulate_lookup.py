@@ -2,20 +2,15 @@
 (`lookup_chain`): on a tiny random model the simulated steps per row equal the loop's, exactly; on SmolLM2 with the
 shipped head, the predicted tau of a static tree with and without a chain is within a few per cent of the loop's."""
 
-import importlib.util
-from pathlib import Path
-
 import numpy as np
 import pytest
 
 from clover_jax import generate
 from clover_jax.models.config import LlamaConfig
 from clover_jax.models.llama import init_llama
+from test_bench_scripts import script
 
-ROOT = Path(__file__).resolve().parents[1]
-spec = importlib.util.spec_from_file_location("simulate_lookup", ROOT / "bench" / "simulate_lookup.py")
-sim = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(sim)
+sim = script("simulate_lookup")
 
 
 @pytest.mark.parametrize("k,max_ngram,with_table", [(3, 3, False), (5, 1, False), (3, 3, True)])
@@ -54,7 +49,7 @@ def test_predicted_tau_is_close_to_the_loop(capsys, smollm, tmp_path):
     rows = {line.split("|")[1].strip(): float(line.split("|")[2]) for line in capsys.readouterr().out.splitlines()
             if line.startswith(f"| {name}") or line.startswith("| lookup")}
     assert set(rows) == {"lookup-4", name, f"{name}+lookup-4"}
-    prompts = __import__("bench_spec").load_questions("mt_bench", 4, None)[0]
+    prompts = script("toolkit").load_questions("mt_bench", 4, None)[0]
     for row, tree in ((name, str(path)), (f"{name}+lookup-4", f"{path}+lookup-4")):
         res = generate(smollm, prompts, max_new_tokens=48, mode="speculative", head="smollm2-135m-instruct-clover2",
                        tree=tree)
@@ -95,9 +90,7 @@ def test_chain_accepts_counts_the_matching_prefix():
 
 
 def test_reliability_table_and_calibration_error():
-    spec_ = importlib.util.spec_from_file_location("head_calibration", ROOT / "bench" / "head_calibration.py")
-    hc = importlib.util.module_from_spec(spec_)
-    spec_.loader.exec_module(hc)
+    hc = script("head_calibration")
     rng = np.random.default_rng(0)
     p = rng.uniform(0, 1, 200_000)
     calibrated = rng.uniform(0, 1, p.size) < p  # right with probability p
