@@ -82,7 +82,9 @@ class Drafter(abc.ABC):
 
     @abc.abstractmethod
     def init_state(self, head, base, batch: int, cache_size: int, arrays: dict[str, jax.Array] | None) -> Any:
-        """The empty state for `batch` rows and a cache of `cache_size` slots; `arrays` is what `arrays()` gave."""
+        """The empty state for `batch` rows and a cache of `cache_size` slots; `arrays` is what `arrays()` gave. On a
+        mesh the state's type says which of its fields split and how (`shard_axes`, `clover_jax.parallel`); a field
+        it does not name is left to XLA's propagation (a `KVCache` in it splits as KV caches do)."""
 
     def unroll_layers(self, head, state):
         """The state with the head's own stacked layers' per-layer weights taken once before the loop (a head with
