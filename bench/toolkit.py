@@ -3,7 +3,7 @@ transformers peer and random models of real shapes.
 
 Running a script: `python bench/<script>.py ...` (from the repository root in the docs' commands; from anywhere it
 works the same). A script imports this module and the scripts beside it by their plain names (`import toolkit`,
-`from bench_spec import evaluate_head`): Python puts a script's own folder first on `sys.path`, so nothing is added to
+`from simulate_lookup import top_drafts`): Python puts a script's own folder first on `sys.path`, so nothing is added to
 it here. Code that imports a bench script from elsewhere (the tests: `tests/test_bench_scripts.py`) puts `bench/` on
 `sys.path` first.
 

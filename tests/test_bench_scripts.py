@@ -149,6 +149,10 @@ def test_bench_spec_and_its_batch_table(tiny):
                                       str(merged)]) == 0
     table = results(merged, "batch_table", "rows")
     assert table["rows"][0]["batch_size"] == 1 and set(table["rows"][0]["runs"]) == {"chain-2"}
+    # a batch size's own process gets the command line less the sweep's options, and its batch size and file
+    assert script("bench_spec").strip_batch_options(["--limit", "2", "--batch-sizes", "1", "2", "--out", "x.json",
+                                                     "--merge-only", "--trees", "a", "b"]) == [
+        "--limit", "2", "--trees", "a", "b"]
 
 
 def test_compare_heads_and_head_types(compare_report, step_report, tmp_path):
