@@ -117,7 +117,7 @@ class DecoderStack(nnx.Module):
         each layer's weights in place, at the price of a second copy of the layers' weights in memory
         (`layer_views` makes the same slices without one). A `lax.scan` over the stacked `[L, ...]` weights instead
         copies each layer's slice at every step (on a CPU, a sizable part of a one-token step:
-        `bench/bench_step.py --layers`).
+        `bench/bench_step.py time --layers`).
         """
         lp = self.layer_params()
         return tuple({k: v[i] for k, v in lp.items()} for i in range(self.num_layers))
