@@ -92,8 +92,8 @@ def tree_drafter(config, head, tree: str, vocab, ngram_table=None):
     spec = get_tree(tree, known)
     table = None
     if isinstance(spec, LookupTree) and spec.table:
-        table = resolve_ngram_table(ngram_table, None if ngram_table else
-                                    pretrained.default_head("smollm2-135m-instruct"))
+        table = (resolve_ngram_table(ngram_table) if ngram_table else
+                 open_folder(pretrained.default_head("smollm2-135m-instruct")).ngram_table)
         if table.vocab_size != config.vocab_size:
             raise SystemExit(f"{tree}: the n-gram table was built for a vocabulary of {table.vocab_size}, the "
                              f"model of these shapes has {config.vocab_size} (--ngram-table)")

@@ -38,10 +38,10 @@ def test_supported_takes_merged_fitted_and_table_trees():
     tree = pretrained.default_tree(name)
     assert tree.startswith("fit-") and tree.endswith("-table"), tree
     known = open_folder(name).trees
-    shipped = resolve_ngram_table(None, name)
+    shipped = open_folder(name).ngram_table
     assert mod.unsupported(clover2, tree, shipped, known) is None
     table_file = pretrained.head_path(name) / "ngram_table.npz"
-    assert mod.unsupported(registry.get("eagle"), tree, resolve_ngram_table(str(table_file), None), known) is None
+    assert mod.unsupported(registry.get("eagle"), tree, resolve_ngram_table(str(table_file)), known) is None
 
 
 def test_training_cost_from_a_run_folder(tmp_path):

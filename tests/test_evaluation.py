@@ -152,7 +152,7 @@ def test_an_opened_head_brings_its_draft_vocabulary_and_table(tmp_path, monkeypa
     save_ngram_table(build_ngram_table([list(range(3, 60)) * 2], vocab_size=64), folder)
     bundle = open_head(folder, base)
     for mod, name in ((bundle_mod, "open_folder"), (folder_mod, "open_folder"), (draft_vocab_mod, "head_draft_vocab"),
-                      (ngram, "head_ngram_table")):  # what opens a head folder by its path
+                      (ngram, "load_ngram_table")):  # what opens a head folder (or its table) by its path
         monkeypatch.setattr(mod, name, lambda *a, **k: pytest.fail("the head folder was opened again"))
     prompts = ["a b c", "hello there world"]
     res = evaluate(loaded, bundle, prompts, trees=["chain-3+dv", "chain-2+lookup-2-table"], max_new_tokens=8,

@@ -39,7 +39,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from clover_jax import pretrained
 from clover_jax.io.files import atomic_write_bytes
 from clover_jax.validation import InputError
 
@@ -202,22 +201,13 @@ def load_ngram_table(path: str | os.PathLike) -> NgramTable:
     return _load(str(path.resolve()), path.stat().st_mtime)
 
 
-def head_ngram_table(head_path) -> NgramTable | None:
-    """The n-gram table shipped beside a head (a registered name or a folder holding `ngram_table.npz`), or None."""
-    try:
-        path = pretrained.ngram_table_folder(head_path) / NGRAM_FILE
-    except (InputError, TypeError):
-        return None
-    return load_ngram_table(path) if path.is_file() else None
-
-
-def resolve_ngram_table(table, head_source=None) -> NgramTable | None:
-    """`table` (an `NgramTable`, or a path), else the table shipped beside the head named by `head_source`."""
-    if isinstance(table, NgramTable):
+def resolve_ngram_table(table) -> NgramTable | None:
+    """`table` as an `NgramTable`: the table itself, read from its path (a file or a folder holding
+    `ngram_table.npz`), or None for None. A head's own table comes with its folder
+    (`clover_jax.heads.folder.HeadFolder.ngram_table`)."""
+    if table is None or isinstance(table, NgramTable):
         return table
-    if table is not None:
-        return load_ngram_table(table)
-    return head_ngram_table(head_source) if head_source is not None else None
+    return load_ngram_table(table)
 
 
 def ngram_chain(keys: jax.Array, tokens: jax.Array, history: jax.Array, length: jax.Array, k: int,

@@ -21,6 +21,7 @@ from clover_jax.decoding.ngram import NgramTable, resolve_ngram_table
 from clover_jax.decoding.tree import TreePolicy, TreeSpecError, get_tree, is_lookup_only, is_table_tree
 from clover_jax.generation.request import AUTO, DEFAULT, NAMED, Request
 from clover_jax.heads.bundle import HeadBundle
+from clover_jax.heads.folder import open_folder
 from clover_jax.heads.registry import drafter_for
 from clover_jax.training.loading import open_head_or_run
 from clover_jax.validation import InputError
@@ -94,11 +95,11 @@ def resolve_draft(request: Request) -> Draft | None:
         notes.append(f"drafting from the head's {len(draft_vocab)}-token training vocabulary")
     ngram_table = None
     if is_table_tree(policy):
-        ngram_table = resolve_ngram_table(request.ngram_table, None) or bundle.ngram_table
+        ngram_table = resolve_ngram_table(request.ngram_table) or bundle.ngram_table
         if ngram_table is None and bundle.headless and request.model_source:
             shipped = pretrained.default_head(request.model_source)  # a lookup-K-table chain: the shipped head's table
             if shipped:
-                ngram_table = resolve_ngram_table(None, shipped)
+                ngram_table = open_folder(shipped).ngram_table
                 notes.append(f"n-gram table of the shipped head {shipped}")
     drafter = drafter_for(type(bundle.module), policy, draft_vocab, ngram_table)
     check_drafter(drafter)

@@ -250,7 +250,7 @@ def resolve_auto(loaded, head, head_source=None, *, batch_size: int = 1, draft_v
         print(msg, file=sys.stderr)
         entry = measure(loaded, head, batch_size=batch_size, draft_vocab=draft_vocab, mesh=mesh,
                         ngram_table=(ngram_table if ngram_table is not None else folder.ngram_table) if folder
-                        else resolve_ngram_table(ngram_table, head_source), **measure_kw)
+                        else resolve_ngram_table(ngram_table), **measure_kw)
         where = save_entry(head_source, key, entry)
         print(f"tree='auto' -> {entry['best']}" + (f" (saved in {where})" if where else ""), file=sys.stderr)
     _MEMO[memo] = entry

@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 
 from clover_jax import generate
-from clover_jax.decoding.ngram import (NgramTable, build_ngram_table, context_hash, head_ngram_table,
-                                       load_ngram_table, ngram_chain, save_ngram_table)
+from clover_jax.decoding.ngram import (NgramTable, build_ngram_table, context_hash, load_ngram_table, ngram_chain,
+                                       save_ngram_table)
+from clover_jax.heads.folder import open_folder
 from clover_jax.heads.registry import drafter_for
 from clover_jax.decoding.tree import get_tree
 from clover_jax.heads.clover2.model import Clover2Head
@@ -157,10 +158,10 @@ def test_greedy_equals_autoregressive_and_the_table_is_accepted_tiny():
 
 
 def test_shipped_table():
-    table = head_ngram_table("smollm2-135m-instruct-clover2")
+    table = open_folder("smollm2-135m-instruct-clover2").ngram_table
     assert isinstance(table, NgramTable) and table.vocab_size == 49152 and table.max_order == 4
     assert 100_000 < table.size < 1_000_000 and np.all(np.diff(table.keys.astype(np.int64)) > 0)
-    assert head_ngram_table("no-such-head") is None
+    assert open_folder("no-such-head").ngram_table is None
 
 
 @pytest.mark.slow

@@ -300,12 +300,13 @@ def test_draft_vocabulary_training_run_marks_its_vocabulary_and_exports_it(tmp_p
     base_dir = export_base(base, tmp_path / "base")
     out = export_head_from_run(run, tmp_path / "head", model=str(base_dir))
     np.testing.assert_array_equal(head_draft_vocab(out), ids)  # the exported head drafts from it too
-    from clover_jax.decoding.ngram import build_ngram_table, head_ngram_table, save_ngram_table
+    from clover_jax.decoding.ngram import build_ngram_table, save_ngram_table
+    from clover_jax.heads.folder import open_folder
     from clover_jax.cli.export import export_head_from_folder
 
     save_ngram_table(build_ngram_table([[1, 2, 3, 1, 2, 4]] * 2, base.config.vocab_size), out)
     copy = export_head_from_folder(out, tmp_path / "copy", model=str(base_dir))  # the n-gram table travels too
-    np.testing.assert_array_equal(head_ngram_table(copy).keys, head_ngram_table(out).keys)
+    np.testing.assert_array_equal(open_folder(copy).ngram_table.keys, open_folder(out).ngram_table.keys)
     np.testing.assert_array_equal(head_draft_vocab(copy), ids)
 
     # a draft vocabulary written only as an inference option is not the head's training vocabulary
