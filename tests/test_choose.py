@@ -67,7 +67,9 @@ def test_a_request_measures_the_default_tree_against_plain_decoding_and_keeps_th
     assert isinstance(plan.head, Clover2Head) and plan.drafter.spec.name == "fit-5-411aab+lookup-4-table"
     assert plan.choice == {"head": CLOVER, "tree": "fit-5-411aab+lookup-4-table", "predicted_speedup": 1.2,
                            "compared": "request", "rounds": 3, "measurements": 1, "settled": True,
-                           "programs_reused": True, "measured_s": 1.0}
+                           "programs_reused": True, "measured_s": 1.0, "announced": True,
+                           "note": plan.notes[0]}
+    assert plan.notes[0].startswith(f"chose {CLOVER} fit-5-411aab+lookup-4-table: predicted 1.2x")
     assert any(n.startswith(f"chose {CLOVER} fit-5-411aab") and "calibrate --quick compares every shipped head" in n
                for n in plan.notes)
     err = capsys.readouterr().err
@@ -213,7 +215,7 @@ def test_measure_predicts_tokens_per_iteration_over_an_iteration_cost(smollm, mo
         short, long = seconds[key].pop(0)
         return short, long, iterations[key], [toks] * len(units), [[0, 1, 1]] * len(units), 100  # tau 2.5
 
-    monkeypatch.setattr(choose_mod, "generate", lambda *a, **kw: None)  # the warm-up calls
+    monkeypatch.setattr(choose_mod, "side_by_side", lambda *a, **kw: None)  # the warm-up calls
     monkeypatch.setattr(choose_mod, "_decode", decode)
     monkeypatch.setattr(choose_mod, "reference", lambda head, tree, model_source=None: None)
     # (short call, long call) per round: an iteration is the fastest long call less the fastest short call, over the
@@ -264,11 +266,6 @@ def test_the_default_is_kept_unless_another_is_clearly_faster():
     assert choose_mod.decide(table(a=0.85, b=1.02), "a") == "b"  # the fastest, plain decoding second
     assert choose_mod.decide(table(a=1.30, b=1.40), None) == "b"  # no default among them
     assert choose_mod.decide({}, None) == "ar"
-
-
-def test_full_depth_is_affine_in_the_depth():
-    assert choose_mod._full_depth({2: 2.0, 8: 5.0}, 30) == pytest.approx(16.0)
-    assert choose_mod._full_depth({30: 7.0}, 30) == 7.0  # timed on the full model
 
 
 def test_first_layers_shares_the_weights_and_keeps_the_shapes(smollm):
@@ -332,7 +329,7 @@ def test_measure_times_the_programs_of_the_request(smollm, monkeypatch):
         seen[tree or "ar"] = (units, kw)
         return 0.0, 0.1, 10, [[[1, 2, 3]]] * len(units), [[0, 1]] * len(units), 10
 
-    monkeypatch.setattr(choose_mod, "generate", lambda *a, **kw: None)
+    monkeypatch.setattr(choose_mod, "side_by_side", lambda *a, **kw: None)
     monkeypatch.setattr(choose_mod, "_decode", decode)
     long_prompt = "Tell me about the history of the printing press in Europe and its effects on literacy. " * 2
     entry = choose_mod.measure(smollm, [(None, "lookup-4-table")], prompts=[long_prompt], prompt_bucket=32,

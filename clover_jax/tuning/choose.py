@@ -282,9 +282,6 @@ def _variants(loaded, runs: dict[str, dict], full_depth: set[str], backend: str 
     return out
 
 
-_full_depth = at_depth  # a loop iteration's seconds at the model's full depth from the depths timed (affine)
-
-
 def decide(table: dict[str, dict], default: str | None) -> str:
     """What to draft with, from `table`'s `predicted_speedup`s and plain decoding's 1.0 (`AR`): the fastest, unless
     the `default` candidate is predicted within `TOLERANCE` of it (a difference the measurement does not resolve keeps
