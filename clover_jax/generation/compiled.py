@@ -129,13 +129,8 @@ def _row_args(mesh, batch: int, length: int):
 
 
 def _state_args(tree, mesh):
-    """`ShapeDtypeStruct`s of a decoding state with the state rules' shardings (replicated where none applies)."""
-    def one(path, leaf):
-        spec = parallel.state_spec(parallel.leaf_name(path), leaf.shape, mesh)
-        sharding = parallel.replicated(mesh) if spec is None else jax.sharding.NamedSharding(mesh, spec)
-        return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)
-
-    return jax.tree_util.tree_map_with_path(one, tree)
+    """`ShapeDtypeStruct`s of a decoding state, sharded as its states say (replicated where they do not)."""
+    return tpu.abstract(tree, parallel.state_shardings(tree, mesh, default=parallel.replicated(mesh)))
 
 
 def compile_steps(base_config: LlamaConfig, mesh, *, head_type: str | None = None, head_options=None,
