@@ -278,6 +278,30 @@ def test_block_drafts_are_accepted_when_right_and_rejected_when_wrong(tree, dept
 
 
 # ------------------------------------------------------------------------------------------------ a run, export
+def test_export_and_import_under_its_own_tensor_names(tmp_path):
+    """A head exported (`clover_jax.heads.block.export`) under the block drafter's tensor names and read back equal
+    (the trained head's round trip, with drafting from the folder, is the training-run test below)."""
+    from safetensors import safe_open
+
+    from clover_jax.heads.export import export_head, import_head
+
+    base = init_llama(CFG, seed=0)
+    head = _head(base, block_size=3, window=4)
+    head.ctx_w[...] = head.ctx_w[...] + 0.5  # not the initial values: the import must read the file
+    folder = export_head(head, tmp_path / "head", base=base, base_name="tiny")
+    meta = json.loads((folder / "config.json").read_text())
+    assert meta["head_type"] == "block" and (meta["block_size"], meta["num_layers"], meta["window"]) == (3, 2, 4)
+    with safe_open(str(folder / "model.safetensors"), framework="numpy") as fh:
+        names = set(fh.keys())
+    assert {"context.weight", "root.weight", "mask_embeddings.weight", "layers.1.mlp.down_proj.weight",
+            "layers.0.input_layernorm.weight"} <= names and not any("embed_tokens" in k for k in names)
+    back = import_head(folder, base)
+    assert isinstance(back, BlockHead) and back.cfg == head.cfg
+    for a, b in zip(jax.tree.leaves(nnx.state(back)), jax.tree.leaves(nnx.state(head))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.slow  # trains 30 + 4 steps, then drafts from the exported folder
 def test_block_training_run_checkpoint_export_and_import(tmp_path):
     from safetensors import safe_open
     from training_helpers import SyntheticBatcher, make_cfg, tiny_base
