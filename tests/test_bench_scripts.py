@@ -89,6 +89,7 @@ def compare_report(tiny):
     return out
 
 
+@pytest.mark.slow  # runs a bench script
 def test_bench_step_time(step_report):
     d = results(step_report, "bench_step", "trees", "steps", "summary")
     step = d["steps"]["chain-2"]
@@ -99,6 +100,7 @@ def test_bench_step_time(step_report):
     assert step["draft_ms"] > 0 and d["summary"]["chain-2"]["U"] == 3
 
 
+@pytest.mark.slow  # runs a bench script
 def test_bench_step_bytes(tmp_path):
     out = tmp_path / "bytes.json"
     assert script("bench_step").main(["bytes", "--shape", "tiny", "--trees", "chain-2", "--draft-vocab", "64",
@@ -113,6 +115,7 @@ def test_bench_step_bytes(tmp_path):
 
 
 @pytest.mark.parametrize("tree", ["chain-2", "ar"])
+@pytest.mark.slow  # traces a step
 def test_bench_step_trace(tree, tmp_path):
     """The loop's ops per step from two traced calls; the environment is left as it was."""
     import os
@@ -126,6 +129,7 @@ def test_bench_step_trace(tree, tmp_path):
     assert 1 <= len(d["rows"]) <= 5 and all({"op", "ms_per_step", "calls_per_step"} <= set(r) for r in d["rows"])
 
 
+@pytest.mark.slow  # runs a bench script on a mesh
 def test_bench_step_on_a_mesh_times_the_loops(tmp_path):
     """`time --mesh tp=2` (2 of the 8 simulated CPU devices): the loops run sharded, no parts."""
     out = tmp_path / "mesh.json"
@@ -136,6 +140,7 @@ def test_bench_step_on_a_mesh_times_the_loops(tmp_path):
     assert d["mesh"] == "tp=2" and set(d["trees"]["chain-2"]) == {"loop: AR step", "loop: speculative step"}
 
 
+@pytest.mark.slow  # runs a bench script
 def test_bench_spec_and_its_batch_table(tiny):
     out = tiny["dir"] / "spec" / "b1" / "results.json"
     assert script("bench_spec").main(["--model", tiny["model"], "--head", tiny["head"], "--questions", "mt_bench",
@@ -155,6 +160,7 @@ def test_bench_spec_and_its_batch_table(tiny):
         "--limit", "2", "--trees", "a", "b"]
 
 
+@pytest.mark.slow  # runs bench scripts
 def test_compare_heads_and_head_types(compare_report, step_report, tmp_path):
     d = results(compare_report, "compare_heads", "heads", "prompts")
     (entry,) = d["heads"].values()
@@ -166,6 +172,7 @@ def test_compare_heads_and_head_types(compare_report, step_report, tmp_path):
     assert table["draft"]["clover2 chain-2"]["draft_ms"] > 0
 
 
+@pytest.mark.slow  # runs bench scripts
 def test_choice_by_batch_and_first_request(tiny, tmp_path, monkeypatch):
     """Each measurement's child work runs here, in this process, under the environment the child would get."""
     choice, toolkit = script("choice"), script("toolkit")
@@ -191,6 +198,7 @@ def test_choice_by_batch_and_first_request(tiny, tmp_path, monkeypatch):
     assert d["rows"][0]["no_tree"]["choice"] and d["rows"][0]["default"]["tokens"] > 0
 
 
+@pytest.mark.slow  # runs a bench script against transformers
 def test_bench_ar_against_transformers(tiny, tmp_path):
     pytest.importorskip("torch")
     out = tmp_path / "ar.json"
@@ -200,6 +208,7 @@ def test_bench_ar_against_transformers(tiny, tmp_path):
     assert d["rows"][0]["ours"]["tokens"] > 0 and d["rows"][0]["transformers"]["tokens"] > 0
 
 
+@pytest.mark.slow  # runs a bench script
 def test_bench_context(tiny, tmp_path):
     out = tmp_path / "context.json"
     assert script("bench_context").main(["--model", tiny["model"], "--max-new-tokens", "4", "--repeat", "1",
@@ -208,6 +217,7 @@ def test_bench_context(tiny, tmp_path):
     assert len(d["rows"]) == 4 and all(r["ours_1_token_s"] > 0 for r in d["rows"]) and len(d["by_cache"]) == 1
 
 
+@pytest.mark.slow  # runs a bench script
 def test_bench_compile(tmp_path):
     out = tmp_path / "compile.json"
     assert script("bench_compile").main(["--shape", "tiny", "--batch-size", "1", "--prompt-len", "16",
@@ -217,6 +227,7 @@ def test_bench_compile(tmp_path):
     assert d["rows"][0]["compile_s"] > 0
 
 
+@pytest.mark.slow  # runs a bench script on a mesh
 def test_bench_mesh(tiny, tmp_path):
     out = tmp_path / "mesh.json"
     assert script("bench_mesh").main(["--model", tiny["model"], "--head", tiny["head"], "--tree", "chain-2",
@@ -228,6 +239,7 @@ def test_bench_mesh(tiny, tmp_path):
     assert all(r["identical"].startswith("2/2") for r in d["rows"])
 
 
+@pytest.mark.slow  # runs a bench script
 def test_bench_precision(tiny, tmp_path):
     """Float32 products asked against the backend's default: on a CPU both are float32, so the outputs agree, and
     the caller's precision is as it was afterwards."""
@@ -251,6 +263,7 @@ def test_bench_products(tmp_path):
     assert [r["rows"] for r in d["rows"]] == [1, 3] and all(r["logits_ms"] > 0 for r in d["rows"])
 
 
+@pytest.mark.slow  # runs a bench script
 def test_bench_rows(tiny, tmp_path):
     out = tmp_path / "rows.json"
     assert script("bench_rows").main(["--model", tiny["model"], "--dtypes", "float32", "--batch-sizes", "1",
@@ -259,6 +272,7 @@ def test_bench_rows(tiny, tmp_path):
     assert set(d["chain"]) == {"float32 batch 1"} and len(d["chain"]["float32 batch 1"]) == 4
 
 
+@pytest.mark.slow  # runs a training bench
 def test_bench_train(tiny, tmp_path):
     out = tmp_path / "train.json"
     assert script("bench_train").main(["--set", f"model.name_or_path={tiny['model']}", "--steps", "1", "--length",
@@ -268,6 +282,7 @@ def test_bench_train(tiny, tmp_path):
     assert [r["variant"] for r in d["rows"]] == ["online", "packed+dv"] and all(r["step_s"] > 0 for r in d["rows"])
 
 
+@pytest.mark.slow  # starts a process
 def test_bench_train_memory_measures_a_child(tmp_path):
     """The one script whose point is a child process: its peak resident memory against the estimate."""
     out = tmp_path / "memory.json"
@@ -278,6 +293,7 @@ def test_bench_train_memory_measures_a_child(tmp_path):
     assert row["measured"] > 0 and row["estimate"] > 0 and not row.get("note")
 
 
+@pytest.mark.slow  # runs a bench script
 def test_count_compiles(tiny, tmp_path):
     out = tmp_path / "compiles.json"
     assert script("count_compiles").main(["--model", tiny["model"], "--head", tiny["head"], "--limit", "2",
@@ -287,6 +303,7 @@ def test_count_compiles(tiny, tmp_path):
     assert all(0 < r["compiled"] <= r["programs"] for r in d["rows"])
 
 
+@pytest.mark.slow  # runs bench scripts
 def test_simulate_lookup_and_head_calibration(tiny, tmp_path):
     out = tmp_path / "sim.json"
     assert script("simulate_lookup").main(["--model", tiny["model"], "--head", tiny["head"], "--limit", "2",
@@ -302,6 +319,7 @@ def test_simulate_lookup_and_head_calibration(tiny, tmp_path):
     assert [r["depth"] for r in d["rows"]] == [1, 2, 3, 4, 5] and all(0 <= r["ece"] <= 1 for r in d["rows"])
 
 
+@pytest.mark.slow  # compiles for a TPU
 def test_tpu_compile(tiny, tmp_path):
     config = tmp_path / "tiny.yaml"
     config.write_text("\n".join([
@@ -317,6 +335,7 @@ def test_tpu_compile(tiny, tmp_path):
     assert d["train"][0]["compiled"]["total"] > 0 and [r["mode"] for r in d["decode"]] == ["ar", "speculative"]
 
 
+@pytest.mark.slow  # reads the ShareGPT data
 def test_make_sharegpt_questions(tmp_path):
     """Not a benchmark: it writes a question set (JSON lines, the shipped sets' format)."""
     out = tmp_path / "questions.jsonl"

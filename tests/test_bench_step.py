@@ -11,6 +11,7 @@ from test_bench_scripts import render, results, script
 @pytest.mark.parametrize("head_type,tree,nodes", [("medusa", "chain-2", 3), ("redrafter", "beam-2x3", 5),
                                                   ("clover1", "dynamic-4-d2-k2-p0.9", 4),
                                                   ("eagle", "dynamic-4-d2-k2", 4), ("block", "chain-2", 3)])
+@pytest.mark.slow  # times each part of a step per head
 def test_bench_step_reports_each_part(head_type, tree, nodes, tmp_path):
     out = tmp_path / "step.json"
     assert script("bench_step").main(["time", "--shape", "tiny", "--head-type", head_type, "--trees", tree,
@@ -28,6 +29,7 @@ def test_bench_step_reports_each_part(head_type, tree, nodes, tmp_path):
     assert report["steps"][tree]["verified_tokens"] == nodes
 
 
+@pytest.mark.slow  # times the shipped head's trees
 def test_bench_step_knows_the_shipped_heads_fitted_trees(tmp_path):
     """`--trees fit-N-<hash>` names a tree a shipped head's calibration fitted (it was an unknown name here); a tree
     with a lookup chain has no parts timed, and its row renders with "-" for them."""

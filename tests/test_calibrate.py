@@ -38,6 +38,7 @@ def tiny():
 PROMPTS = ["a b c d", "hello there world", "x y z w v"]
 
 
+@pytest.mark.slow  # times each candidate tree
 def test_measure_tries_each_candidate_against_ar(tiny):
     loaded, head = tiny
     entry = calibrate.measure(loaded, head, prompts=PROMPTS, candidates=["chain-2", "dynamic-4", "clover2-26"],
@@ -124,6 +125,7 @@ def test_a_new_calibration_keeps_the_fitted_trees_it_replaces(tmp_path, monkeypa
     assert tree_mod.get_tree("fit-3-bbbbbb", trees).choices == ((0,), (0, 0))
 
 
+@pytest.mark.slow  # times candidate trees
 def test_generate_auto_uses_the_saved_choice(tiny, tmp_path, monkeypatch, capsys):
     """A saved choice of "ar" runs autoregressive decoding; a tree name runs that tree; both exact."""
     loaded, head = tiny
@@ -155,6 +157,7 @@ def test_generate_auto_uses_the_saved_choice(tiny, tmp_path, monkeypatch, capsys
     assert calibration.load_entry(str(folder), key)["best"] == "chain-3"  # saved over the stale one
 
 
+@pytest.mark.slow  # times candidate trees
 def test_generate_auto_calibrates_when_nothing_is_saved(tiny, capsys, monkeypatch):
     loaded, head = tiny
     calibrate._MEMO.clear()
@@ -174,6 +177,7 @@ def test_generate_auto_calibrates_when_nothing_is_saved(tiny, capsys, monkeypatc
     assert "no calibration" not in capsys.readouterr().err
 
 
+@pytest.mark.slow  # measures acceptance, then times trees
 def test_calibration_fits_the_tree_the_head_accepts(tmp_path, monkeypatch):
     """A head that always accepts child ranks (0, 0, 3) and nothing else: the probe measures that, a fitted tree
     holds that path, it is measured (tau 4), stored in the calibration, and reached by name in a later

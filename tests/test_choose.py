@@ -51,6 +51,7 @@ ALL_PAIRS = [(CLOVER, "fit-5-411aab+lookup-4-table"), (EAGLE, "fit-5-36f662+look
              (None, "lookup-2-table")]
 
 
+@pytest.mark.slow  # times two loops
 def test_a_request_measures_the_default_tree_against_plain_decoding_and_keeps_the_choice(smollm, fake_measure,
                                                                                         capsys):
     calls, predicted = fake_measure
@@ -91,6 +92,7 @@ def test_a_request_measures_the_default_tree_against_plain_decoding_and_keeps_th
     assert calls[2][1] == 8 and calls[2][2]["new_tokens"] == choose_mod.LARGE_BATCH_NEW_TOKENS == 8
 
 
+@pytest.mark.slow  # loads the real SmolLM2 weights
 def test_a_close_departure_from_the_default_is_measured_again_and_merged(smollm, monkeypatch, tmp_path):
     """A request's measurement that departs from the default tree by a margin under `CLEAR_MARGIN` (or has fewer
     than `ROUNDS` rounds) is not settled: the next request measures again, and each run's iteration time is the
@@ -132,6 +134,7 @@ def test_a_close_departure_from_the_default_is_measured_again_and_merged(smollm,
     assert choose_mod.settled(dict(clear, compared="all", candidates={tree: {"predicted_speedup": 0.9}}))
 
 
+@pytest.mark.slow  # loads the real SmolLM2 weights
 def test_a_comparison_of_every_candidate_is_kept_for_requests(smollm, fake_measure):
     """`calibrate --quick` (`choose(compare="all")`) measures every shipped head's tree and the head-less chains;
     requests use what it chose. A choice that compared the default tree only does not answer for all."""
@@ -148,6 +151,7 @@ def test_a_comparison_of_every_candidate_is_kept_for_requests(smollm, fake_measu
     assert plan.choice["head"] == EAGLE and plan.choice["predicted_speedup"] == 1.3 and plan.choice["compared"] == "all"
 
 
+@pytest.mark.slow  # loads the real SmolLM2 weights
 def test_plain_decoding_when_no_tree_pays(smollm, fake_measure):
     _, predicted = fake_measure  # the default tree 0.5x: plain decoding is faster
     plan = prepare_generate(smollm, ["hi"], mode="speculative")
@@ -161,6 +165,7 @@ def test_plain_decoding_when_no_tree_pays(smollm, fake_measure):
     assert plan.mode == "ar" and any("lookup-4-table at 0.8x" in n for n in plan.notes)
 
 
+@pytest.mark.slow  # loads the real SmolLM2 weights
 def test_the_default_tree_is_kept_within_the_tolerance(smollm, fake_measure):
     _, predicted = fake_measure
     predicted[f"{CLOVER} fit-5-411aab+lookup-4-table"] = 0.95  # plain decoding predicted 5% faster
@@ -169,6 +174,7 @@ def test_the_default_tree_is_kept_within_the_tolerance(smollm, fake_measure):
     assert any("plain decoding predicted 1.0x, less than 10% faster: the default kept" in n for n in plan.notes)
 
 
+@pytest.mark.slow  # loads the real SmolLM2 weights
 def test_a_head_less_chain_can_win(smollm, fake_measure):
     _, predicted = fake_measure
     predicted["lookup-2-table"] = 1.5
@@ -178,6 +184,7 @@ def test_a_head_less_chain_can_win(smollm, fake_measure):
     assert plan.ngram_table is not None  # the shipped heads' n-gram table
 
 
+@pytest.mark.slow  # loads the real SmolLM2 weights
 def test_a_named_head_chooses_between_its_tree_and_plain_decoding(smollm, fake_measure):
     calls, predicted = fake_measure
     predicted[f"{CLOVER} fit-5-411aab+lookup-4-table"] = 1.2
@@ -187,6 +194,7 @@ def test_a_named_head_chooses_between_its_tree_and_plain_decoding(smollm, fake_m
     assert isinstance(plan.head, Clover2Head) and plan.drafter.spec.name == "fit-5-411aab+lookup-4-table"
 
 
+@pytest.mark.slow  # loads the real SmolLM2 weights
 def test_named_trees_default_and_in_memory_heads_measure_nothing(smollm, fake_measure):
     calls, _ = fake_measure
     plan = prepare_generate(smollm, ["hi"], mode="speculative", tree="default")
@@ -199,6 +207,7 @@ def test_named_trees_default_and_in_memory_heads_measure_nothing(smollm, fake_me
     assert calls == []
 
 
+@pytest.mark.slow  # loads the real SmolLM2 weights
 def test_measure_predicts_tokens_per_iteration_over_an_iteration_cost(smollm, monkeypatch):
     """predicted = tau_B / cost: cost, the tree's fastest decode time per loop iteration over plain decoding's (each
     program timed once a round, `ROUNDS` rounds); on a CPU every loop on the full model, on a GPU an unrolled loop on
@@ -268,6 +277,7 @@ def test_the_default_is_kept_unless_another_is_clearly_faster():
     assert choose_mod.decide({}, None) == "ar"
 
 
+@pytest.mark.slow  # loads the real SmolLM2 weights
 def test_first_layers_shares_the_weights_and_keeps_the_shapes(smollm):
     from clover_jax.models.llama import first_layers
 
@@ -305,6 +315,7 @@ def test_reference_tau_is_read_from_the_head_folder():
     assert choose_mod.reference_tau(CLOVER, "chain-9") is None
 
 
+@pytest.mark.slow  # loads the real SmolLM2 weights
 def test_on_a_mesh_a_saved_choice_is_used_and_none_is_measured(smollm, fake_measure):
     """Measuring on a mesh compiles every candidate's sharded loop (minutes): the default tree, said in the notes,
     with the command that measures one; a saved choice for the mesh is used."""
@@ -319,6 +330,7 @@ def test_on_a_mesh_a_saved_choice_is_used_and_none_is_measured(smollm, fake_meas
     assert len(calls) == 1 and again.choice["tree"] == "lookup-4-table"
 
 
+@pytest.mark.slow  # loads the real SmolLM2 weights
 def test_measure_times_the_programs_of_the_request(smollm, monkeypatch):
     """With a request's prompt bucket and new tokens, every run is timed on that request's shapes: the prompts cut to
     the bucket, the cache the request gets with that run's tree (so the tree chosen runs the program timed); a

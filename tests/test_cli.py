@@ -108,6 +108,7 @@ def test_infer_lookup_table_without_a_head(capsys):
     assert out.split("### prompt 0:")[1].split("\n[tau")[0].strip() == ar and len(ar) > 40
 
 
+@pytest.mark.slow  # the real SmolLM2 on an 8-device mesh
 def test_infer_on_a_mesh_answers_as_on_one_device(capsys):
     """The README's example prompt: `--mesh tp=8` (8 simulated devices) prints the `--mesh tp=1` answer."""
     argv = ["--prompt", "What is the capital of France?", "--max-new-tokens", "24", "--mode", "speculative",
@@ -130,6 +131,7 @@ def test_train_unknown_key_is_one_line_error(capsys):
     assert code == 2 and "optim.lrr" in err and "did you mean 'optim.lr'" in err and "Traceback" not in err
 
 
+@pytest.mark.slow  # starts four processes
 def test_compile_cache_is_written_and_can_be_turned_off(tmp_path):
     """The CLI tools' persistent compilation cache: a compiled function lands in the folder
     `CLOVER_JAX_COMPILE_CACHE` names (default: `xla/` under `CLOVER_JAX_CACHE`); `off` leaves JAX's cache unset; a

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from clover_jax.compile_cache import CompileCounter
 
 TESTS = Path(__file__).resolve().parent
@@ -46,6 +48,7 @@ def run_workload(**env) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow  # starts two processes
 def test_a_second_process_compiles_nothing(tmp_path):
     folder = tmp_path / "xla"
     first = run_workload(CLOVER_JAX_COMPILE_CACHE=str(folder))

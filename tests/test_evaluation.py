@@ -14,6 +14,7 @@ from word_tokenizer import WordTokenizer
 
 
 
+@pytest.mark.slow  # evaluates heads on prompts
 def test_evaluate_reports_tau_speed_and_no_mismatch():
     cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=8, eos_token_ids=(2,))
@@ -44,6 +45,7 @@ def test_evaluate_reports_tau_speed_and_no_mismatch():
     assert {p["category"] for p in res["per_prompt"]["chain-3"]} == {"w", "m"}
 
 
+@pytest.mark.slow  # evaluates heads on prompts
 def test_a_fixed_prompt_bucket_compiles_one_program_per_run_ahead_of_timing():
     """`prompt_bucket` pads prompts of several buckets to one; `warmup_threads` compiles every run's programs before
     the first timed call, side by side: each loop compiles once, and the outputs are still exact."""
@@ -63,6 +65,7 @@ def test_a_fixed_prompt_bucket_compiles_one_program_per_run_ahead_of_timing():
     assert res["runs"]["chain-3"]["compile_seconds"] > 0
 
 
+@pytest.mark.slow  # evaluates heads on prompts
 def test_a_second_head_is_compared_with_the_first_evaluations_autoregressive_run():
     """`keep_reference` / `reference`: the second evaluation does not run plain decoding again (no autoregressive
     program is built), reports the first one's run, and still compares every output with it; a reference made on
@@ -113,6 +116,7 @@ def test_bootstrap_ci_of_a_ratio_of_sums():
     assert bootstrap_ci(np.stack([t_tok, a_sec], 1), np.stack([t_sec, a_tok], 1)) == pytest.approx((1.5, 1.5))
 
 
+@pytest.mark.slow  # evaluates on an 8-device mesh
 def test_evaluate_on_a_mesh_matches_one_device():
     """`evaluate(..., mesh=)` (8 simulated devices, data=2, tp=2 on 4 of them): the same per-prompt tau and
     tokens as on one device, still 0 greedy mismatches."""
@@ -130,6 +134,7 @@ def test_evaluate_on_a_mesh_matches_one_device():
     assert sharded["runs"]["chain-3"]["accept_hist"] == one["runs"]["chain-3"]["accept_hist"]
 
 
+@pytest.mark.slow  # evaluates heads on prompts
 def test_an_opened_head_brings_its_draft_vocabulary_and_table(tmp_path, monkeypatch):
     """`evaluate(loaded, bundle, ...)` with the `HeadBundle` of a head folder: a `+dv` run drafts from the vocabulary
     the head was trained on and a `...-table` tree from the folder's n-gram table, neither passed again; the folder

@@ -41,6 +41,7 @@ def test_registry_resolves_names_and_paths(tmp_path):
     assert pretrained.default_tree(str(tmp_path)) is None
 
 
+@pytest.mark.slow  # loads the real SmolLM2 weights
 def test_unknown_head_is_a_clear_error(smollm):
     with pytest.raises(FileNotFoundError, match="neither a folder nor a registered head.*" + NAME):
         load_head("smollm2-135m-instruct-clover9", smollm.model)

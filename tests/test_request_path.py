@@ -77,6 +77,7 @@ PROMPTS = [[5, 6, 7, 8], [9, 10, 11]]
 
 
 @pytest.mark.parametrize("tree", ["chain-2", f"{FITTED}+lookup-2", "default"])
+@pytest.mark.slow  # generates per tree
 def test_one_generate_call_reads_the_head_folder_once_and_parses_the_tree_once(base_and_folder, counted, tree):
     base, folder = base_and_folder
     ar = clover_jax.generate(base, PROMPTS, max_new_tokens=8)
@@ -88,6 +89,7 @@ def test_one_generate_call_reads_the_head_folder_once_and_parses_the_tree_once(b
     assert res.stats["tree"] == {"default": "clover2-26"}.get(tree, tree)
 
 
+@pytest.mark.slow  # times candidate trees
 def test_a_first_request_with_no_tree_reads_the_head_folder_once(base_and_folder, counted, monkeypatch, tmp_path):
     """No tree named: the choice compiles and times the head's default tree against plain decoding (on this tiny
     model), keeps its answer, and the request then drafts what it chose; the head's folder is read once for all of
@@ -112,6 +114,7 @@ def test_a_first_request_with_no_tree_reads_the_head_folder_once(base_and_folder
     assert again.stats["choice"] == res.stats["choice"]
 
 
+@pytest.mark.slow  # generates three times
 def test_a_head_folder_is_loaded_once_across_calls(base_and_folder):
     base, folder = base_and_folder
     first = clover_jax.prepare_generate(base, PROMPTS, mode="speculative", head=str(folder), tree="chain-2")
@@ -126,6 +129,7 @@ def test_mode_follows_from_the_draft(base_and_folder):
     assert plan.mode == "speculative" and plan.drafter is not None and plan.tree.name == "chain-2"
 
 
+@pytest.mark.slow  # a speculative loop
 def test_a_tree_may_be_a_list_of_paths(base_and_folder):
     base, folder = base_and_folder
     ar = clover_jax.generate(base, PROMPTS, max_new_tokens=8)
@@ -193,6 +197,7 @@ def test_a_plan_is_frozen_and_holds_its_draft(base_and_folder):
 
 
 @pytest.mark.parametrize("speculative", [False, True])
+@pytest.mark.slow  # generates per setting
 def test_the_cache_holds_exactly_what_the_request_needs(base_and_folder, speculative):
     """A 100-token prompt pads to a 128-token bucket: a cache of any size from what the request needs (prompt + new
     tokens + the tree's slots) up to the bucket runs and returns plain decoding's tokens; one slot less is an

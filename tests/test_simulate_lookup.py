@@ -14,6 +14,7 @@ sim = script("simulate_lookup")
 
 
 @pytest.mark.parametrize("k,max_ngram,with_table", [(3, 3, False), (5, 1, False), (3, 3, True)])
+@pytest.mark.slow  # a speculative loop per setting
 def test_simulated_steps_equal_the_loop_lookup_alone(k, max_ngram, with_table):
     from clover_jax.decoding.ngram import build_ngram_table
 

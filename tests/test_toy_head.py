@@ -36,6 +36,7 @@ def test_the_toy_head_is_a_registered_type_with_its_own_config_section():
         registry.drafter_for(toy_head.ToyHead, "dynamic-10")
 
 
+@pytest.mark.slow  # trains, exports and drafts
 def test_toy_head_trains_exports_imports_and_drafts_exactly(tmp_path):
     base = tiny_base()
     base.lm_head[...] = base.lm_head[...] * 40  # a peaked teacher (a random tiny base is near-uniform)

@@ -88,6 +88,7 @@ def _cfg(data: int, tp: int, *extra: str):
 
 
 @pytest.mark.parametrize("name, data, tp, hosts", [("v6e-8", 4, 2, 2), ("v5e-16", 8, 2, 4)])
+@pytest.mark.slow  # compiles training steps for a TPU
 def test_training_step_compiles_within_the_estimate(name, data, tp, hosts):
     """The training step on a data x tp mesh of a 2-host v6e slice and a 4-host v5e slice (v5e-4 below, through the
     command line). What it holds per chip as arguments is what the memory plan counts for the frozen base, the head,
@@ -111,10 +112,12 @@ def test_training_step_compiles_within_the_estimate(name, data, tp, hosts):
 # ------------------------------------------------------------------------------------------------ decoding loops
 @pytest.mark.parametrize("name, mesh_sizes, mode, head_type, tree", [
     ("v5e-4", dict(data=2, tp=2), "ar", None, None),
-    ("v5e-4", dict(data=2, tp=2), "speculative", None, "lookup-4"),  # head-less
-    ("v6e-8", dict(data=2, tp=4), "speculative", "clover2", "clover2-26"),  # a static tree
-    ("v6e-8", dict(data=2, tp=4), "speculative", "eagle", "dynamic-10"),  # a per-step (EAGLE-2) tree
-    ("v6e-8", dict(data=2, tp=4), "speculative", "redrafter", "beam-4x5"),  # beams
+    *(pytest.param(*p, marks=pytest.mark.slow) for p in (  # a TPU compile of a speculative loop each
+        ("v5e-4", dict(data=2, tp=2), "speculative", None, "lookup-4"),  # head-less
+        ("v6e-8", dict(data=2, tp=4), "speculative", "clover2", "clover2-26"),  # a static tree
+        ("v6e-8", dict(data=2, tp=4), "speculative", "eagle", "dynamic-10"),  # a per-step (EAGLE-2) tree
+        ("v6e-8", dict(data=2, tp=4), "speculative", "redrafter", "beam-4x5"),  # beams
+    )),
 ])
 def test_decoding_loops_compile(name, mesh_sizes, mode, head_type, tree):
     """Each drafter family's loop compiles for a TPU slice; the weights the caller holds per chip are what the
@@ -183,6 +186,7 @@ def small_config(tmp_path_factory):
     return path
 
 
+@pytest.mark.slow  # compiles a training step for a TPU in a process
 def test_train_compile_only(small_config, capsys):
     assert train_cli.main(["--config", str(small_config), "--compile-only", "--topology", "v5e-4"]) == 0
     out = capsys.readouterr().out
@@ -202,6 +206,7 @@ def test_train_compile_only_that_cannot_fit_exits_2(small_config, capsys):
     assert "data.batch_size" in captured.err and "mesh.fsdp" in captured.err and "remat" in captured.err
 
 
+@pytest.mark.slow  # compiles decoding loops for a TPU
 def test_infer_compile_only(small_config, capsys):
     argv = ["--model", str(small_config), "--mode", "speculative", "--tree", "chain-3", "--compile-only",
             "--topology", "v6e-8", "--batch-size", "2", "--prompt-length", "100", "--max-new-tokens", "20"]

@@ -199,6 +199,7 @@ def tiny_ar(tiny):
 
 
 @pytest.mark.parametrize("tree", TINY_TREES)
+@pytest.mark.slow  # a speculative loop per tree
 def test_oracle_accepts_full_paths_tiny(tiny, tiny_ar, tree):
     gen, row_steps = tiny.check_run(tree, eos=CFG.eos_token_ids)
     assert gen == tiny_ar
@@ -207,6 +208,7 @@ def test_oracle_accepts_full_paths_tiny(tiny, tiny_ar, tree):
     assert (TINY_NEW - 1) % (depth + 1) != 0, "the last step should be cut by the length limit"
 
 
+@pytest.mark.slow  # a speculative loop per tree
 def test_anti_oracle_accepts_nothing_tiny(tiny, tiny_ar):
     gen, row_steps = tiny.check_run("small-10", anti=True, eos=CFG.eos_token_ids)
     assert gen == tiny_ar
@@ -214,6 +216,7 @@ def test_anti_oracle_accepts_nothing_tiny(tiny, tiny_ar):
 
 
 @pytest.mark.parametrize("tree", TINY_TREES)
+@pytest.mark.slow  # a speculative loop per tree
 def test_oracle_eos_inside_accepted_path_tiny(tiny, tree):
     """An EOS that is an accepted draft (not the bonus token) ends the row there, output cut after it,
     yet the step counts as a full-depth acceptance. EOS id: row 0's 4th generated token."""
@@ -226,6 +229,7 @@ def test_oracle_eos_inside_accepted_path_tiny(tiny, tree):
     assert gen == [np.asarray(ar.tokens)[b, n:int(ar.lengths[b])].tolist() for b, n in enumerate(tiny.lens)]
 
 
+@pytest.mark.slow  # sampling loops over many rows
 def test_oracle_sampling_tiny(tiny):
     tree, depth = "small-10", get_tree("small-10").max_depth
     # temperature 1: the output leaves the greedy reference at the first sampled deviation, after which the

@@ -57,6 +57,7 @@ def _naive_greedy(model, prompt, n):
     return ids[len(prompt):]
 
 
+@pytest.mark.slow  # a loop per prompt
 def test_batch_equals_each_prompt_alone(tiny):
     prompts = _prompts(4)
     batch = generate(tiny, prompts, max_new_tokens=12, cache_size=64)
@@ -65,12 +66,14 @@ def test_batch_equals_each_prompt_alone(tiny):
         assert batch.token_ids[i] == alone.token_ids[0]
 
 
+@pytest.mark.slow  # compiles the loop and a step-by-step reference
 def test_greedy_matches_naive_argmax_loop(tiny):
     p = _prompts(1)[0]
     out = generate(tiny, [p], max_new_tokens=10, cache_size=64).token_ids[0]
     assert out == _naive_greedy(tiny, p, len(out))
 
 
+@pytest.mark.slow  # long prompts, a loop per block size
 def test_prefill_in_blocks_equals_one_block(tiny):
     """A prompt longer than the block runs block by block against the cache: the last logits, the hidden states
     and the cached keys/values of every row's valid positions equal the one-block pass (to float rounding), the
@@ -100,6 +103,7 @@ def test_prefill_in_blocks_equals_one_block(tiny):
                                        atol=2e-5)
 
 
+@pytest.mark.slow  # compiles the loop twice (scan and unrolled layers)
 def test_unrolled_layers_equal_the_scan(tiny):
     """`layers="unrolled"` (one buffer per layer, a per-layer KV cache) and `layers="scan"` (stacked weights and
     cache) decode the same greedy tokens, with short prompts and one prefilled in blocks, and sample the same
@@ -176,6 +180,7 @@ def test_decode_layers_policy(tiny, monkeypatch):
     assert autoregressive.decode_layers(None, model=tiny) == "unrolled"
 
 
+@pytest.mark.slow  # compiles the unrolled loop
 def test_unrolled_loop_holds_one_copy_of_the_weights(tiny):
     """With unrolled layers the loop reads each layer's weights from slices that share the stacked weights' memory
     (`layer_views`: the same addresses, made once per model), its program holds no copy of them (XLA's temporary
@@ -204,6 +209,7 @@ def test_unrolled_loop_holds_one_copy_of_the_weights(tiny):
     assert int(b.steps) == 8
 
 
+@pytest.mark.slow  # long prompts against a step-by-step reference
 def test_long_prompt_greedy_matches_naive_argmax_loop(tiny):
     """A prompt over PREFILL_CHUNK tokens (prefilled in blocks) still decodes what full forwards would."""
     p = np.random.RandomState(5).randint(3, 64, autoregressive.PREFILL_CHUNK + 45).tolist()
@@ -253,6 +259,7 @@ def test_float32_decoding_asks_for_float32_products(tiny):
         assert "HIGHEST" not in lowered(tiny)
 
 
+@pytest.mark.slow  # sampling loops per seed
 def test_sampling_is_reproducible_and_seed_dependent(tiny):
     prompts = _prompts(3)
     a = generate(tiny, prompts, max_new_tokens=8, cache_size=64, temperature=1.0, seed=1)

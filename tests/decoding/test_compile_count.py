@@ -21,7 +21,7 @@ def tiny():
 _prompt = random_prompt
 
 
-@pytest.mark.parametrize("mode,tree", [("ar", None), ("speculative", "chain-4")])
+@pytest.mark.parametrize("mode,tree", [("ar", None), pytest.param("speculative", "chain-4", marks=pytest.mark.slow)])
 def test_one_program_per_bucket(tiny, mode, tree):
     base, head = tiny
     kw = dict(mode=mode, head=head if mode == "speculative" else None, tree=tree)

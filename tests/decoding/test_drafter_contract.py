@@ -86,6 +86,7 @@ def _run(base, drafter):
     return out, stats
 
 
+@pytest.mark.slow  # compiles speculative loops of a test drafter
 def test_a_drafter_that_keeps_the_contract_runs(base):
     out, stats = _run(base, ChainDrafter(get_tree("chain-3")))
     ref = ar_generate(base, PROMPT, LENGTHS, max_new_tokens=8, cache_size=32)

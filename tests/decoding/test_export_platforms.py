@@ -89,8 +89,8 @@ def test_autoregressive_loop_lowers_for_tpu_and_cuda(base, target, greedy):
 
 @pytest.mark.parametrize("head_type,tree", [
     ("clover2", "chain-4"),  # a static tree
-    ("clover2", "dynamic-10"),  # a tree chosen per step and row
-    ("redrafter", "beam-2x3"),  # beam search merged into a tree
+    pytest.param("clover2", "dynamic-10", marks=pytest.mark.slow),  # a tree chosen per step and row
+    pytest.param("redrafter", "beam-2x3", marks=pytest.mark.slow),  # beam search merged into a tree
     (None, "lookup-4"),  # head-less prompt lookup
 ])
 @pytest.mark.parametrize("target", TARGETS)
@@ -115,6 +115,7 @@ def test_loops_on_a_mesh_lower_for_tpu_and_cuda(base):
     assert exp.nr_devices == 8
 
 
+@pytest.mark.slow  # exports, then runs, a loop
 def test_the_exported_loop_decodes_what_the_jitted_loop_decodes(base):
     """Exported for the CPU beside the two targets, the program runs here: the same tokens as the jitted loop."""
     exp, fn, args = _export_ar(base, "scan", True, platforms=("cpu",) + TARGETS)

@@ -72,6 +72,7 @@ def test_tree_names():
             get_tree(bad)
 
 
+@pytest.mark.slow  # a speculative loop per merged tree
 def test_merged_static_topology():
     """chain-2+lookup-3: the chain hangs under the root after the head's child, each node under the previous."""
     base = init_llama(CFG, seed=0)
@@ -93,6 +94,7 @@ def _prompts(n, seed=0, lo=2, hi=20):
 
 
 @pytest.mark.parametrize("tree", ["lookup-4", "chain-3+lookup-4", "dynamic-10+lookup-3", "clover2-26+lookup-2-n1"])
+@pytest.mark.slow  # a speculative loop per tree
 def test_greedy_equals_autoregressive_tiny(tree):
     base = init_llama(CFG, seed=0)
     head = None if tree.startswith("lookup") else init_from_base(base, Clover2Config())
@@ -106,6 +108,7 @@ def test_greedy_equals_autoregressive_tiny(tree):
 @pytest.mark.parametrize("head_type,tree", [("medusa", "chain-3+lookup-3"), ("eagle", "dynamic-10+lookup-3"),
                                             ("redrafter", "beam-2x3+lookup-3"), ("clover1", "dynamic-8-p0.8+lookup-2"),
                                             ("block", "chain-3+lookup-3")])
+@pytest.mark.slow  # a speculative loop per head type
 def test_every_head_type_drafts_beside_a_chain(head_type, tree):
     """The chain joins any drafter's tree: static buffers (Medusa), per-row trees (EAGLE-2's dynamic trees,
     ReDrafter's beams, Clover-1's top-p cut)."""
@@ -134,6 +137,7 @@ def test_lookup_needs_no_head_and_other_trees_do():
         generate(base, [[3, 4, 5]], max_new_tokens=4, mode="speculative")
 
 
+@pytest.mark.slow  # sampling loops over many rows
 @pytest.mark.parametrize("tree,temperature", [("lookup-3", 1.0), ("chain-1+lookup-2", 1.0), ("chain-1+lookup-2", 0.7)])
 def test_sampling_is_lossless(tree, temperature):
     """Generated tokens 2..4 under speculative sampling with lookup chains (deterministic children, beside the

@@ -144,6 +144,7 @@ def tiny_one_device(tiny):
 
 
 @pytest.mark.parametrize("mesh", MESHES)
+@pytest.mark.slow  # compiles every tree's loop on an 8-device mesh
 def test_tiny_sharded_equals_single_device(tiny, tiny_one_device, mesh):
     """AR and speculative greedy tokens and acceptance histograms on the mesh equal the single-device run
     (6 prompts: the batch is padded to the 4 data shards)."""
@@ -164,6 +165,7 @@ def test_tiny_sharded_equals_single_device(tiny, tiny_one_device, mesh):
         assert sum(spm.stats["accept_hist"]) == sum(sp1.row_steps)  # padding rows are not counted
 
 
+@pytest.mark.slow  # long prompts on an 8-device mesh
 def test_long_prompts_on_a_mesh_equal_one_device(tiny):
     """Prompts past one 256-token block (the base prefill and the draft head's prompt pass then run block by block in
     while loops, `commit_prompt`): on a mesh, speculative decoding gives the one-device tokens and acceptance, and
@@ -181,6 +183,7 @@ def test_long_prompts_on_a_mesh_equal_one_device(tiny):
     assert many.stats["accept_hist"] == one.stats["accept_hist"]
 
 
+@pytest.mark.slow  # compiles on an 8-device mesh
 def test_sampling_on_mesh_keeps_rows_independent_of_padding(tiny):
     """Sampling on a mesh: same seed, same tokens as one device (the random streams do not depend on the
     layout), and the rows added to pad the batch are cut from the result."""
@@ -211,6 +214,7 @@ def _compiled_memory(fn, *args, weights=None):
     return ma.argument_size_in_bytes, ma.temp_size_in_bytes
 
 
+@pytest.mark.slow  # compiles the loops for three meshes
 def test_caches_and_weights_are_split_not_replicated():
     """Per-device memory of the compiled loops (XLA's own accounting): on 8 devices the KV caches (temp) take
     about 1/8 of one device's, and with tp=8 the weights (arguments) about 1/8; a replicated cache or weight
@@ -251,6 +255,7 @@ def test_caches_and_weights_are_split_not_replicated():
 
 
 # --------------------------------------------------------------------------------------- planning
+@pytest.mark.slow  # plans (and starts) a run on an 8-device mesh
 def test_memory_planning_on_mesh_names_the_numbers(tiny, monkeypatch):
     _need_devices()
     base, clover2, *_ = tiny
@@ -276,6 +281,7 @@ def test_memory_planning_on_mesh_names_the_numbers(tiny, monkeypatch):
                                      devices=[Dev()] * 4)
 
 
+@pytest.mark.slow  # compiles on an 8-device mesh
 def test_load_model_onto_mesh_places_weights(tmp_path):
     """`load_model(..., mesh=...)` reads the weights straight onto the mesh; generate then copies nothing."""
     _need_devices()
@@ -310,6 +316,7 @@ class _ChatWords:
         return " ".join(map(str, ids))
 
 
+@pytest.mark.slow  # compiles on two 8-device meshes
 def test_self_distillation_generates_on_a_mesh_what_one_device_generates():
     """The replies a Llama-3-8B user generates tensor-parallel (`self_distill --set mesh.tp=8`) are the
     single-device replies: same message lists in, same texts out, whatever the padding to the batch shards."""
@@ -329,6 +336,7 @@ def test_self_distillation_generates_on_a_mesh_what_one_device_generates():
 
 
 # ------------------------------------------------------------------------------------------------ bf16
+@pytest.mark.slow  # loads the real SmolLM2 weights in bfloat16
 def test_bf16_speculative_agrees_with_bf16_autoregressive(smollm):
     """SmolLM2 in bf16 (weights, activations and caches; float32 logits and accumulation), 8 MT-Bench prompts,
     32 tokens: speculative equals autoregressive bf16 on at least 6 of 8, the shipped head still accepts drafts,
@@ -353,6 +361,7 @@ def test_bf16_speculative_agrees_with_bf16_autoregressive(smollm):
 
 
 # ------------------------------------------------------------------------- the real model, shipped head
+@pytest.mark.slow  # the real SmolLM2 on an 8-device mesh
 def test_smollm2_shipped_head_on_mesh_equals_single_device(smollm):
     """SmolLM2-135M-Instruct with the shipped head, 8 MT-Bench prompts in one batch of 8, tp=8: the sharded
     speculative loop gives the single-device tokens and acceptance histogram (SmolLM2's 9 query / 3 KV heads do

@@ -140,6 +140,7 @@ def test_tree_names_and_missing_table():
         generate(base, [[3, 4, 5]], max_new_tokens=4, mode="speculative", tree="lookup-3-table", ngram_table=table)
 
 
+@pytest.mark.slow  # generates 200 replies to build its table
 def test_greedy_equals_autoregressive_and_the_table_is_accepted_tiny():
     """A table of the tiny model's own greedy replies drafts its replies to new prompts where lookup has nothing
     (each prompt ends in a token it holds once): exact, and fewer steps than lookup alone."""
@@ -180,6 +181,7 @@ def test_smollm_table_beside_the_shipped_head(smollm):
     assert tau(table) >= tau(plain) + 0.05, (tau(table), tau(plain))
 
 
+@pytest.mark.slow  # sampling loops over 3,000 rows
 def test_sampling_with_the_table_is_lossless():
     """Tokens 2..4 sampled at temperature 1.0 with a table chain (each prompt's last token is new to it, so the
     first steps draft from the table) against plain sampling: chi-square homogeneity over many rows."""

@@ -34,8 +34,9 @@ def _prompts(n, seed=0, lo=2, hi=20):
     return [rng.randint(3, 64, rng.randint(lo, hi)).tolist() for _ in range(n)]
 
 
-@pytest.mark.parametrize("tree", ["clover2-26", "chain-4", "medusa-63", "dynamic-10", "dynamic-26", "dynamic-12-d3-k4",
-                                  "dynamic-4"])  # dynamic-4: fewer nodes than top-k children
+# chain-4 in the fast tier; a loop each for the rest (dynamic-4: fewer nodes than top-k children)
+@pytest.mark.parametrize("tree", ["chain-4", *(pytest.param(t, marks=pytest.mark.slow) for t in (
+    "clover2-26", "medusa-63", "dynamic-10", "dynamic-26", "dynamic-12-d3-k4", "dynamic-4"))])
 def test_greedy_equals_autoregressive_tiny(tiny, tree):
     base, head = tiny
     prompts = _prompts(4)
@@ -48,6 +49,7 @@ def test_greedy_equals_autoregressive_tiny(tiny, tree):
 
 
 @pytest.mark.parametrize("tree", ["chain-4", "dynamic-10"])
+@pytest.mark.slow  # compiles each loop twice (scan and unrolled layers)
 def test_unrolled_layers_equal_the_scan(tiny, tree):
     """The speculative loop with unrolled layers (per-layer weight buffers and KV cache; `auto` picks it on a
     GPU) decodes what the scanned loop and autoregressive decoding decode, with the same
@@ -74,6 +76,7 @@ def test_unrolled_layers_equal_the_scan(tiny, tree):
         assert got == ar.token_ids[r]
 
 
+@pytest.mark.slow  # compiles each head's loop twice (scan and unrolled layers)
 @pytest.mark.parametrize("head_type", ["clover2", "clover1", "eagle"])
 def test_head_layers_unrolled_draft_what_the_scan_drafts(head_type):
     """The loop runs a Clover head's Augmenting Block unrolled (`head_layers`: per-layer weights taken once by
@@ -120,6 +123,7 @@ def test_head_layers_unrolled_draft_what_the_scan_drafts(head_type):
     assert copy == (0 if head_type == "eagle" else sum(x.nbytes for x in jax.tree.leaves(head.aug.layer_params())))
 
 
+@pytest.mark.slow  # loops up to the end of the cache
 def test_greedy_equals_autoregressive_up_to_cache_end(tiny):
     base, head = tiny
     prompts = _prompts(3, seed=5)
@@ -133,6 +137,7 @@ def test_greedy_equals_autoregressive_up_to_cache_end(tiny):
         generate(base, prompts, max_new_tokens=24, cache_size=size - 1, mode="speculative", head=head)
 
 
+@pytest.mark.slow  # compiles a loop per prompt bucket
 def test_one_compile_per_bucket(tiny):
     base, head = tiny
     prompts = _prompts(2, seed=1)
@@ -166,6 +171,7 @@ def _first_tokens(result, n):
     return np.array([t[:n] for t in result.token_ids])
 
 
+@pytest.mark.slow  # sampling loops over many rows
 @pytest.mark.parametrize("top_p,tree,temperature", [(1.0, "chain-2", 1.0), (0.8, "chain-2", 1.0),
                                                     (1.0, "dynamic-6-d2-k3", 1.0), (1.0, "dynamic-6-d2-k3", 0.7)])
 def test_sampling_is_lossless(top_p, tree, temperature):

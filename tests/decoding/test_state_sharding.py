@@ -162,6 +162,7 @@ def drafter_states(base, heads):
 
 
 @pytest.mark.parametrize("mesh", MESHES)
+@pytest.mark.slow  # builds every head type, with and without a vocabulary
 def test_every_drafter_state_splits_as_its_layout_says(base, heads, mesh):
     _need_devices()
     mesh = parallel.parse_mesh(mesh)

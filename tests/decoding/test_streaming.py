@@ -40,6 +40,7 @@ def _collect():
 
 @pytest.mark.parametrize("mode, tree", [("ar", None), ("speculative", "lookup-4")])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.slow  # a streaming loop per mode and temperature
 def test_streamed_tokens_are_the_result(tiny, mode, tree, temperature):
     prompts = _prompts()
     kw = dict(max_new_tokens=24, mode=mode, tree=tree, temperature=temperature, seed=3)

@@ -48,6 +48,7 @@ def _tokens_and_logits(buf, seed, batch=3, vocab=64):
 
 
 @pytest.mark.parametrize("name", TREES)
+@pytest.mark.slow  # a speculative loop per tree and acceptor
 def test_acceptors_decide_the_same_on_either(name):
     buf, top = _topology(get_tree(name))
     for seed in range(4):
@@ -111,6 +112,7 @@ def test_dynamic_tree_policy_names_and_limits():
         get_tree("dynamic-x")
 
 
+@pytest.mark.slow  # compiles a dynamic drafter against a reference
 def test_dynamic_drafter_keeps_the_best_candidates_as_a_tree():
     """One proposal of the Clover-2 dynamic drafter: U nodes, every kept node's parent kept (no unused slot),
     depth within the bound, siblings distinct and one level below their parent."""

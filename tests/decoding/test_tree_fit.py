@@ -130,6 +130,7 @@ def test_fitted_trees_are_reached_by_name():
     assert get_tree("chain-1", known).name == "chain-1"  # the grammar still answers other names
 
 
+@pytest.mark.slow  # measures acceptance over many loops
 def test_a_head_that_accepts_known_ranks_gets_those_ranks():
     """The base emits token 0 forever; Medusa head i ranks token 0 at RANKS[i] (tokens 1..r score above it). So
     each step accepts exactly the path RANKS: the loop's per-node counts must say so, the rates estimated from a

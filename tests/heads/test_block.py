@@ -52,6 +52,7 @@ def _batch(seed=0, t=12):
 
 
 # ------------------------------------------------------------------------------------------------ config
+@pytest.mark.slow  # drafts with a head started from the base's layers
 def test_layers_can_start_as_the_bases_last_layers():
     from clover_jax.training.config import ConfigError, load_config
 
@@ -71,6 +72,7 @@ def test_layers_can_start_as_the_bases_last_layers():
         init_from_base(base, BlockConfig(num_layers=9, init_layers="base"))
 
 
+@pytest.mark.slow  # builds and compiles a trainer
 def test_registered_with_its_own_section_and_clear_errors():
     from clover_jax.training.config import ConfigError, load_config
 
@@ -158,6 +160,7 @@ def test_the_window_shifts_in_each_rows_accepted_tokens():
 
 
 # ------------------------------------------------------------------------------------------------ training
+@pytest.mark.slow  # compiles the drafter at every anchor
 def test_training_outputs_are_the_drafters_block_at_every_anchor():
     """Block position k at anchor s in training is what the drafter computes from the window ending at s under
     the root x_{s+1}: the training and drafting paths agree on the window, the positions and the depths."""
@@ -198,6 +201,7 @@ def _hand_loss(out, h, w, lm, anchors_trained: bool):
     return total, counts
 
 
+@pytest.mark.slow  # the loss and its reference by hand
 def test_loss_is_the_soft_cross_entropy_of_each_block_position():
     base = init_llama(CFG, seed=0)
     base.lm_head[...] = base.lm_head[...] * 10
@@ -248,6 +252,7 @@ def _spec_vocab(base, head, tree, prompt, lens, n, vocab):
 
 
 @pytest.mark.parametrize("tree", ["chain-4", "medusa-63", "chain-2+lookup-3"])
+@pytest.mark.slow  # a speculative loop per tree
 def test_speculative_block_equals_greedy(tree):
     base = init_llama(CFG, seed=0)
     head = _head(base)
@@ -259,6 +264,7 @@ def test_speculative_block_equals_greedy(tree):
     same_as_greedy(base, out, prompt, lens, 24, NO_EOS)  # a draft vocabulary
 
 
+@pytest.mark.slow  # speculative loops with and without EOS and a draft vocabulary, per tree
 @pytest.mark.parametrize("tree,depth", [("chain-4", 4), ("medusa-63", 4)])
 def test_block_drafts_are_accepted_when_right_and_rejected_when_wrong(tree, depth):
     """A base whose final norm is 0 emits token 0 forever; the block's logits (the same final norm and lm_head)
@@ -362,6 +368,7 @@ def test_block_training_run_checkpoint_export_and_import(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------ feature layers
+@pytest.mark.slow  # compiles speculative loops
 def test_the_context_reads_the_bases_chosen_layers_and_drafts_exactly():
     """With `feature_layers` the loop hands the drafter `[..., 2D]` features (layer 0's output, then the last
     layer's), training and drafting read the same ones, the draft depends on them, and decoding stays exact."""
@@ -399,6 +406,7 @@ def test_feature_layers_outside_the_base_or_malformed_are_named_errors():
             BlockConfig(feature_layers=bad)
 
 
+@pytest.mark.slow  # trains, checkpoints and exports
 def test_feature_layers_train_from_cached_features_checkpoint_and_export(tmp_path):
     """A run whose head reads layer 0: its cached features hold two layers (a folder of their own), the loss of a
     cached batch equals the online one, the checkpoint records the layers (a checkpoint saved before they existed

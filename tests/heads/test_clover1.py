@@ -49,6 +49,7 @@ def test_top_p_policy_names_and_registry():
         drafter_for(Clover1Head, "beam-2x3")
 
 
+@pytest.mark.slow  # compiles training and drafting paths
 def test_training_outputs_equal_the_drafting_path():
     """Head i's teacher-forced output at t (training) equals what drafting computes along the data's own path:
     commit the prefix x_0..x_t with root x_{t+1}, head 0, then `step` with x_{t+2}, x_{t+3}, ... A drafter that
@@ -72,7 +73,8 @@ def test_training_outputs_equal_the_drafting_path():
         head.step(base, s, tokens[:, 0], depth=4)
 
 
-@pytest.mark.parametrize("tree", ["chain-3", "clover2-26", "dynamic-10-p0.8"])
+@pytest.mark.parametrize("tree", ["chain-3", *(pytest.param(t, marks=pytest.mark.slow)  # a loop each: chain-3 fast
+                                              for t in ("clover2-26", "dynamic-10-p0.8"))])
 def test_speculative_clover1_equals_greedy(tree):
     base = init_llama(CFG, seed=0)
     head = _head(base, num_heads=5)
@@ -82,6 +84,7 @@ def test_speculative_clover1_equals_greedy(tree):
         same_as_greedy(base, out, prompt, lens, 24, eos)
 
 
+@pytest.mark.slow  # compiles speculative loops
 def test_clover1_drafts_are_accepted_when_right_and_the_top_p_cut_keeps_them():
     """The base emits token 0 forever (final norm 0); a fresh head's outputs pass head_norm = that zero norm, so
     every draft is token 0 (all logits tie, the lowest id first): each step accepts its deepest path. With top_p
@@ -103,6 +106,7 @@ def test_clover1_drafts_are_accepted_when_right_and_the_top_p_cut_keeps_them():
     assert stats["tau"] == 1.0 and stats["accept_hist"][0] > 0, stats
 
 
+@pytest.mark.slow  # compiles a dynamic drafter
 def test_top_p_cut_leaves_unused_slots():
     base = init_llama(CFG, seed=0)
     head = _head(base)
@@ -115,6 +119,7 @@ def test_top_p_cut_leaves_unused_slots():
     assert used.sum(axis=1).tolist() == [3, 3]  # one child per node, 3 deep: the rest of the 10 unused
 
 
+@pytest.mark.slow  # trains, exports and imports
 def test_clover1_training_run_export_and_import(tmp_path):
     from clover_jax.cli.export import export_head_from_run
     from clover_jax.training.loading import load_head

@@ -268,6 +268,7 @@ def test_blockwise_top_k_equals_lax_top_k():
         np.testing.assert_array_equal(np.asarray(top_k_ids(x, k)), np.asarray(jax.lax.top_k(x, k)[1]))
 
 
+@pytest.mark.slow  # compiles the commit twice (scan and unrolled layers)
 def test_commit_with_unrolled_layers_equals_the_scan(base, head):
     """The decoding loop runs the Augmenting Block unrolled on per-layer weights taken once before it
     (`RecurrentDrafter.init_state(layers="unrolled")`): the same state and cache as the scan over stacked layers."""

@@ -37,7 +37,8 @@ def base():
     return init_llama(CFG, seed=0)
 
 
-@pytest.mark.parametrize("name", ["clover2", "clover1", "eagle"])
+@pytest.mark.parametrize("name", [*(pytest.param(n, marks=pytest.mark.slow) for n in ("clover2", "clover1")),
+                                  "eagle"])  # the blocked pass of each head: eagle's in the fast tier
 def test_blocked_prompt_pass_equals_one_pass(base, name):
     head = _perturbed_head(name, base)
     b, t, size = 3, 3 * CHUNK, 4 * CACHE_BLOCK
@@ -66,6 +67,7 @@ def test_blocked_prompt_pass_equals_one_pass(base, name):
 
 
 @pytest.mark.parametrize("name", ["clover2", "eagle"])
+@pytest.mark.slow  # long prompts, a loop per head
 def test_speculative_from_a_long_prompt_equals_greedy(base, name):
     head = _perturbed_head(name, base, seed=2)
     rng = np.random.default_rng(3)

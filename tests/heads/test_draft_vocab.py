@@ -46,6 +46,7 @@ def test_frequent_tokens_and_file_round_trip(tmp_path):
         check_draft_vocab([3, 3], 64)
 
 
+@pytest.mark.slow  # compiles drafters with a draft vocabulary
 def test_drafts_come_from_the_draft_vocabulary(tiny):
     base, head = tiny
     drafter = RecurrentDrafter(get_tree("clover2-26"), draft_vocab=tuple(SUBSET.tolist()))
@@ -65,6 +66,7 @@ def test_drafts_come_from_the_draft_vocabulary(tiny):
 
 
 @pytest.mark.parametrize("tree", ["clover2-26", "chain-3"])
+@pytest.mark.slow  # speculative loops with and without the vocabulary
 def test_greedy_output_unchanged_with_a_draft_vocabulary(tiny, tree):
     base, head = tiny
     prompts = _prompts(4)

@@ -79,6 +79,7 @@ def _reference_output(head, base, h_prefix, y_prefix, path_tokens, path_feats):
 
 
 @pytest.mark.parametrize("tree", ["clover2-26", "dynamic-10-d4-k3"])
+@pytest.mark.slow  # recomputes every drafted path
 def test_every_drafted_node_equals_a_full_recompute_of_its_path(tree):
     """A drafted node's token is the rank-r token (static trees; among the top-k for dynamic ones) of the draft's
     output recomputed without any cache over the committed prefix and the node's ancestors. A drafter that let a
@@ -127,6 +128,7 @@ def test_every_drafted_node_equals_a_full_recompute_of_its_path(tree):
 
 @pytest.mark.parametrize("tree", ["chain-4", "clover2-26", "dynamic-10"])
 @pytest.mark.parametrize("init", ["reference", "base_layer"])
+@pytest.mark.slow  # a speculative loop per tree
 def test_speculative_eagle_equals_greedy(tree, init):
     base = init_llama(CFG, seed=0)
     head = _head(base, init=init)
@@ -136,6 +138,7 @@ def test_speculative_eagle_equals_greedy(tree, init):
         same_as_greedy(base, out, prompt, lens, 24, eos)
 
 
+@pytest.mark.slow  # compiles speculative loops
 def test_eagle_drafts_are_accepted_when_right():
     """The base emits token 0 forever (final norm 0). A head whose FC and layer output nothing predicts the zero
     feature: all logits tie and every draft is token 0, so each step accepts its deepest path (depths beyond any
@@ -196,6 +199,7 @@ def _reference_model(torch, c: LlamaConfig):
 
 
 @pytest.mark.torch
+@pytest.mark.slow  # builds the torch reference
 def test_export_loads_strictly_into_the_reference_and_computes_the_same(tmp_path):
     torch = pytest.importorskip("torch")
     from safetensors.torch import load_file
@@ -231,6 +235,7 @@ def test_export_loads_strictly_into_the_reference_and_computes_the_same(tmp_path
                                   np.asarray(spec(base, head, "clover2-26", prompt, lens)[0].tokens))
 
 
+@pytest.mark.slow  # trains, exports and imports
 def test_eagle_training_run_export_and_import(tmp_path):
     from clover_jax.cli.export import export_head_from_run
     from clover_jax.training.loading import load_head
@@ -267,6 +272,7 @@ def test_eagle_training_run_export_and_import(tmp_path):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@pytest.mark.slow  # compiles training steps
 def test_feature_noise_is_eagles_uniform_noise_on_inputs_only():
     """`loss.feature_noise`: uniform in +-std*256/length on valid positions, 0 on padding; it changes the training
     loss (inputs only: with zero noise the loss is the clean one), a step's noise is fixed by the step number (a

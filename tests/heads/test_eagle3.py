@@ -66,6 +66,7 @@ def _spec(base, head, tree, prompt, lens, n=20, draft_vocab=None):
     return out, stats
 
 
+@pytest.mark.slow  # builds and compiles a trainer
 def test_registry_defaults_and_named_errors(base):
     ht = registry.get("eagle3")
     assert registry.of_head(Eagle3Head) is ht and default_feature_layers(30) == (1, 14, 26)
@@ -85,6 +86,7 @@ def test_registry_defaults_and_named_errors(base):
                                                   jnp.ones((1, 4)), jnp.ones((1, 4), bool), LossConfig())
 
 
+@pytest.mark.slow  # compiles training and drafting paths
 def test_training_time_test_is_what_drafting_computes(base):
     """Step i of training-time test at position t equals the drafted node at depth i below a root committed at t."""
     head = _head(base, num_heads=4)
@@ -105,6 +107,7 @@ def test_training_time_test_is_what_drafting_computes(base):
 
 
 @pytest.mark.parametrize("q", [0, len(VOCAB)])
+@pytest.mark.slow  # a speculative loop per tree
 def test_speculative_equals_greedy(base, q):
     head = _head(base, q=q)
     vocab = VOCAB if q else None
@@ -112,16 +115,24 @@ def test_speculative_equals_greedy(base, q):
     for tree in ("chain-4", "clover2-26", "dynamic-10", "dynamic-12-d4-k3"):
         out, _ = _spec(base, head, tree, prompt, lens, draft_vocab=vocab)
         same_as_greedy(base, out, prompt, lens, 20, NO_EOS, cache_size=96)
-    if q:  # drafts are target ids of the draft vocabulary
-        from clover_jax.decoding.drafter import commit_prompt  # noqa: F401  (the loop's; the ids are mapped there)
-        d = drafter_for(Eagle3Head, "chain-4", VOCAB)
-        state = d.init_state(head, base, 2, 32)
-        ids = d._top_k(head, base, state, jnp.ones((2, 32)))
-        assert set(np.asarray(ids).ravel().tolist()) <= set(VOCAB.tolist())
+
+
+def test_drafts_over_a_draft_vocabulary_are_target_ids(base):
+    """A head trained on a draft vocabulary ranks its draft ids; the drafter maps them to target ids of that
+    vocabulary (the loop's commit_prompt then sees target ids only)."""
+    head = _head(base, q=len(VOCAB))
+    d = drafter_for(Eagle3Head, "clover2-26", VOCAB)
+    state = d.init_state(head, base, 2, 32)
+    hidden = 4 * jax.random.normal(jax.random.key(0), (2, CFG.hidden_size))  # [B, D]
+    ids = np.asarray(d._top_k(head, base, state, hidden))  # [B, k]
+    assert ids.shape[1] > 1 and all(len(set(row)) == len(row) for row in ids.tolist())
+    assert set(ids.ravel().tolist()) <= set(VOCAB.tolist())
+    assert np.any(ids >= len(VOCAB))  # mapped: not the draft ids 0..33 themselves
 
 
 @pytest.mark.parametrize("family", [{"qk_norm": True, "model_type": "qwen3"},
                                     {"attention_bias": True, "model_type": "qwen2"}])
+@pytest.mark.slow  # a speculative loop per base family
 def test_on_qwen_bases(tmp_path, family):
     """On a Qwen3 base (q/k norms) or a Qwen2 base (q/k/v biases) the head's layer stays EAGLE-3's Llama layer: it
     drafts exactly and exports a Llama-layer config.json."""
@@ -138,6 +149,7 @@ def test_on_qwen_bases(tmp_path, family):
     assert import_head(tmp_path / "h", qbase).vocab_size == CFG.vocab_size
 
 
+@pytest.mark.slow  # exports and drafts from each layout
 def test_export_import_and_the_published_layouts(base, tmp_path):
     head = _head(base, q=len(VOCAB))
     out = export_head(head, tmp_path / "ours", base=base, draft_vocab=VOCAB)
@@ -213,6 +225,7 @@ def test_the_smollm2_recipe_loads():
     assert (cfg.loss.decay, cfg.loss.v_weight, cfg.loss.p_weight) == (0.8, 0.0, 1.0)
 
 
+@pytest.mark.slow  # trains, then exports
 def test_training_run_learns_and_exports(tmp_path):
     from clover_jax.cli.export import export_head_from_run
     from clover_jax.training.data import BucketedBatcher

@@ -71,6 +71,7 @@ def test_registry_knows_both_heads_and_names_the_unknown():
 
 
 @pytest.mark.parametrize("tree", ["chain-3", "small-10", "medusa-63"])
+@pytest.mark.slow  # a speculative loop per tree
 def test_speculative_medusa_equals_greedy(tree):
     base = init_llama(CFG, seed=0)
     head = init_from_base(base, MedusaConfig(num_heads=5), seed=1)
@@ -91,6 +92,7 @@ def _constant_base():
 
 
 @pytest.mark.parametrize("tree,depth", [("chain-3", 3), ("medusa-63", 4)])
+@pytest.mark.slow  # a speculative loop per tree
 def test_medusa_drafts_are_accepted_when_right_and_rejected_when_wrong(tree, depth):
     """With the base emitting 0 forever, heads whose every block outputs 0 draft token 0 at every depth (rank 0):
     every step accepts a full path (tau = depth + 1). Heads that rank token 0 last get nothing accepted (tau = 1).
@@ -122,6 +124,7 @@ def test_node_index_reads_each_depth_from_its_own_head():
         assert idx[u] == want, (u, choice)
 
 
+@pytest.mark.slow  # the loss and its reference by hand
 def test_medusa_loss_is_the_soft_cross_entropy_of_each_heads_projection():
     base = init_llama(CFG, seed=0)
     head = init_from_base(base, MedusaConfig(num_heads=3), seed=1)
@@ -170,6 +173,7 @@ def test_medusa_loss_is_the_soft_cross_entropy_of_each_heads_projection():
     assert kd_loss is not None
 
 
+@pytest.mark.slow  # trains, checkpoints and exports
 def test_medusa_training_run_checkpoint_export_and_reference_layout(tmp_path):
     torch = pytest.importorskip("torch")
     from safetensors import safe_open

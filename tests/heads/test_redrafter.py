@@ -108,6 +108,7 @@ def _reference_beam_search(head, base, h, root, width, length):
     return beams, log_p
 
 
+@pytest.mark.slow  # compiles beam search against a reference
 def test_beam_search_is_the_references():
     base = init_llama(CFG, seed=0)
     head = _head(base)
@@ -158,6 +159,7 @@ def test_beams_to_tree_merges_shared_prefixes():
 
 
 @pytest.mark.parametrize("tree", ["beam-3x4", "beam-4x5-u9"])
+@pytest.mark.slow  # a speculative loop per tree
 def test_speculative_redrafter_equals_greedy(tree):
     base = init_llama(CFG, seed=0)
     head = _head(base)
@@ -169,6 +171,7 @@ def test_speculative_redrafter_equals_greedy(tree):
     _same_as_greedy(base, out, prompt, lens, 24, NO_EOS)
 
 
+@pytest.mark.slow  # compiles speculative loops
 def test_redrafter_drafts_are_accepted_when_right_and_rejected_when_wrong():
     """The base emits token 0 forever (final norm 0, so h = 0 too). A drafter whose state is constant and whose
     projection favours token 0 puts [0, 0, 0, 0] in beam 0: every step accepts the whole beam (tau = length).
@@ -193,6 +196,7 @@ def test_redrafter_drafts_are_accepted_when_right_and_rejected_when_wrong():
     _same_as_greedy(base, out, prompt, lens, 12, NO_EOS)
 
 
+@pytest.mark.slow  # sampling loops over many rows
 def test_sampling_over_beam_trees_is_lossless():
     """Tokens 2..3 under speculative sampling with beam drafts vs plain sampling: chi-square homogeneity (the
     reference's own sampling rule is not lossless; ours verifies the merged tree with the deterministic-children
@@ -220,6 +224,7 @@ def test_sampling_over_beam_trees_is_lossless():
         assert pval > 1e-3, f"position {pos}: chi2={chi2:.1f} p={pval:.2e}\nar={a}\nsp={s}"
 
 
+@pytest.mark.slow  # the loss and its unrolled reference
 def test_redrafter_loss_is_the_unrolled_soft_cross_entropy():
     base = init_llama(CFG, seed=0)
     head = _head(base, num_steps=3)
@@ -296,6 +301,7 @@ def test_redrafter_loss_is_the_unrolled_soft_cross_entropy():
         assert float(jnp.abs(grads[name][...]).sum()) > 0, name
 
 
+@pytest.mark.slow  # trains, then exports
 def test_redrafter_training_run_export_and_reference_layout(tmp_path):
     torch = pytest.importorskip("torch")
     from safetensors import safe_open

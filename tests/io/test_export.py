@@ -52,6 +52,7 @@ def base_and_head():
     return base, head
 
 
+@pytest.mark.slow  # builds the torch reference
 def test_head_names_and_shapes_equal_reference(tmp_path, base_and_head):
     from safetensors import safe_open
 

@@ -70,6 +70,7 @@ def _params(module):
     return jax.tree.leaves(nnx.to_pure_dict(nnx.state(module, nnx.Param)))
 
 
+@pytest.mark.slow  # exports and loads a model and a head
 def test_model_and_head_by_repo_id(tmp_path, offline_hub, monkeypatch):
     from clover_jax import generate
     from clover_jax.training.loading import load_head

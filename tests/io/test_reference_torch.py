@@ -185,6 +185,7 @@ def _torch_outputs(torch, model, inputs):
 
 # ----------------------------------------------------------------------------- tests
 @pytest.mark.torch
+@pytest.mark.slow  # builds the torch reference
 def test_export_loads_strictly_and_matches_reference_forward(tmp_path, base, head, inputs):
     torch = pytest.importorskip("torch")
     torch.manual_seed(0)

@@ -136,6 +136,7 @@ def test_a_published_medusa_head_loads_and_computes_the_reference(tmp_path):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow  # builds and loads a published head
 def test_a_published_eagle_head_loads(tmp_path):
     """As SafeAILab publishes EAGLE-1 heads: the draft module's state dict as pytorch_model.bin (with the
     frozen embedding and the unused `layers.0.input_layernorm`), config.json a Llama config with one layer."""

@@ -28,6 +28,7 @@ def _incremental_logits(model, ids, lengths, chunks, cache_size):
     return jnp.concatenate(out, axis=1), cache
 
 
+@pytest.mark.slow  # a forward per token
 def test_one_token_at_a_time_equals_full_forward():
     model = init_llama(CFG, seed=3)
     ids = jnp.asarray(np.random.RandomState(0).randint(0, 64, (2, 12)))
@@ -94,7 +95,8 @@ def test_jit_with_traced_lengths():
     np.testing.assert_allclose(np.asarray(run(ids)), np.asarray(full), atol=2e-5)
 
 
-@pytest.mark.parametrize("cache_size", [512, 40])  # a multiple of CACHE_BLOCK (blocked reads), and not (one block)
+@pytest.mark.parametrize("cache_size", [  # a multiple of CACHE_BLOCK (blocked reads), and not (one block: slow, a
+    512, pytest.param(40, marks=pytest.mark.slow)])  # second compile)
 def test_reading_the_cache_block_by_block_equals_one_softmax(cache_size):
     """`cache_extent` makes attention read the cache in CACHE_BLOCK-slot blocks up to it with a running softmax;
     the logits equal one full forward's, and the same chunks fed without it."""

@@ -27,6 +27,7 @@ def _inputs(b=2, t=6):
     return tokens, positions, causal_mask(valid)
 
 
+@pytest.mark.slow  # a forward per tapped layer, scanned and unrolled
 @pytest.mark.parametrize("unrolled", [False, True])
 def test_tapped_layers_are_the_outputs_of_the_models_first_layers(unrolled):
     model = init_llama(CFG, seed=1)

@@ -103,6 +103,7 @@ def test_logits_match_transformers(models, tied):
 
 
 @TIED
+@pytest.mark.slow  # transformers' generate for each prompt
 def test_greedy_tokens_match_transformers(models, tied):
     hf, _, model = models(tied)
     prompts = _prompts(3, seed=2)
@@ -110,6 +111,7 @@ def test_greedy_tokens_match_transformers(models, tied):
     assert ours.token_ids == [_hf_greedy(hf, p, 16) for p in prompts]
 
 
+@pytest.mark.slow  # a speculative loop per tree
 def test_speculative_equals_autoregressive(models):
     """Prompt lookup alone (no head), and beside a fresh Clover-2 head whose Augmenting Block carries q/k norms."""
     _, _, model = models(False)

@@ -152,9 +152,12 @@ def running(pid: int) -> bool:
 
 @pytest.mark.parametrize("sig, mode, status, expected", [
     (signal.SIGTERM, "save", 0, 0),  # train.py: saves and exits 0, and so does the launcher
-    (signal.SIGHUP, "save", 5, 5),  # a closed terminal: passed on as SIGTERM; the processes' status
-    (signal.SIGINT, "save", 0, 130),  # Ctrl-C: passed on as SIGTERM too; the status of an interrupt
-    (signal.SIGTERM, "ignore", 0, 128 + signal.SIGKILL),  # a process that does not stop: the second signal kills
+    pytest.param(signal.SIGHUP, "save", 5, 5,  # a closed terminal: passed on as SIGTERM; the processes' status
+                 marks=pytest.mark.slow),  # (slow: two processes per signal; SIGTERM's case is in the fast tier)
+    pytest.param(signal.SIGINT, "save", 0, 130,  # Ctrl-C: passed on as SIGTERM too; the status of an interrupt
+                 marks=pytest.mark.slow),
+    pytest.param(signal.SIGTERM, "ignore", 0, 128 + signal.SIGKILL,  # a process that does not stop: the second
+                 marks=pytest.mark.slow),  # signal kills (slow: it waits out the grace period)
 ], ids=["SIGTERM", "SIGHUP", "SIGINT", "SIGTERM-twice"])
 def test_a_signal_to_the_launcher_stops_every_process(sig, mode, status, expected, tmp_path):
     """The launcher as a real process, and only it signalled (as `kill <pid>` or a scheduler's timeout does): each

@@ -63,6 +63,7 @@ def uninterrupted(tmp_path_factory):
     return run_dir, summary, trainer, batcher
 
 
+@pytest.mark.slow  # trains in processes it kills
 def test_kill_and_resume_is_bit_identical(uninterrupted, tmp_path):
     _, full_summary, full, _ = uninterrupted
     assert full_summary["final_step"] == STEPS and not full_summary["stopped_early"]
@@ -90,6 +91,7 @@ def test_kill_and_resume_is_bit_identical(uninterrupted, tmp_path):
         assert np.array_equal(a, b)
 
 
+@pytest.mark.slow  # trains and checkpoints
 def test_keep_last_k_and_run_files(uninterrupted):
     run_dir, _, _, _ = uninterrupted
     ck = Checkpointer(run_dir / "checkpoints", read_only=True)
@@ -101,6 +103,7 @@ def test_keep_last_k_and_run_files(uninterrupted):
     assert (run_dir / "head.json").is_file() and any((run_dir / "tb").iterdir())
 
 
+@pytest.mark.slow  # trains, then loads
 def test_load_head_from_run(uninterrupted):
     run_dir, _, trainer, _ = uninterrupted
     base = tiny_base()
@@ -119,6 +122,7 @@ def test_load_head_from_run(uninterrupted):
         load_head_from_run(run_dir / "nope", base)
 
 
+@pytest.mark.slow  # needs the module's training run (uninterrupted)
 def test_refuses_to_overwrite_without_resume(uninterrupted):
     run_dir, _, _, _ = uninterrupted
     before = snapshot(run_dir / "checkpoints")
@@ -127,6 +131,7 @@ def test_refuses_to_overwrite_without_resume(uninterrupted):
     assert snapshot(run_dir / "checkpoints") == before
 
 
+@pytest.mark.slow  # needs the module's training run (uninterrupted)
 def test_resuming_a_finished_run_skips_the_data(uninterrupted):
     """--resume on a finished run returns at once: no data set-up (make_cfg's data source would fail to load:
     the tiny model has no tokenizer), and the checkpoints are still checked against the config."""
@@ -140,6 +145,7 @@ def test_resuming_a_finished_run_skips_the_data(uninterrupted):
     assert snapshot(run_dir / "checkpoints") == before
 
 
+@pytest.mark.slow  # needs the module's training run (uninterrupted)
 def test_incompatible_checkpoint(uninterrupted):
     run_dir, _, _, _ = uninterrupted
     before = snapshot(run_dir / "checkpoints")
@@ -153,6 +159,7 @@ def test_incompatible_checkpoint(uninterrupted):
 
 
 @pytest.mark.parametrize("damage", ["garbage", "truncate", "metadata"])
+@pytest.mark.slow  # needs the module's training run (uninterrupted)
 def test_corrupt_checkpoint_is_reported_and_kept(uninterrupted, tmp_path, damage):
     import shutil
 
@@ -183,6 +190,7 @@ def test_corrupt_checkpoint_is_reported_and_kept(uninterrupted, tmp_path, damage
 
 
 @pytest.mark.parametrize("damage", ["data", "array_metadata"])
+@pytest.mark.slow  # needs the module's training run (uninterrupted)
 def test_corrupt_checkpoint_names_the_file_and_parameter(uninterrupted, tmp_path, damage):
     """The error names the step folder, the file and the parameter, never an internal storage object's repr."""
     import re
@@ -217,6 +225,7 @@ def test_resume_without_checkpoints_starts_fresh(tmp_path):
     ck.close()
 
 
+@pytest.mark.slow  # needs the module's training run (uninterrupted)
 def test_restore_onto_a_mesh(uninterrupted):
     """A checkpoint written on one device restores onto a (data, fsdp, tp) mesh with the rules' shardings."""
     from jax.sharding import PartitionSpec as P
@@ -234,6 +243,7 @@ def test_restore_onto_a_mesh(uninterrupted):
         assert np.array_equal(a, b)
 
 
+@pytest.mark.slow  # trains and checkpoints
 def test_orbax_checkpoint_export_import_round_trip(uninterrupted, tmp_path):
     """Orbax checkpoint -> load_head_from_run -> export (reference names) -> import: identical head outputs."""
     import jax

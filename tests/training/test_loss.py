@@ -129,6 +129,7 @@ def test_chunking_changes_nothing_including_gradients():
     np.testing.assert_array_equal(np.asarray(g_full[:, 2, LENGTHS[2] - 1:]), 0)
 
 
+@pytest.mark.slow  # compiles the loss and gradients twice
 def test_packed_loss_with_every_position_listed_equals_the_dense_loss_and_gradients():
     outputs, h, tokens, loss_mask, valid, w = _inputs(2)
     index = jnp.asarray(pack_positions(loss_mask, valid, T))  # room for every trained position
@@ -146,6 +147,7 @@ def test_packed_loss_with_every_position_listed_equals_the_dense_loss_and_gradie
     assert float(mp["chain_correct"][0]) == float(md["chain_correct"][0]) > 0
 
 
+@pytest.mark.slow  # compiles the loss and its reference
 def test_packed_loss_on_a_subset_is_the_cross_entropy_over_that_subset():
     outputs, h, tokens, loss_mask, valid, w = _inputs(3)
     k = 4
@@ -192,6 +194,7 @@ def _host_random(abstract, seed):
     return jax.tree_util.tree_map_with_path(fill, abstract)
 
 
+@pytest.mark.slow  # compiles the loss and gradients
 def test_clover2_loss_end_to_end_and_gradients_only_reach_the_head():
     base = _host_random(nnx.eval_shape(lambda: init_llama(CFG)), 0)
     head = _host_random(nnx.eval_shape(lambda: Clover2Head(CFG, Clover2Config(), rngs=nnx.Rngs(0))), 1)
@@ -222,6 +225,7 @@ def test_clover2_loss_end_to_end_and_gradients_only_reach_the_head():
         assert np.isfinite(g).all() and np.any(g), jax.tree_util.keystr(path)
 
 
+@pytest.mark.slow  # compiles the loss and its reference
 def test_draft_vocabulary_loss_is_the_reference_loss_on_those_tokens():
     """vocab_ids: teacher P restricted to the ids and renormalised, student softmax over the ids only."""
     base = _host_random(nnx.eval_shape(lambda: init_llama(CFG)), 0)

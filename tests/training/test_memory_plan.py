@@ -52,6 +52,7 @@ def _limit(monkeypatch, free_bytes):
     monkeypatch.setattr(memory, "resident_bytes", lambda: 0)
 
 
+@pytest.mark.slow  # compiles a training step
 def test_a_step_that_cannot_fit_stops_before_its_first_step(tmp_path, monkeypatch):
     _limit(monkeypatch, 2 * GIB)
     cfg = make_cfg("head.num_heads=5", "data.batch_size=32", "data.max_length=128", output_dir=str(tmp_path / "run"))
@@ -69,6 +70,7 @@ def test_a_step_that_cannot_fit_stops_before_its_first_step(tmp_path, monkeypatc
     assert isinstance(err.value, user_error_types())  # train.py prints it as one `error: ...` line
 
 
+@pytest.mark.slow  # trains
 def test_check_memory_false_and_a_config_that_fits_train(tmp_path, monkeypatch):
     _limit(monkeypatch, 2 * GIB)
     cfg = make_cfg("train.steps=2", "train.check_memory=false", output_dir=str(tmp_path / "forced"))
@@ -135,6 +137,7 @@ LONG = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hi
 
 @pytest.mark.parametrize("settings", [("head.num_aug_layers=2",), ("head.num_aug_layers=2", "train.remat=true"),
                                       ("head.num_aug_layers=1", "train.cache_features=true")])
+@pytest.mark.slow  # compiles training steps
 def test_long_rows_estimate_holds_the_compiled_step(settings):
     """At 2,048 tokens a row's attention arrays are most of a step: the estimate (less the CPU runtime) against
     XLA's buffer assignment of the compiled training step (arguments, outputs, temporaries; with cached features the
@@ -206,6 +209,7 @@ def test_the_compiled_check_within_10_percent_of_the_measured_peaks():
         assert r["compiled_peak"] == pytest.approx(r["measured"], rel=0.10), (r["points"], r["batch"], r["length"])
 
 
+@pytest.mark.slow  # compiles and runs a training step
 def test_the_compiled_check_reads_the_step_that_then_runs(tmp_path):
     """The check's compile of the longest bucket is the executable the steps run: one compile for three steps
     (the head's first state is placed as the step's outputs are, so step 2 does not compile again either)."""
@@ -221,6 +225,7 @@ def test_the_compiled_check_reads_the_step_that_then_runs(tmp_path):
     assert m["resident"] > 0 and m["peak"] >= m["resident"] + m["added"] - 1
 
 
+@pytest.mark.slow  # compiles training steps
 def test_a_compiled_step_that_cannot_fit_is_refused_before_step_1(tmp_path, monkeypatch):
     """Where the estimate says a step fits and XLA's buffers say it does not, the compiled check stops the run
     before its first step, naming XLA's figures and the way out."""
@@ -245,6 +250,7 @@ def test_a_compiled_step_that_cannot_fit_is_refused_before_step_1(tmp_path, monk
                           batcher=SyntheticBatcher())["final_step"] == 2
 
 
+@pytest.mark.slow  # compiles training steps
 def test_cpu_devices_add_up_and_the_longest_bucket_is_compiled():
     from clover_jax.training.batching import BucketedBatcher
     from clover_jax.training.dataset import Example, TokenizedDataset

@@ -39,6 +39,7 @@ def _steps(run_dir):
     return [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow  # trains and resumes
 def test_resume_past_a_corrupt_checkpoint_with_from_step(tmp_path):
     run_dir = tmp_path / "run"
     _train(run_dir)
@@ -69,6 +70,7 @@ def test_metrics_keep_one_record_per_step(tmp_path):
     assert [json.loads(x)["step"] for x in path.read_text().splitlines()] == [2, 3]
 
 
+@pytest.mark.slow  # trains
 def test_resume_on_an_empty_directory_warns(tmp_path, caplog):
     with caplog.at_level(logging.WARNING):
         summary = run_experiment(_cfg(tmp_path / "typo", "train.steps=2"), resume=True, progress=False,
@@ -134,6 +136,7 @@ def test_batch_larger_than_the_data_set_warns(caplog):
     assert any("data.batch_size=8 is larger than the 3 training examples" in r.getMessage() for r in caplog.records)
 
 
+@pytest.mark.slow  # trains, then resumes
 def test_resuming_a_finished_run_reads_its_last_checkpoint(tmp_path):
     """--resume on a finished run whose last checkpoint is corrupt names the file and the way forward (--from-step),
     as a resume that trains does, instead of saying there is nothing to do."""

@@ -51,6 +51,7 @@ def reference():
     ("tp", TINY, (2, 2, 2)),
     ("tp-odd-heads", ODD, (2, 2, 2)),
 ])
+@pytest.mark.slow  # compiles training steps on meshes
 def test_sharded_step_matches_single_device(reference, name, config, mesh_shape):
     trainer, (grads, metrics, params) = run_one_step(config, mesh_shape)
     g0, m0, p0 = reference["odd" if config is ODD else "tiny"]

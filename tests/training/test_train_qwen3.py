@@ -7,6 +7,7 @@ import math
 
 import jax
 import numpy as np
+import pytest
 from flax import nnx
 
 from clover_jax import parallel
@@ -17,6 +18,7 @@ from training_helpers import TINY, SyntheticBatcher, make_cfg, tiny_base
 QWEN3 = dataclasses.replace(TINY, head_dim=16, qk_norm=True, model_type="qwen3", rope_theta=1000000.0)
 
 
+@pytest.mark.slow  # trains
 def test_a_qwen3_base_trains_a_head(tmp_path):
     base = tiny_base(QWEN3)
     base.layers.q_norm[...] = 1.0 + 0.5 * jax.random.normal(jax.random.key(1), base.layers.q_norm.shape)

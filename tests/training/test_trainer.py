@@ -29,6 +29,7 @@ def one_step(accum, mesh_shape=(1, 1, 1), *overrides):
 
 
 @pytest.mark.parametrize("packed", [0, 3], ids=["dense", "packed-ce"])
+@pytest.mark.slow  # compiles training steps on one and four devices
 def test_grad_accumulation_equals_one_big_batch(packed):
     batch = SyntheticBatcher(seed=5).batch(0)
     # the two micro-batches (rows 0,2,4,6 and 1,3,5,7) have different mask counts, so averaging their
@@ -100,6 +101,7 @@ def test_clip_by_global_norm_in_the_chain():
         make_cfg("optim.clip_norm=0")
 
 
+@pytest.mark.slow  # compiles training and evaluation steps
 def test_bf16_remat_label_mask_accum_and_eval():
     """One compile covering the other code paths: bf16 head compute, remat, the label mask (whose
     accumulation falls back to averaging per-micro-batch losses) and evaluation."""
@@ -153,6 +155,7 @@ def test_cli_config_error_ends_the_process_with_status_2():
     _one_error_line(out.stderr, "error: --set optim.lr: expected float, got 'abc'")
 
 
+@pytest.mark.slow  # trains three heads
 def test_warm_start_from_an_exported_head(tmp_path):
     from clover_jax.training.config import ConfigError
     from clover_jax.heads.export import export_head
@@ -193,6 +196,7 @@ def _tiny_dataset(lengths=(5, 16, 9, 12, 3, 16, 7, 11, 14, 6, 15, 10), seed=0):
     return TokenizedDataset(examples, pad_id=0, max_length=16)
 
 
+@pytest.mark.slow  # compiles training steps twice
 def test_cached_base_features_give_the_online_step():
     from clover_jax.training.data import BucketedBatcher
     from clover_jax.training.features import attach_features
@@ -223,6 +227,7 @@ def test_cached_base_features_give_the_online_step():
     assert default.features[0].dtype == jnp.bfloat16  # the memory-saving default
 
 
+@pytest.mark.slow  # runs the base over data sets
 def test_features_on_disk_are_cached_per_example_for_the_same_model(tmp_path, monkeypatch):
     """The second run on the same base and data loads every example (the base never runs), bit-equal in bfloat16; a
     grown data set runs the base over its new examples only; another base gets its own folder; a shard whose size
@@ -270,6 +275,7 @@ def test_features_on_disk_are_cached_per_example_for_the_same_model(tmp_path, mo
         features.attach_features(BucketedBatcher(ds, 8, [8, 16], seed=0), base, progress=False, cache_dir=tmp_path)
 
 
+@pytest.mark.slow  # trains twice, then exports
 def test_draft_vocabulary_training_run_marks_its_vocabulary_and_exports_it(tmp_path):
     from clover_jax.training.config import ConfigError
     from clover_jax.cli.export import export_head_from_run
