@@ -29,9 +29,8 @@ for arg in "$@"; do
   case "$arg" in tests|tests/*) python -m pytest -q "$@"; exit $? ;; esac
 done
 # The whole suite runs on two worker processes (pytest-xdist), each test file on one worker so a module's fixtures
-# (the loaded model, the shipped head) are made once (--dist worksteal, which splits files, measured slower); the
-# files go out in tests/conftest.py's order, the costliest first (--no-loadscope-reorder: not by number of tests).
+# (the loaded model, the shipped head) are made once (--dist worksteal, which splits files, measured slower).
 # PYTEST_WORKERS=0 runs it in one process.
 WORKERS="${PYTEST_WORKERS:-2}"
 if [ "$WORKERS" = 0 ]; then python -m pytest tests -q "$@"; else
-  python -m pytest tests -q -n "$WORKERS" --dist loadfile --no-loadscope-reorder "$@"; fi
+  python -m pytest tests -q -n "$WORKERS" --dist loadfile "$@"; fi

@@ -48,27 +48,6 @@ def chat_prompts():
     ]
 
 
-SLOW_WEIGHT = 10  # a test marked slow or multihost costs about as much as this many others
-
-
-@pytest.hookimpl(trylast=True)  # after `-m` has deselected what it leaves out
-def pytest_collection_modifyitems(config, items):
-    """On pytest-xdist workers (`scripts/test.sh` runs them with --dist loadfile --no-loadscope-reorder): the test files
-    in order of their expected cost, most first, so the two workers do not end on one long file started last. A
-    file's cost is its number of tests, a slow or multihost one counted SLOW_WEIGHT times; tests keep their order
-    within a file."""
-    if not hasattr(config, "workerinput"):
-        return
-    cost: dict[str, int] = {}
-    first: dict[str, int] = {}
-    for i, item in enumerate(items):
-        path = item.nodeid.split("::")[0]
-        heavy = item.get_closest_marker("slow") or item.get_closest_marker("multihost")
-        cost[path] = cost.get(path, 0) + (SLOW_WEIGHT if heavy else 1)
-        first.setdefault(path, i)
-    items.sort(key=lambda item: (-cost[item.nodeid.split("::")[0]], first[item.nodeid.split("::")[0]]))
-
-
 @pytest.fixture(scope="module", autouse=True)
 def _release_compiled_programs():
     """Drops JAX's compiled programs after each test module: one process runs the whole suite, and the programs
