@@ -57,7 +57,7 @@ def test_a_constructed_near_tie_is_a_near_tie_and_a_wrong_token_is_unexplained(b
     assert audit.audit_divergence(base, prompt, ar, list(ar)) is None
 
 
-@pytest.mark.slow  # replays a run token by token
+@pytest.mark.slow  # generates three runs and replays them
 def test_the_replay_catches_a_verifier_that_accepts_one_wrong_token(base, monkeypatch):
     """A planted bug: greedy acceptance that takes the first draft whatever the model says. Outputs that differ
     are unexplained, and the replay check flags the output without looking at the autoregressive one."""

@@ -152,7 +152,7 @@ def test_infer_bad_input(args, names, files, capsys):
     assert "Traceback" not in err
 
 
-@pytest.mark.slow  # loads the real SmolLM2 weights
+@pytest.mark.slow  # infer.py loads a model folder and plans the request
 def test_infer_cache_error_reports_the_value_asked_for(files, capsys):
     code, err = _run(infer.main, ["--prompt", "hi", "--model", str(files["model"]), "--cache-size", "40",
                                   "--max-new-tokens", "30"], capsys, files)

@@ -52,7 +52,6 @@ def _batch(seed=0, t=12):
 
 
 # ------------------------------------------------------------------------------------------------ config
-@pytest.mark.slow  # drafts with a head started from the base's layers
 def test_layers_can_start_as_the_bases_last_layers():
     from clover_jax.training.config import ConfigError, load_config
 
@@ -72,7 +71,7 @@ def test_layers_can_start_as_the_bases_last_layers():
         init_from_base(base, BlockConfig(num_layers=9, init_layers="base"))
 
 
-@pytest.mark.slow  # builds and compiles a trainer
+@pytest.mark.slow  # compiles speculative loops
 def test_registered_with_its_own_section_and_clear_errors():
     from clover_jax.training.config import ConfigError, load_config
 

@@ -66,7 +66,6 @@ def _spec(base, head, tree, prompt, lens, n=20, draft_vocab=None):
     return out, stats
 
 
-@pytest.mark.slow  # builds and compiles a trainer
 def test_registry_defaults_and_named_errors(base):
     ht = registry.get("eagle3")
     assert registry.of_head(Eagle3Head) is ht and default_feature_layers(30) == (1, 14, 26)

@@ -59,7 +59,7 @@ def head_folder(tmp_path_factory) -> Path:
     return export_head(head, tmp_path_factory.mktemp("head") / "head", base=base, base_name="tiny")
 
 
-@pytest.mark.slow  # starts two processes
+@pytest.mark.slow  # starts three processes
 def test_two_processes_saving_at_once_lose_nothing(tmp_path, head_folder):
     cache, go, stop = tmp_path / "cache", tmp_path / "go", tmp_path / "stop"
     choices = cache / "calibration" / "choices.json"

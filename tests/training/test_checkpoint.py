@@ -63,7 +63,7 @@ def uninterrupted(tmp_path_factory):
     return run_dir, summary, trainer, batcher
 
 
-@pytest.mark.slow  # trains in processes it kills
+@pytest.mark.slow  # trains, stops and resumes
 def test_kill_and_resume_is_bit_identical(uninterrupted, tmp_path):
     _, full_summary, full, _ = uninterrupted
     assert full_summary["final_step"] == STEPS and not full_summary["stopped_early"]
@@ -91,7 +91,7 @@ def test_kill_and_resume_is_bit_identical(uninterrupted, tmp_path):
         assert np.array_equal(a, b)
 
 
-@pytest.mark.slow  # trains and checkpoints
+@pytest.mark.slow  # needs the module's training run (uninterrupted)
 def test_keep_last_k_and_run_files(uninterrupted):
     run_dir, _, _, _ = uninterrupted
     ck = Checkpointer(run_dir / "checkpoints", read_only=True)
@@ -103,7 +103,7 @@ def test_keep_last_k_and_run_files(uninterrupted):
     assert (run_dir / "head.json").is_file() and any((run_dir / "tb").iterdir())
 
 
-@pytest.mark.slow  # trains, then loads
+@pytest.mark.slow  # needs the module's training run (uninterrupted)
 def test_load_head_from_run(uninterrupted):
     run_dir, _, trainer, _ = uninterrupted
     base = tiny_base()
@@ -243,7 +243,7 @@ def test_restore_onto_a_mesh(uninterrupted):
         assert np.array_equal(a, b)
 
 
-@pytest.mark.slow  # trains and checkpoints
+@pytest.mark.slow  # needs the module's training run (uninterrupted)
 def test_orbax_checkpoint_export_import_round_trip(uninterrupted, tmp_path):
     """Orbax checkpoint -> load_head_from_run -> export (reference names) -> import: identical head outputs."""
     import jax
