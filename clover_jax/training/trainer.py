@@ -15,6 +15,7 @@ The whole pipeline from a config (model, data, trainer, checkpoints) is `clover_
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import json
@@ -42,6 +43,10 @@ from clover_jax.training.config import ConfigError, config_to_dict
 from clover_jax.training.loading import load_head
 from clover_jax.training.memory import CompiledTrainingMemory, check_compiled_training_memory, compiled_training_memory
 from tqdm import tqdm
+
+# Steps the host may dispatch ahead of the device: enough to keep it busy, few enough that a stop signal is
+# answered within a couple of steps and queued batches do not pile up in host memory.
+STEPS_IN_FLIGHT = 2
 
 log = logging.getLogger(__name__)
 
@@ -409,11 +414,15 @@ class Trainer:
 
         if eval_batches and tc.eval_every and start == 0 and tc.init_head_from:
             run_eval(0)  # a warm start's baseline: the head it starts from, on this run's held-out set
+        in_flight: collections.deque = collections.deque()  # the metrics of steps dispatched and maybe not yet run
         with stop_on_signals(self.cfg.checkpoint.save_on_preemption) as stop_event:
             while self.state.step < total:
                 metrics = self.train_step(next(batcher))
                 step = self.state.step
                 window.append(metrics)
+                in_flight.append(metrics)
+                if len(in_flight) > STEPS_IN_FLIGHT:  # dispatch runs ahead of the device by this many steps at most,
+                    jax.block_until_ready(in_flight.popleft())  # so a stop signal is answered within them
                 if t_steady is None:
                     jax.block_until_ready(metrics)
                     t_steady = time.perf_counter()
