@@ -128,7 +128,8 @@ out, mode, status = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
 i = os.environ["CLOVER_PROCESS_ID"]
 got = []
 signal.signal(signal.SIGTERM, signal.SIG_IGN if mode == "ignore" else lambda s, f: got.append(s))
-(out / f"pid{i}").write_text(str(os.getpid()))
+(out / f"pid{i}.tmp").write_text(str(os.getpid()))
+(out / f"pid{i}.tmp").rename(out / f"pid{i}")  # whole or absent: the test polls for it
 t0 = time.time()
 while not got and time.time() - t0 < 120:
     time.sleep(0.05)
