@@ -14,7 +14,7 @@ from clover_jax.training.loading import load_head
 from clover_jax.io.prompts import questions_path
 
 NAME = "smollm2-135m-instruct-clover2"
-# tau of the shipped head on FLOOR_PROMPTS (greedy, chain-4, 64 new tokens, batch 1) was TAU_MEASURED when it was
+# tau of the shipped head on FLOOR_PROMPTS (greedy, chain-4, 64 new tokens, one batch) is TAU_MEASURED, as when it was
 # shipped (see its model card); the floor leaves room for float noise across machines, not for a broken drafter.
 TAU_MEASURED = 1.649  # hist [91, 37, 17, 7, 2] over 154 steps, on a CPU in float32
 TAU_FLOOR = 1.55
@@ -69,20 +69,29 @@ def test_shipped_files_are_reference_format_and_small():
     assert "tau" in card and "rope_theta" in card and "configs/smollm2-135m-clover2.yaml" in card
 
 
+@pytest.fixture(scope="module")
+def floor_ar(smollm) -> list[list[int]]:
+    """Autoregressive greedy tokens of the floor prompts, one batch: the reference of the floor tests."""
+    return generate(smollm, floor_prompts(), max_new_tokens=64).token_ids
+
+
+def floor_tau(smollm, floor_ar, head: str, **kw) -> float:
+    """Speculative greedy decoding of the floor prompts in one batch (chain-4: the head's drafts alone): asserts the
+    output equals autoregressive decoding and returns tau over every row's steps."""
+    sp = generate(smollm, floor_prompts(), max_new_tokens=64, mode="speculative", head=head, tree="chain-4", **kw)
+    assert sp.token_ids == floor_ar
+    return acceptance_tau(np.asarray(sp.stats["accept_hist"]))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("layers", ["auto", "unrolled"])
-def test_shipped_head_accepts_drafts_and_is_exact(smollm, layers):
-    """Greedy, chain-4, 64 tokens, 4 MT-Bench prompts one at a time: output == autoregressive, tau >= floor.
+def test_shipped_head_accepts_drafts_and_is_exact(smollm, floor_ar, layers):
+    """Greedy, chain-4, 64 tokens, the 4 floor prompts in one batch: output == autoregressive, tau >= floor.
     `unrolled`: both loops as `layers="auto"` runs them on a GPU (where the unrolled loops' rounding may differ;
-    on the CPU they agree)."""
-    hist = None
-    for p in floor_prompts():
-        ar = generate(smollm, [p], max_new_tokens=64, layers=layers)
-        sp = generate(smollm, [p], max_new_tokens=64, mode="speculative", head=NAME, tree="chain-4", layers=layers)
-        assert sp.token_ids == ar.token_ids
-        h = np.asarray(sp.stats["accept_hist"])
-        hist = h if hist is None else hist + h
-    tau = acceptance_tau(hist)
+    on the CPU they agree, so both equal the scanned autoregressive loop's tokens)."""
+    if layers == "unrolled":
+        assert generate(smollm, floor_prompts(), max_new_tokens=64, layers=layers).token_ids == floor_ar
+    tau = floor_tau(smollm, floor_ar, NAME, layers=layers)
     assert tau >= TAU_FLOOR, f"tau {tau:.3f} fell below the floor {TAU_FLOOR} (measured {TAU_MEASURED} when shipped)"
 
 
@@ -102,7 +111,7 @@ def test_shipped_head_default_tree_resolves_by_name_and_is_exact(smollm):
 
 # ---------------------------------------------------------------- the EAGLE head shipped beside it
 EAGLE = "smollm2-135m-instruct-eagle"
-# tau of the EAGLE head on FLOOR_PROMPTS (greedy, chain-4, 64 new tokens, batch 1), measured on a CPU in float32
+# tau of the EAGLE head on FLOOR_PROMPTS (greedy, chain-4, 64 new tokens, one batch), measured on a CPU in float32
 EAGLE_TAU_MEASURED = 1.797  # hist [72, 41, 21, 5, 4] over 143 steps
 EAGLE_TAU_FLOOR = 1.70  # the Clover-2 head measures TAU_MEASURED on the same prompts
 
@@ -134,20 +143,12 @@ def test_eagle_head_is_registered_and_reference_format():
 
 
 @pytest.mark.slow
-def test_shipped_eagle_head_accepts_drafts_and_is_exact(smollm):
+def test_shipped_eagle_head_accepts_drafts_and_is_exact(smollm, floor_ar):
     """As the Clover-2 head's floor test (chain-4: the head's drafts alone); its default tree, a fitted tree known
     only from its calibration.json beside lookup and the shared n-gram table, resolves by name. (Its output is
     compared with plain decoding wherever a request with no tree measures it: `tests/test_cli.py`.)"""
-    hist = None
-    for i, p in enumerate(floor_prompts()):
-        ar = generate(smollm, [p], max_new_tokens=64)
-        sp = generate(smollm, [p], max_new_tokens=64, mode="speculative", head=EAGLE, tree="chain-4")
-        assert sp.token_ids == ar.token_ids
-        h = np.asarray(sp.stats["accept_hist"])
-        hist = h if hist is None else hist + h
-        if i == 0:
-            kw = dict(max_new_tokens=64, mode="speculative", head=EAGLE, tree="default")
-            plan = prepare_generate(smollm, [p], **kw)
-            assert plan.drafter.spec.name == pretrained.default_tree(EAGLE) and plan.ngram_table is not None
-    tau = acceptance_tau(hist)
+    tau = floor_tau(smollm, floor_ar, EAGLE)
     assert tau >= EAGLE_TAU_FLOOR, f"tau {tau:.3f} fell below {EAGLE_TAU_FLOOR} (measured {EAGLE_TAU_MEASURED})"
+    plan = prepare_generate(smollm, floor_prompts()[:1], max_new_tokens=64, mode="speculative", head=EAGLE,
+                            tree="default")
+    assert plan.drafter.spec.name == pretrained.default_tree(EAGLE) and plan.ngram_table is not None
