@@ -67,24 +67,23 @@ def test_speculative_greedy_equals_autoregressive_random_head(smollm, chat_promp
 
     head = init_from_base(smollm.model, Clover2Config(), seed=0)
     ids = encode_prompts(smollm.tokenizer, chat_prompts)
-    ar = generate(smollm, ids, max_new_tokens=48)
-    sp = generate(smollm, ids, max_new_tokens=48, mode="speculative", head=head)
+    ar = generate(smollm, ids, max_new_tokens=32)
+    sp = generate(smollm, ids, max_new_tokens=32, mode="speculative", head=head)
     assert sp.token_ids == ar.token_ids
-    one = generate(smollm, ids[:1], max_new_tokens=48, mode="speculative", head=head)
+    one = generate(smollm, ids[:1], max_new_tokens=32, mode="speculative", head=head)
     assert one.token_ids[0] == ar.token_ids[0]
 
 
 def test_long_prompts_match_transformers_and_speculative(smollm, smollm_torch):
-    """Spec-Bench RAG and summarisation prompts (600-800 tokens: prefilled in blocks against the cache) in one
-    batch with a short one: our greedy tokens equal transformers' `generate`, and speculative decoding with the
-    shipped head equals our autoregressive output."""
+    """A Spec-Bench RAG prompt (over 600 tokens: prefilled in blocks against the cache) in one batch with a short
+    one: our greedy tokens equal transformers' `generate`, and speculative decoding with the shipped head equals our
+    autoregressive output."""
     from clover_jax.decoding.autoregressive import PREFILL_CHUNK
     from clover_jax.io.prompts import read_prompts
 
-    texts = read_prompts("spec_bench", category="rag", limit=1) + read_prompts("spec_bench", category="summarization",
-                                                                              limit=1)
-    ids = encode_prompts(smollm.tokenizer, texts + ["What is the capital of France?"])
-    assert min(len(p) for p in ids[:2]) > 2 * PREFILL_CHUNK and len(ids[2]) < PREFILL_CHUNK
+    ids = encode_prompts(smollm.tokenizer, read_prompts("spec_bench", category="rag", limit=1)
+                         + ["What is the capital of France?"])
+    assert len(ids[0]) > 2 * PREFILL_CHUNK and len(ids[1]) < PREFILL_CHUNK
     ours = generate(smollm, ids, max_new_tokens=24)
     for i, p in enumerate(ids):
         with torch.no_grad():
