@@ -14,6 +14,8 @@ run (`clover_jax.generation.api`).
 
 from __future__ import annotations
 
+import difflib
+import functools
 import inspect
 import numbers
 import queue
@@ -49,13 +51,31 @@ def _signature(source: Callable[..., Any], fn: Callable[..., Any], *, drop: tupl
     return inspect.Signature(params, return_annotation=inspect.signature(fn).return_annotation)
 
 
+def _public(fn: Callable[..., R], signature: inspect.Signature) -> Callable[..., R]:
+    """`fn` with `signature` for `help()` and editors, and a keyword argument that neither it nor `check_request`
+    takes a `TypeError` that names the call and the closest parameter (not the internal function the options go
+    on to; a request parameter the call sets itself is the call's own `InputError`)."""
+    known = set(signature.parameters) | set(inspect.signature(check_request).parameters)
+
+    @functools.wraps(fn)
+    def call(*args, **options):
+        for key in options:
+            if key not in known:
+                close = difflib.get_close_matches(key, list(signature.parameters), n=1)
+                hint = f"; did you mean {close[0]!r}?" if close else ""
+                raise TypeError(f"{fn.__name__}() got an unexpected keyword argument {key!r}{hint}")
+        return fn(*args, **options)
+
+    call.__signature__ = signature  # type: ignore[attr-defined]
+    return call
+
+
 def _parameters_of(source: Callable[P, Any]) -> Callable[[Callable[..., R]], Callable[P, R]]:
     """Gives a public call `source`'s parameters: `help()` shows them (`__signature__`), and editors too (the
     decorated function is typed with `source`'s parameter specification)."""
 
     def apply(fn: Callable[..., R]) -> Callable[P, R]:
-        fn.__signature__ = _signature(source, fn)  # type: ignore[attr-defined]
-        return fn
+        return _public(fn, _signature(source, fn))
 
     return apply
 
@@ -64,8 +84,7 @@ def _request_parameters(**changes) -> Callable[[Callable[..., R]], Callable[...,
     """Gives a public call `check_request`'s parameters with `changes` (see `_signature`), for `help()`."""
 
     def apply(fn: Callable[..., R]) -> Callable[..., R]:
-        fn.__signature__ = _signature(check_request, fn, **changes)  # type: ignore[attr-defined]
-        return fn
+        return _public(fn, _signature(check_request, fn, **changes))
 
     return apply
 

@@ -8,10 +8,7 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 source scripts/env.sh
-# 8 simulated CPU devices for the mesh tests; XLA's backend optimisation level 1 (of 0-3; default 2) compiles
-# the suite's many small loops faster and runs SmolLM2's loops and training steps about as fast (bench/ and the
-# CLI use XLA's default). XLA_FLAGS set by the caller replaces both.
-export XLA_FLAGS="${XLA_FLAGS:---xla_force_host_platform_device_count=8 --xla_backend_optimization_level=1}"
+export XLA_FLAGS="${XLA_FLAGS:---xla_force_host_platform_device_count=8}"
 # the CLI tools turn on a persistent compilation cache in ~/.cache; the suite does not write there
 export CLOVER_JAX_COMPILE_CACHE="${CLOVER_JAX_COMPILE_CACHE:-off}"
 # Instead, one run of the suite shares JAX's persistent compilation cache in a folder made for it and removed after

@@ -184,8 +184,14 @@ def test_each_public_call_is_defined_once_and_shows_its_parameters(call):
 
 def test_a_public_call_rejects_an_unknown_parameter_by_name(base_and_folder):
     base, _ = base_and_folder
-    with pytest.raises(TypeError, match="max_new_token"):
+    with pytest.raises(TypeError, match=r"^generate\(\) got an unexpected keyword argument 'max_new_token'; did you "
+                                        r"mean 'max_new_tokens'\?$"):
         clover_jax.generate(base, PROMPTS, max_new_token=8)
+    with pytest.raises(TypeError, match=r"^stream_text\(\) got an unexpected keyword argument 'hed'; did you mean "
+                                        r"'head'\?$"):
+        clover_jax.stream_text(base, PROMPTS[0], hed="x")
+    with pytest.raises(TypeError, match=r"^warmup\(\) got an unexpected keyword argument 'colour'$"):
+        clover_jax.warmup(base, PROMPTS, colour=1)
 
 
 def test_a_plan_is_frozen_and_holds_its_draft(base_and_folder):
