@@ -49,9 +49,7 @@ def run_job(*args: str, processes: int = 2) -> tuple[int, str, float]:
 def run_alone(*args: str, devices: int) -> None:
     """The worker as one ordinary process with `devices` devices (the reference)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_COORDINATOR", "CLOVER_NUM", "CLOVER_PROC"))}
-    flags = [f for f in env.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
-    env.update(XLA_FLAGS=" ".join(flags + [f"--xla_force_host_platform_device_count={devices}"]),  # as the job's
-               JAX_PLATFORMS="cpu")
+    env.update(XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu")
     done = subprocess.run([sys.executable, WORKER, *args], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
 
