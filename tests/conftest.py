@@ -9,7 +9,16 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # choices and calibrations measured by the suite go to a folder of this run, not the user's ~/.cache
 os.environ["CLOVER_JAX_CACHE"] = tempfile.mkdtemp(prefix="clover_jax_suite_cache_")
 
+import contextlib  # noqa: E402
+
+import jax  # noqa: E402
 import pytest  # noqa: E402
+
+# Most tests compile many small programs and run each for moments, so XLA's backend optimisations cost them more
+# compile time than they save. A test whose time goes into running a program (the real SmolLM2 decoding or
+# training), or whose point is the compiled program itself (a TPU executable's memory), is marked `optimized` and
+# compiled as users compile. Processes a test starts compile as users do.
+jax.config.update("jax_disable_most_optimizations", True)
 
 SMOLLM = "smollm2-135m-instruct"
 
@@ -46,6 +55,29 @@ def chat_prompts():
         "Explain in two sentences why the sky is blue.",
         "List three prime numbers and explain what makes a number prime.",
     ]
+
+
+@contextlib.contextmanager
+def _xla_optimisations(node):
+    """XLA's backend optimisations on while `node` (a module or a test) runs, if it is marked `optimized`."""
+    before = jax.config.read("jax_disable_most_optimizations")
+    jax.config.update("jax_disable_most_optimizations", node.get_closest_marker("optimized") is None)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_disable_most_optimizations", before)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _module_optimisations(request):
+    with _xla_optimisations(request.node):
+        yield
+
+
+@pytest.fixture(autouse=True)
+def _test_optimisations(request):
+    with _xla_optimisations(request.node):
+        yield
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -320,6 +320,7 @@ def test_simulate_lookup_and_head_calibration(tiny, tmp_path):
 
 
 @pytest.mark.slow  # compiles for a TPU
+@pytest.mark.optimized
 def test_tpu_compile(tiny, tmp_path):
     config = tmp_path / "tiny.yaml"
     config.write_text("\n".join([

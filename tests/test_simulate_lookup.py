@@ -39,6 +39,7 @@ def test_simulated_steps_equal_the_loop_lookup_alone(k, max_ngram, with_table):
 
 
 @pytest.mark.slow
+@pytest.mark.optimized
 def test_predicted_tau_is_close_to_the_loop(capsys, smollm, tmp_path):
     from clover_jax.decoding.tree import TreeSpec, get_tree
 

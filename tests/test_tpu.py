@@ -27,6 +27,8 @@ from clover_jax.training.config import load_config
 from clover_jax.training.memory import estimate_training_memory
 from clover_jax.validation import InputError, InsufficientMemoryError
 
+pytestmark = pytest.mark.optimized  # the TPU executables, as users compile them
+
 # big enough that weights, activations and logits outweigh the programs' code, small enough to compile in seconds
 SMALL = LlamaConfig(vocab_size=4096, hidden_size=256, intermediate_size=688, num_hidden_layers=2,
                     num_attention_heads=8, num_key_value_heads=4, head_dim=32, eos_token_ids=(2,),

@@ -266,6 +266,7 @@ def smol(smollm):
 
 
 @pytest.mark.slow
+@pytest.mark.optimized
 def test_oracle_accepts_full_paths_smollm(smol, smollm):
     gen, row_steps = smol.check_run(SMOL_TREE, eos=smollm.config.eos_token_ids)
     assert gen == [g[:SMOL_NEW] for g in smol.gen]  # the plain greedy output (EOS-free, see the fixture)
@@ -274,6 +275,7 @@ def test_oracle_accepts_full_paths_smollm(smol, smollm):
 
 
 @pytest.mark.slow
+@pytest.mark.optimized
 def test_anti_oracle_accepts_nothing_smollm(smol, smollm):
     # fewer new tokens (traced: no recompile): every step costs a full tree verification here
     gen, row_steps = smol.check_run(SMOL_TREE, anti=True, eos=smollm.config.eos_token_ids, max_new=16)

@@ -164,6 +164,7 @@ COPY_PROMPT = ("Copy this sentence exactly, word for word: The quick brown fox j
 
 
 @pytest.mark.slow
+@pytest.mark.optimized
 def test_smollm_lookup_alone_and_beside_the_shipped_head(smollm):
     """SmolLM2, greedy, real prompts: exact with and without the head, and where the model copies its prompt the
     lookup chain is accepted (tau measured 2.4 with lookup-4 alone on this prompt; the floor is well below)."""

@@ -363,6 +363,7 @@ def test_bf16_speculative_agrees_with_bf16_autoregressive(smollm):
 
 # ------------------------------------------------------------------------- the real model, shipped head
 @pytest.mark.slow  # the real SmolLM2 on an 8-device mesh
+@pytest.mark.optimized
 def test_smollm2_shipped_head_on_mesh_equals_single_device(smollm):
     """SmolLM2-135M-Instruct with the shipped head, 4 MT-Bench prompts in one batch, tp=8: the sharded
     speculative loop gives the single-device tokens and acceptance histogram (SmolLM2's 9 query / 3 KV heads do

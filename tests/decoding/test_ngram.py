@@ -166,6 +166,7 @@ def test_shipped_table():
 
 
 @pytest.mark.slow
+@pytest.mark.optimized
 def test_smollm_table_beside_the_shipped_head(smollm):
     """SmolLM2, greedy, MT-Bench prompts: the shipped table's chain keeps the output exact and raises tau over
     prompt lookup alone beside the same head tree (measured on these 4 prompts: see the assertion message)."""

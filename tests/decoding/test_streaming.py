@@ -81,6 +81,7 @@ def test_stream_errors_are_clear_and_leave_no_state(tiny):
 
 
 @pytest.mark.slow
+@pytest.mark.optimized
 def test_stream_text_pieces_join_to_the_reply(smollm):
     """The real SmolLM2 and its shipped head: the pieces `stream_text` yields join to the reply `generate` returns,
     and arrive in more than one piece."""

@@ -379,6 +379,7 @@ def test_redrafter_training_run_export_and_reference_layout(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.optimized
 def test_redrafter_on_smollm2_equals_greedy(smollm, chat_prompts):
     """The real SmolLM2 (tied 49k vocabulary, 30 layers) with a fresh drafter and its beam trees: speculative
     greedy decoding returns exactly the autoregressive tokens, with and without a draft vocabulary."""

@@ -129,6 +129,7 @@ def test_base_export_loads_in_transformers(tmp_path, tied):
 
 @pytest.mark.slow
 @pytest.mark.torch
+@pytest.mark.optimized
 def test_exported_smollm2_generates_same_text_in_transformers(tmp_path, smollm):
     torch = pytest.importorskip("torch")
     import transformers

@@ -10,7 +10,7 @@ import jax.numpy as jnp  # noqa: E402
 from clover_jax import generate  # noqa: E402
 from clover_jax.io.prompts import encode_prompts
 
-pytestmark = [pytest.mark.slow, pytest.mark.torch]
+pytestmark = [pytest.mark.slow, pytest.mark.torch, pytest.mark.optimized]
 
 
 def test_config_and_tokenizer(smollm):

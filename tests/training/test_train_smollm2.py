@@ -14,7 +14,7 @@ from clover_jax.heads.draft_vocab import coverage, load_draft_vocab
 from clover_jax.training.run import build_data, write_draft_vocab
 from clover_jax.training.trainer import Trainer
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.optimized]
 
 STEPS = 24
 
