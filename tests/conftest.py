@@ -17,7 +17,9 @@ import pytest  # noqa: E402
 # Most tests compile many small programs and run each for moments, so XLA's backend optimisations cost them more
 # compile time than they save. A test whose time goes into running a program (the real SmolLM2 decoding or
 # training), or whose point is the compiled program itself (a TPU executable's memory), is marked `optimized` and
-# compiled as users compile. Processes a test starts compile as users do.
+# compiled as users compile; so are the processes it starts (JAX reads the variable when it starts).
+OPTIMISATIONS_OFF = "JAX_DISABLE_MOST_OPTIMIZATIONS"
+os.environ[OPTIMISATIONS_OFF] = "1"
 jax.config.update("jax_disable_most_optimizations", True)
 
 SMOLLM = "smollm2-135m-instruct"
@@ -59,13 +61,17 @@ def chat_prompts():
 
 @contextlib.contextmanager
 def _xla_optimisations(node):
-    """XLA's backend optimisations on while `node` (a module or a test) runs, if it is marked `optimized`."""
-    before = jax.config.read("jax_disable_most_optimizations")
-    jax.config.update("jax_disable_most_optimizations", node.get_closest_marker("optimized") is None)
+    """XLA's backend optimisations on while `node` (a module or a test) runs, and in the processes it starts, if it
+    is marked `optimized`."""
+    off = node.get_closest_marker("optimized") is None
+    before = jax.config.read("jax_disable_most_optimizations"), os.environ[OPTIMISATIONS_OFF]
+    jax.config.update("jax_disable_most_optimizations", off)
+    os.environ[OPTIMISATIONS_OFF] = "1" if off else "0"
     try:
         yield
     finally:
-        jax.config.update("jax_disable_most_optimizations", before)
+        jax.config.update("jax_disable_most_optimizations", before[0])
+        os.environ[OPTIMISATIONS_OFF] = before[1]
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -31,7 +31,7 @@ import pytest
 from clover_jax.cli import launch
 from clover_jax.training.checkpoint import Checkpointer
 
-pytestmark = [pytest.mark.multihost, pytest.mark.slow, pytest.mark.optimized]  # optimized: the one-process reference compiles as its processes do
+pytestmark = [pytest.mark.multihost, pytest.mark.slow]
 
 WORKER = str(Path(__file__).with_name("worker.py"))
 HEARTBEAT = 3  # seconds: how long the survivor of a killed process waits before it stops
