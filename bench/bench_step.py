@@ -524,18 +524,18 @@ def op_times(trace_dir: str) -> tuple[collections.Counter, collections.Counter]:
 def trace_main(args, argv) -> int:
     if args.new_tokens <= 16:
         raise SystemExit(f"--new-tokens must be above 16 (the shorter traced call), got {args.new_tokens}")
-    dump = tempfile.mkdtemp(prefix="trace_step_hlo_")
     # read when JAX starts its backend: in a process where it already has (a test), ops keep their HLO names
     flags = os.environ.get("XLA_FLAGS")
-    os.environ["XLA_FLAGS"] = ((flags or "") + f" --xla_dump_to={dump} --xla_dump_hlo_as_text "
-                               "--xla_dump_hlo_module_re=.*jit_(fn|wrapped).*").strip()
-    try:
-        return _trace(args, argv, dump)
-    finally:
-        if flags is None:
-            os.environ.pop("XLA_FLAGS", None)
-        else:
-            os.environ["XLA_FLAGS"] = flags
+    with tempfile.TemporaryDirectory(prefix="trace_step_hlo_") as dump:
+        os.environ["XLA_FLAGS"] = ((flags or "") + f" --xla_dump_to={dump} --xla_dump_hlo_as_text "
+                                   "--xla_dump_hlo_module_re=.*jit_(fn|wrapped).*").strip()
+        try:
+            return _trace(args, argv, dump)
+        finally:
+            if flags is None:
+                os.environ.pop("XLA_FLAGS", None)
+            else:
+                os.environ["XLA_FLAGS"] = flags
 
 
 def _trace(args, argv, dump: str) -> int:
@@ -562,11 +562,11 @@ def _trace(args, argv, dump: str) -> int:
     for n in (16, args.new_tokens):
         run(n)
         run(n)
-        trace = tempfile.mkdtemp(prefix="trace_step_")
-        with jax.profiler.trace(trace, create_perfetto_trace=True):
-            out = run(n)
+        with tempfile.TemporaryDirectory(prefix="trace_step_") as trace:
+            with jax.profiler.trace(trace, create_perfetto_trace=True):
+                out = run(n)
+            total, calls = op_times(trace)
         names = names or hlo_op_names(dump)
-        total, calls = op_times(trace)
         by_op, n_by_op = collections.Counter(), collections.Counter()
         for name, us in total.items():
             op = re.sub(r"^jit\([^)]*\)/", "", names.get(name, "")) or name

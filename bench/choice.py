@@ -56,25 +56,25 @@ def child(spec: dict) -> dict:
             "tau": out.stats.get("tau"), "tree": out.stats.get("tree", "ar"), "choice": out.stats.get("choice") or {}}
 
 
-def measure(args, batch: int, compare: str, cache: str | None = None) -> dict:
-    """One process's choice: a new one in a new choices folder, or, with `cache`, what a request finds there (the saved
-    choice, or one more measurement merged with it where that was not settled)."""
-    again, cache = cache is not None, cache or tempfile.mkdtemp(prefix="clover_jax_choice_")
+def measure(args, batch: int, compare: str, cache: str, again: bool = False) -> dict:
+    """One process's choice in the choices folder `cache`: a new one, or, `again`, what a request finds there (the
+    saved choice, or one more measurement merged with it where that was not settled)."""
     entry = toolkit.run_child(__file__, dict(kind="choice", model=args.model, head=args.head, batch=batch,
                                              compare=compare, bucket=args.prompt_bucket, reply=args.reply_tokens,
                                              again=again),
                               env=dict(CLOVER_JAX_CACHE=cache, CLOVER_JAX_COMPILE_CACHE="off")).report
     return {"seconds": entry["seconds"], "best": entry["best"], "rounds": entry["rounds"],
             "programs_reused": entry.get("programs_reused", False), "prompt_bucket": entry["prompt_bucket"],
-            "settled": entry["settled"], "measurements": entry.get("measurements", 1), "cache": cache,
+            "settled": entry["settled"], "measurements": entry.get("measurements", 1),
             "candidates": {k: {f: v[f] for f in KEEP if f in v} for k, v in entry["candidates"].items()}}
 
 
 def first_request(args, batch: int, tree: str | None) -> dict:
-    env = dict(CLOVER_JAX_CACHE=tempfile.mkdtemp(prefix="clover_jax_first_"), CLOVER_JAX_COMPILE_CACHE="off")
-    return toolkit.run_child(__file__, dict(kind="first_request", model=args.model, head=args.head, batch=batch,
-                                            tree=tree, bucket=args.prompt_bucket, reply=args.reply_tokens),
-                             env=env).report
+    with tempfile.TemporaryDirectory(prefix="clover_jax_first_") as cache:
+        env = dict(CLOVER_JAX_CACHE=cache, CLOVER_JAX_COMPILE_CACHE="off")
+        return toolkit.run_child(__file__, dict(kind="first_request", model=args.model, head=args.head, batch=batch,
+                                                tree=tree, bucket=args.prompt_bucket, reply=args.reply_tokens),
+                                 env=env).report
 
 
 # ------------------------------------------------------------------------------------------------ commands
@@ -82,15 +82,17 @@ def by_batch(args, argv) -> dict:
     rows = []
     for b in args.batch_sizes:
         row = {"batch_size": b}
-        if "all" in args.scopes:
-            row.update(measure(args, b, "all"))
-        if "request" in args.scopes:
-            first = measure(args, b, "request")
-            row["request"] = first
-            # the next process's request: the saved choice, or a second measurement merged with the first where
-            # that was not settled; and a second new measurement, whose prediction the first's is compared with
-            row["request_next"] = measure(args, b, "request", cache=first["cache"])
-            row["request_again"] = measure(args, b, "request")
+        with (tempfile.TemporaryDirectory(prefix="clover_jax_choice_") as all_cache,
+              tempfile.TemporaryDirectory(prefix="clover_jax_choice_") as first_cache,
+              tempfile.TemporaryDirectory(prefix="clover_jax_choice_") as again_cache):
+            if "all" in args.scopes:
+                row.update(measure(args, b, "all", all_cache))
+            if "request" in args.scopes:
+                row["request"] = measure(args, b, "request", first_cache)
+                # the next process's request: the saved choice, or a second measurement merged with the first where
+                # that was not settled; and a second new measurement, whose prediction the first's is compared with
+                row["request_next"] = measure(args, b, "request", first_cache, again=True)
+                row["request_again"] = measure(args, b, "request", again_cache)
         print(f"batch {b}: " + "; ".join(f"{scope} {part['best']} ({part['seconds']} s)" for scope, part in
                                          (("all", row), ("request", row.get("request"))) if part and "best" in part),
               flush=True)

@@ -1,6 +1,7 @@
 """Shared fixtures. 8 simulated CPU devices for sharding tests (set before JAX initialises)."""
 
 import os
+import shutil
 import tempfile
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -97,3 +98,8 @@ def _release_compiled_programs():
 
     jax.clear_caches()
     gc.collect()
+
+
+def pytest_unconfigure(config):
+    """This process's choices folder goes with it (each test process makes its own)."""
+    shutil.rmtree(os.environ["CLOVER_JAX_CACHE"], ignore_errors=True)

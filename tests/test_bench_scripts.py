@@ -10,6 +10,7 @@ and its benchmark's own keys, and render.
 import importlib
 import importlib.util
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -177,7 +178,10 @@ def test_choice_by_batch_and_first_request(tiny, tmp_path, monkeypatch):
     """Each measurement's child work runs here, in this process, under the environment the child would get."""
     choice, toolkit = script("choice"), script("toolkit")
 
+    caches = []  # the choices folder of each measurement
+
     def in_process(path, spec, env=None, **kw):
+        caches.append(env["CLOVER_JAX_CACHE"])
         with monkeypatch.context() as m:
             for k, v in (env or {}).items():
                 m.setenv(k, v)
@@ -191,7 +195,9 @@ def test_choice_by_batch_and_first_request(tiny, tmp_path, monkeypatch):
     d = results(out, "choice", "rows")
     row = d["rows"][0]
     assert {"request", "request_next", "request_again"} <= set(row)
-    assert row["request_next"]["cache"] == row["request"]["cache"] != row["request_again"]["cache"]
+    # the next request reads the first's folder, the second new one its own; none is left behind
+    assert len(caches) == 3 and caches[1] == caches[0] != caches[2]
+    assert not any(os.path.exists(c) for c in caches)
     out = tmp_path / "first.json"
     assert choice.main(["first-request", *common, "--repeats", "1", "--out", str(out)]) == 0
     d = results(out, "first_request", "rows")
