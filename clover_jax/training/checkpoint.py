@@ -244,10 +244,16 @@ def _rel(path: Path, step_dir: Path) -> str:
         return str(path)
 
 
-def _not_orbax_error(record: logging.LogRecord) -> bool:
-    """Drops Orbax's own error records (a failed save's tracebacks, logged from its writer threads): the save's
-    `CheckpointError` reports the failure in one line."""
-    return not (record.levelno >= logging.ERROR and "orbax" in record.pathname.replace("\\", "/"))
+def _orbax_record_kept(record: logging.LogRecord) -> bool:
+    """Drops Orbax's own error records (a failed save's tracebacks, logged from its writer threads: the save's
+    `CheckpointError` reports the failure in one line) and its warnings that a folder opened read-only (to export
+    or warm-start from it) will not be saved to."""
+    if "orbax" not in record.pathname.replace("\\", "/"):
+        return True
+    if record.levelno >= logging.ERROR:
+        return False
+    message = record.getMessage()
+    return not (record.levelno == logging.WARNING and ("read_only=True" in message or "is read only" in message))
 
 
 # ----------------------------------------------------------------------------------------------- manager
@@ -274,8 +280,8 @@ class Checkpointer:
         if read_only and not self.directory.is_dir():
             raise CheckpointError(f"{self.directory}: checkpoint directory not found")
         absl_log = logging.getLogger("absl")
-        if _not_orbax_error not in absl_log.filters:
-            absl_log.addFilter(_not_orbax_error)
+        if _orbax_record_kept not in absl_log.filters:
+            absl_log.addFilter(_orbax_record_kept)
         self.manager = ocp.CheckpointManager(self.directory, options=options,
                                              item_names=("params", "train_state", "meta", "config"))
 
