@@ -50,10 +50,11 @@ class LlamaConfig:
     q/k norms)."""
 
     # the fields that fix a draft head's parameter shapes (or its token space): a head fits a base model that agrees
-    # with the one it was made for on each of them (checked on load, saved in checkpoints)
+    # with the one it was made for on each of them (checked on load, saved in checkpoints; a field a checkpoint does
+    # not hold had its default here). Heads that copy the base's decoder layer copy its q/k norms too.
     HEAD_FIT_FIELDS: ClassVar[tuple[str, ...]] = (
         "vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
-        "attention_bias", "attention_out_bias", "mlp_bias")
+        "attention_bias", "attention_out_bias", "mlp_bias", "qk_norm")
 
     vocab_size: int
     hidden_size: int  # D

@@ -57,6 +57,15 @@ def head_metadata(head_cfg, base_config: LlamaConfig, base_name: str) -> dict[st
             "base_model": str(base_name), "base_dims": base}
 
 
+def _saved_base_dim(base_dims: dict[str, Any], field: str) -> Any:
+    """A base dimension a head's metadata holds; a field added to `LlamaConfig.HEAD_FIT_FIELDS` after the head was
+    saved had its default."""
+    if field in base_dims:
+        return base_dims[field]
+    default = LlamaConfig.__dataclass_fields__[field].default
+    return None if default is dataclasses.MISSING else default
+
+
 def check_head_metadata(saved: dict[str, Any], current: dict[str, Any], where: str) -> None:
     """CheckpointError naming the first head-config field or base dimension that differs."""
     if saved.get("head_type") != current["head_type"]:
@@ -69,8 +78,9 @@ def check_head_metadata(saved: dict[str, Any], current: dict[str, Any], where: s
         if section == "head_config":  # fields added after the checkpoint was saved: the value it had
             s = {**head_type.optional_fields, **s}
         for k in keys:
-            if s.get(k) != c[k]:
-                raise CheckpointError(f"{where}: incompatible checkpoint: {what} {k} is {s.get(k)!r} in the "
+            saved_value = s.get(k) if section == "head_config" else _saved_base_dim(s, k)
+            if saved_value != c[k]:
+                raise CheckpointError(f"{where}: incompatible checkpoint: {what} {k} is {saved_value!r} in the "
                                       f"checkpoint but {c[k]!r} in this run")
 
 
@@ -271,6 +281,9 @@ class Checkpointer:
             policies.append(ocp.checkpoint_managers.PreemptionCheckpointingPolicy())
         decision = (ocp.checkpoint_managers.AnySavePolicy(policies) if policies
                     else ocp.checkpoint_managers.SpecificStepsPolicy(()))
+        absl_log = logging.getLogger("absl")  # before the options: they warn of read-only use
+        if _orbax_record_kept not in absl_log.filters:
+            absl_log.addFilter(_orbax_record_kept)
         options = ocp.CheckpointManagerOptions(
             enable_async_checkpointing=async_save, create=not read_only, read_only=read_only,
             save_decision_policy=decision,
@@ -279,9 +292,6 @@ class Checkpointer:
         )
         if read_only and not self.directory.is_dir():
             raise CheckpointError(f"{self.directory}: checkpoint directory not found")
-        absl_log = logging.getLogger("absl")
-        if _orbax_record_kept not in absl_log.filters:
-            absl_log.addFilter(_orbax_record_kept)
         self.manager = ocp.CheckpointManager(self.directory, options=options,
                                              item_names=("params", "train_state", "meta", "config"))
 
@@ -465,9 +475,9 @@ def load_head_from_run(run_dir: str | Path, base, step: int | None = None, *, dt
         ht = registry.get(saved["head_type"])
         bd = saved["base_dims"]
         for k in LlamaConfig.HEAD_FIT_FIELDS:
-            if bd.get(k) != getattr(base.config, k):
-                raise CheckpointError(f"{where}: the head was trained for a base model with {k}={bd.get(k)!r}, "
-                                      f"this base model has {k}={getattr(base.config, k)!r}")
+            if _saved_base_dim(bd, k) != getattr(base.config, k):
+                raise CheckpointError(f"{where}: the head was trained for a base model with "
+                                      f"{k}={_saved_base_dim(bd, k)!r}, this base model has {k}={getattr(base.config, k)!r}")
         hcfg = head_config_from_metadata(saved, dtype=dtype)
         abstract = nnx.eval_shape(lambda: ht.module_cls(base.config, hcfg, rngs=nnx.Rngs(0)))
         graphdef, state = nnx.split(abstract)

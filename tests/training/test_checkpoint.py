@@ -1,5 +1,6 @@
 """Checkpoints: kill-and-resume is bit-identical, bad checkpoints give clear errors and stay untouched."""
 
+import dataclasses
 import hashlib
 import logging
 import os
@@ -95,6 +96,9 @@ def test_kill_and_resume_is_bit_identical(uninterrupted, tmp_path):
 @pytest.mark.slow  # needs the module's training run (uninterrupted)
 def test_keep_last_k_and_run_files(uninterrupted, caplog):
     run_dir, _, _, _ = uninterrupted
+    absl_log = logging.getLogger("absl")
+    for f in list(absl_log.filters):  # as in a process that opens its first checkpoint
+        absl_log.removeFilter(f)
     with caplog.at_level(logging.WARNING):
         ck = Checkpointer(run_dir / "checkpoints", read_only=True)
     assert not caplog.records  # opening a run to read it is not worth a warning
@@ -158,6 +162,14 @@ def test_incompatible_checkpoint(uninterrupted):
     with pytest.raises(CheckpointError, match="incompatible checkpoint: base model vocab_size is 64 in the "
                                               "checkpoint but 66"):
         train(run_dir, resume=True, base=tiny_base(ODD))
+    # a base whose layers norm queries and keys (Qwen3): the head's copied decoder layer would have to as well
+    qk = tiny_base(dataclasses.replace(tiny_base().config, qk_norm=True))
+    with pytest.raises(CheckpointError, match="incompatible checkpoint: base model qk_norm is False in the "
+                                              "checkpoint but True"):
+        train(run_dir, resume=True, base=qk)
+    with pytest.raises(CheckpointError, match="the head was trained for a base model with qk_norm=False, this base "
+                                              "model has qk_norm=True"):
+        load_head_from_run(run_dir, qk)
     assert snapshot(run_dir / "checkpoints") == before
 
 
